@@ -1,0 +1,49 @@
+"""The `hybridmoe` console command.
+
+Each subcommand lives in its own module in this package and exposes `add_parser(subparsers)`,
+which registers the subcommand and sets `func` (called with the parsed args, returns an exit code).
+Add a new subcommand by writing its module and naming it in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from hybridmoe.errors import UserError
+
+COMMANDS = [
+    "generate",
+    "chat",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridmoe",
+        description="Run and serve Mixture-of-Experts LLMs with experts split between CPU and GPU.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        importlib.import_module(f"hybridmoe.cli.{name.replace('-', '_')}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except UserError as e:
+        print(f"hybridmoe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

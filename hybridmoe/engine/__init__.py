@@ -1,0 +1,1 @@
+"""Requests, batching, KV cache, sampling. Knows nothing about where an expert runs."""

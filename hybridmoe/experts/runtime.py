@@ -1,0 +1,69 @@
+"""The seam between the models and the experts: an MoE block hands its routed tokens to a runtime.
+
+A runtime owns an ExpertStore and, for one layer, turns (hidden states, top-k ids, top-k weights)
+into the weighted sum of the chosen experts' outputs. `CPURuntime` runs everything on the CPU and
+is the reference every other runtime must agree with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.experts.store import ExpertShape, ExpertStore, ExpertWeights
+
+
+def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """SwiGLU expert: down(silu(gate x) * up x). x: [n, H] -> [n, H]."""
+    gu = F.linear(x.to(w.gate_up.dtype), w.gate_up)  # [n, 2I]
+    inter = gu.shape[-1] // 2
+    h = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
+    return F.linear(h, w.down)  # [n, H]
+
+
+def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each expert used, (expert id, token rows, k columns) of its assignments.
+
+    topk_ids: [T, K]. Returned in increasing expert id.
+    """
+    flat = topk_ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[order]).tolist()
+    k = topk_ids.shape[1]
+    groups, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            idx = order[start : start + count]
+            groups.append((expert, idx // k, idx % k))
+            start += count
+    return groups
+
+
+class ExpertRuntime:
+    """Base class: holds the store; subclasses decide where each expert runs."""
+
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype = torch.float32):
+        self.shape = shape
+        self.store = ExpertStore(shape, dtype)
+
+    def finish_loading(self) -> None:
+        """Called once every expert is in the store."""
+        missing = self.store.missing()
+        if missing:
+            layer, expert = missing[0]
+            raise ValueError(f"no weights were loaded for expert {expert} of layer {layer} ({len(missing)} missing)")
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert outputs."""
+        raise NotImplementedError
+
+
+class CPURuntime(ExpertRuntime):
+    """Every routed expert runs on the CPU, in the calling thread."""
+
+    def forward(self, layer, x, topk_ids, topk_weights):
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H], accumulated in fp32
+        for expert, rows, cols in group_by_expert(topk_ids):
+            y = expert_ffn(x[rows], self.store.get(layer, expert))  # [n, H]
+            out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())
+        return out.to(x.dtype)

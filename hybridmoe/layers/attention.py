@@ -1,0 +1,91 @@
+"""Attention over a KV cache, for a batch of sequences given as one flat token dimension.
+
+The engine builds a `KVContext` for each step: how many new tokens each sequence brings (their rows
+lie one after another in the flat [T, ...] tensors) and where their cache lives. A layer appends its
+new cache entries and gets back, per sequence, the whole history. Entries are whatever the layer
+caches: (k, v) for standard attention, (compressed kv, rope key) for MLA.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.rotary import Rotary, apply_rotary
+
+
+class KVContext(Protocol):
+    seq_lens: list[int]  # new tokens of each sequence in this step, in row order (sum = T)
+
+    def update(self, layer: int, *entries: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Append this step's entries ([T, ...] each) to `layer`'s cache; return each sequence's history."""
+        ...
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv]; the n queries are the last n positions."""
+    n, length = q.shape[0], k.shape[0]
+    mask = None
+    if n > 1:
+        rows = torch.arange(n)[:, None] + (length - n)
+        mask = torch.arange(length)[None, :] <= rows  # [n, L]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )  # [h, n, dv]
+    return out.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads and RoPE (Llama, Mixtral, Qwen3-MoE, OLMoE).
+
+    qk_norm: None, "head" (an RMSNorm over each head, Qwen3) or "full" (over all heads, OLMoE).
+    """
+
+    def __init__(self, cfg, layer: int, rotary: Rotary, qk_norm: str | None = None, bias: bool | None = None):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        hidden = cfg.get("hidden_size")
+        self.heads = cfg.get("num_attention_heads")
+        self.kv_heads = cfg.get("num_key_value_heads", default=self.heads)
+        self.head_dim = cfg.head_dim()
+        bias = cfg.get("attention_bias", default=False) if bias is None else bias
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=cfg.get("o_proj_bias", default=False))
+        eps = cfg.get("rms_norm_eps", default=1e-6)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
+        elif qk_norm == "full":
+            self.q_norm = RMSNorm(self.heads * self.head_dim, eps)
+            self.k_norm = RMSNorm(self.kv_heads * self.head_dim, eps)
+
+    def forward(self, x: torch.Tensor, cos_sin, ctx: KVContext) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, h*d], [T, kvh*d], [T, kvh*d]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(T, self.heads, self.head_dim)
+        k = k.view(T, self.kv_heads, self.head_dim)
+        v = v.view(T, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        history = ctx.update(self.layer, k, v)
+        outs, start = [], 0
+        for n, (k_all, v_all) in zip(ctx.seq_lens, history):
+            outs.append(causal_attention(q[start : start + n], k_all, v_all, self.head_dim**-0.5))
+            start += n
+        out = torch.cat(outs, dim=0).reshape(T, self.heads * self.head_dim)  # [T, h*d]
+        return self.o_proj(out)

@@ -1,0 +1,102 @@
+"""Rotary position embeddings (RoPE), with the frequency scalings that Hugging Face configs name."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_parameters(cfg) -> dict:
+    """rope_theta and rope_scaling from a config, old (rope_scaling) or new (rope_parameters) style."""
+    params = dict(cfg.get("rope_parameters", default=None) or {})
+    scaling = dict(cfg.get("rope_scaling", default=None) or {})
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", cfg.get("rope_theta", default=10000.0))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = kind
+    return params
+
+
+def inv_frequencies(dim: int, params: dict) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the attention scaling factor for this rope type."""
+    base = float(params["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(params["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3(inv, params), 1.0
+    if kind == "yarn":
+        return _yarn(inv, dim, params)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
+    # Llama 3.1 frequency-dependent scaling (Meta's reference implementation).
+    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_len = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(inv: torch.Tensor, dim: int, p: dict) -> tuple[torch.Tensor, float]:
+    # YaRN (Peng et al. 2023): interpolate low frequencies, keep high ones, ramp in between.
+    base, factor = float(p["rope_theta"]), float(p["factor"])
+    old_len = float(p.get("original_max_position_embeddings") or 4096)
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = math.floor(correction_dim(beta_fast))
+    high = math.ceil(correction_dim(beta_slow))
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
+    mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+    if mscale and mscale_all:
+        attn = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    else:
+        attn = p.get("attention_factor") or _yarn_mscale(factor)
+    return inv, float(attn)
+
+
+class Rotary:
+    """cos/sin tables for given positions; applies RoPE in the rotate-half (NeoX) layout."""
+
+    def __init__(self, dim: int, params: dict):
+        self.dim, self.params = dim, params
+        self.inv_freq = None  # computed on first use: models are built on the meta device
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq is None:
+            with torch.device("cpu"):
+                self.inv_freq, self.attention_scaling = inv_frequencies(self.dim, self.params)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, dim]
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, dim], cos/sin: [T, dim] -> [T, heads, dim]."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,90 @@
+"""One entry point: a path (HF directory or .gguf file) -> a ready model and its tokenizer."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from hybridmoe.config import HFConfig
+from hybridmoe.errors import ModelFileError, UserError
+from hybridmoe.experts.runtime import CPURuntime, ExpertRuntime
+from hybridmoe.experts.store import ExpertShape
+from hybridmoe.loader import safetensors_dir
+from hybridmoe.loader.tokenizer import Tokenizer, load_tokenizer_dir, load_tokenizer_gguf
+from hybridmoe.models import model_class
+
+RuntimeFactory = Callable[[ExpertShape, torch.dtype], ExpertRuntime]
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _resolve(path: str | Path) -> tuple[Path, str]:
+    """(path, kind) where kind is 'hf' or 'gguf'; a clear error for anything else."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"{p}: no such file or directory; pass --model with a Hugging Face directory or a .gguf file")
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelFileError(f"{p}: no config.json; a Hugging Face model directory needs config.json "
+                                 "beside its *.safetensors")
+        return p, "hf"
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC:
+        return p, "gguf"
+    raise ModelFileError(f"{p}: neither a directory nor a GGUF file (it starts with {magic!r}); "
+                         "pass a Hugging Face directory or a .gguf file")
+
+
+def model_config(path: str | Path) -> HFConfig:
+    p, kind = _resolve(path)
+    if kind == "hf":
+        return HFConfig.from_file(p / "config.json")
+    from hybridmoe.loader import gguf_file
+
+    return gguf_file.read_config(p)
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    runtime_factory: RuntimeFactory | None = None,
+    progress: bool = True,
+):
+    """Build the model for `path` and stream its weights in. Routed experts go to the runtime."""
+    p, kind = _resolve(path)
+    cfg = model_config(p)
+    cls = model_class(cfg, where=str(p))
+    shape = cls.expert_shape(cfg)
+    runtime = None
+    if shape is not None:
+        runtime = (runtime_factory or CPURuntime)(shape, dtype)
+    with torch.device("meta"):
+        model = cls(cfg, runtime)
+    model = model.to(dtype).to_empty(device="cpu")  # uninitialised; every parameter is loaded below
+    if kind == "hf":
+        files = safetensors_dir.safetensors_files(p)
+        total, tensors = safetensors_dir.count_tensors(files), safetensors_dir.iter_tensors(files)
+    else:
+        from hybridmoe.loader import gguf_file
+
+        total, tensors = gguf_file.count_tensors(p), gguf_file.iter_tensors(p, cfg)
+    bar = tqdm(tensors, total=total, desc=f"loading {p.name}", unit="tensor", file=sys.stderr,
+               disable=not progress, leave=False)
+    model.load_weights(bar)
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: str | Path, tokenizer_dir: str | Path | None = None) -> Tokenizer:
+    if tokenizer_dir is not None:
+        d = Path(tokenizer_dir).expanduser()
+        if not d.is_dir():
+            raise UserError(f"{d}: --tokenizer must be a directory holding tokenizer.json or tokenizer.model")
+        return load_tokenizer_dir(d)
+    p, kind = _resolve(path)
+    return load_tokenizer_dir(p) if kind == "hf" else load_tokenizer_gguf(p)

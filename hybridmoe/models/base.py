@@ -1,0 +1,123 @@
+"""What every model file shares: the decoder stack's forward, logits, and streaming weight loading."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from hybridmoe.config import HFConfig
+from hybridmoe.errors import ModelFileError
+from hybridmoe.experts.runtime import ExpertRuntime
+from hybridmoe.experts.store import ExpertShape
+from hybridmoe.layers.norm import RMSNorm
+
+# One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# All experts of a layer stacked (transformers >= 5 in memory): model.layers.3.mlp.experts.gate_up_proj
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM: embed -> layers -> norm -> lm_head. Subclasses build `self.layers`."""
+
+    def __init__(self, cfg: HFConfig, runtime: ExpertRuntime | None):
+        super().__init__()
+        self.cfg = cfg
+        self.runtime = runtime
+        hidden = cfg.get("hidden_size")
+        self.vocab_size = cfg.get("vocab_size")
+        self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", default=1e-6))
+        self.tied = bool(cfg.get("tie_word_embeddings", default=False))
+        self.lm_head = None if self.tied else nn.Linear(hidden, self.vocab_size, bias=False)
+
+    # ---- the geometry of the routed experts (None for a dense model) ----
+    @staticmethod
+    def expert_shape(cfg: HFConfig) -> ExpertShape | None:
+        return None
+
+    # ---- forward ----
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """input_ids, positions: [T] (sequences one after another, as ctx.seq_lens says) -> hidden [T, H]."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos_sin = self.rotary.cos_sin(positions)
+        for layer in self.layers:
+            x = layer(x, cos_sin, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, H] -> fp32 logits [n, V]."""
+        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # ---- loading ----
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to a parameter name; None skips the tensor."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        return name.removeprefix("model.")
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (name, tensor) pairs in, one at a time; routed experts go to the runtime's store."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors:
+            if self._load_expert(name, tensor, pending):
+                continue
+            target = self.checkpoint_name(name)
+            if target is None or (target == "lm_head.weight" and self.tied):
+                continue
+            if target not in params:
+                raise ModelFileError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
+                                     "the checkpoint does not match its config.json")
+            param = params[target]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ModelFileError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config "
+                                     f"implies {tuple(param.shape)}; the checkpoint does not match its config.json")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ModelFileError(f"the checkpoint has no tensor for {missing[0]} ({len(missing)} missing); "
+                                 "it is incomplete or of another architecture")
+        if self.runtime is not None:
+            if pending:
+                (layer, expert), parts = next(iter(pending.items()))
+                raise ModelFileError(f"expert {expert} of layer {layer} lacks {sorted({'gate', 'up', 'down'} - set(parts))}")
+            self.runtime.finish_loading()
+
+    def _load_expert(self, name: str, tensor: torch.Tensor, pending: dict) -> bool:
+        if self.runtime is None:
+            return False
+        m = _EXPERT.match(name)
+        if m:
+            layer, expert, role = int(m[1]), int(m[2]), _ROLE.get(m[3])
+            if role is None:
+                return False
+            parts = pending.setdefault((layer, expert), {})
+            parts[role] = tensor
+            if len(parts) == 3:
+                self.runtime.store.put(layer, expert, parts["gate"], parts["up"], parts["down"])
+                del pending[(layer, expert)]
+            return True
+        m = _FUSED.match(name)
+        if m:
+            layer = int(m[1])
+            for expert in range(tensor.shape[0]):
+                parts = pending.setdefault((layer, expert), {})
+                if m[2] == "gate_up_proj":  # [E, 2I, H]
+                    inter = tensor.shape[1] // 2
+                    parts["gate"], parts["up"] = tensor[expert, :inter], tensor[expert, inter:]
+                else:  # [E, H, I]
+                    parts["down"] = tensor[expert]
+                if len(parts) == 3:
+                    self.runtime.store.put(layer, expert, parts["gate"], parts["up"], parts["down"])
+                    del pending[(layer, expert)]
+            return True
+        return False

@@ -1,0 +1,48 @@
+"""Tiny random-weight models built with transformers' own classes: the reference for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_COMMON = dict(
+    vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**TINY_COMMON, intermediate_size=96, tie_word_embeddings=True))
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**TINY_COMMON, intermediate_size=48, num_local_experts=8,
+                                            num_experts_per_tok=2, tie_word_embeddings=False))
+
+
+BUILDERS = {"llama": _llama, "mixtral": _mixtral}
+
+
+def build_tiny(arch: str, out: Path, seed: int = 0):
+    """Save a tiny random `arch` model (fp32) into `out`; return the transformers model."""
+    torch.manual_seed(seed)
+    model = BUILDERS[arch]().float().eval()
+    with torch.no_grad():  # spread router and norm weights so that routing and norms matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".gate.weight") or "router" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """All-position fp32 logits [n, V] of the transformers reference model."""
+    return model(torch.tensor([ids])).logits[0].float()
