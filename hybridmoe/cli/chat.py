@@ -1,0 +1,43 @@
+"""`hybridmoe chat`: an interactive loop with the model's chat template."""
+
+from __future__ import annotations
+
+import sys
+
+from hybridmoe.cli.options import add_model_options, add_sampling_options, load_from_args, sampling_from_args
+from hybridmoe.engine.generate import GenerationStats, generate_text
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chat", help="chat interactively with a model",
+                       description="Chat with a model in the terminal. Empty line or Ctrl-D quits; /reset forgets.")
+    add_model_options(p)
+    p.add_argument("--system", default=None, help="system message")
+    add_sampling_options(p, max_tokens=512)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    params = sampling_from_args(args)
+    model, tok = load_from_args(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            return 0
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        messages.append({"role": "user", "content": line})
+        stats, reply = GenerationStats(), []
+        for text in generate_text(model, tok, tok.encode_chat(messages), params, stats):
+            reply.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        print(f"\n[{stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})

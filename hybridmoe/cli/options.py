@@ -1,0 +1,80 @@
+"""Options shared by the commands that load a model, and the one place that turns them into objects."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from hybridmoe.errors import UserError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="PATH",
+                   help="Hugging Face directory or .gguf file (default: the built-in demo model, built on first use)")
+    g.add_argument("--tokenizer", metavar="DIR", help="take the tokenizer and chat template from this directory")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    add_runtime_options(p)
+
+
+def add_runtime_options(p: argparse.ArgumentParser) -> None:
+    """Options of the expert runtime (where experts run); the hybrid runtime adds its own here."""
+
+
+def runtime_factory(args: argparse.Namespace):
+    """The expert runtime the options ask for; None means the plain CPU runtime."""
+    return None
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from hybridmoe.demo.cache import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+def load_from_args(args: argparse.Namespace):
+    """(model, tokenizer) for the model options in `args`."""
+    from hybridmoe.loader import load_model, load_tokenizer
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads}: give a positive number of threads")
+        torch.set_num_threads(args.threads)
+    path = model_path(args)
+    tokenizer = load_tokenizer(path, args.tokenizer)
+    model = load_model(path, dtype=DTYPES[args.dtype], runtime_factory=runtime_factory(args),
+                       progress=True)
+    return model, tokenizer
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="stop after this many new tokens")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 means no limit")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from hybridmoe.engine.sampler import SamplingParams
+
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens {args.max_tokens}: give at least 1")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: give 0 (greedy) or more")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p {args.top_p}: give a value in (0, 1]")
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=list(args.stop))
