@@ -25,7 +25,16 @@ def _mixtral():
                                             num_experts_per_tok=2, tie_word_embeddings=False))
 
 
-BUILDERS = {"llama": _llama, "mixtral": _mixtral}
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # 3 layers: layer 0 dense (mlp_only_layers), 1 and 2 sparse; head_dim 32 != hidden / heads
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **{**TINY_COMMON, "num_hidden_layers": 3}, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False))
+
+
+BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
 
 
 def build_tiny(arch: str, out: Path, seed: int = 0):

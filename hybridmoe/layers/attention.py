@@ -47,9 +47,12 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads and RoPE (Llama, Mixtral, Qwen3-MoE, OLMoE).
 
     qk_norm: None, "head" (an RMSNorm over each head, Qwen3) or "full" (over all heads, OLMoE).
+    bias: of q/k/v (default config's attention_bias); o_bias: of o_proj (default: as q/k/v, which is
+    what Llama, Qwen3-MoE and OLMoE do; Qwen2-MoE has q/k/v biases and none on o_proj).
     """
 
-    def __init__(self, cfg, layer: int, rotary: Rotary, qk_norm: str | None = None, bias: bool | None = None):
+    def __init__(self, cfg, layer: int, rotary: Rotary, qk_norm: str | None = None, bias: bool | None = None,
+                 o_bias: bool | None = None):
         super().__init__()
         self.layer = layer
         self.rotary = rotary
@@ -61,7 +64,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=cfg.get("o_proj_bias", default=False))
+        o_bias = bias if o_bias is None else o_bias
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        self.clip_qkv = cfg.get("clip_qkv", default=None)  # OLMoE: clamp q, k, v after the q/k norms
         eps = cfg.get("rms_norm_eps", default=1e-6)
         self.qk_norm = qk_norm
         if qk_norm == "head":
@@ -75,6 +80,9 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, h*d], [T, kvh*d], [T, kvh*d]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(T, self.heads, self.head_dim)
         k = k.view(T, self.kv_heads, self.head_dim)
         v = v.view(T, self.kv_heads, self.head_dim)

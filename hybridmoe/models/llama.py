@@ -12,14 +12,16 @@ from hybridmoe.models.base import CausalLM
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)). `ffn` is set by the model."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)). `ffn` is set by the model;
+    so is `attn` where it is not the standard Attention (Qwen2-MoE biases, DeepSeek's MLA)."""
 
-    def __init__(self, cfg, layer: int, rotary: Rotary, ffn: nn.Module, ffn_name: str = "mlp", qk_norm=None):
+    def __init__(self, cfg, layer: int, rotary: Rotary, ffn: nn.Module, ffn_name: str = "mlp", qk_norm=None,
+                 attn: nn.Module | None = None):
         super().__init__()
         eps = cfg.get("rms_norm_eps", default=1e-6)
         hidden = cfg.get("hidden_size")
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(cfg, layer, rotary, qk_norm=qk_norm)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer, rotary, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.ffn_name = ffn_name
         setattr(self, ffn_name, ffn)
