@@ -34,7 +34,16 @@ def _qwen3_moe():
         num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False))
 
 
-BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    # clip_qkv low enough that some q/k/v values are clamped
+    return OlmoeForCausalLM(OlmoeConfig(**{**TINY_COMMON, "rms_norm_eps": 1e-5}, intermediate_size=32, num_experts=8,
+                                        num_experts_per_tok=2, clip_qkv=1.0, pad_token_id=0, eos_token_id=1,
+                                        tie_word_embeddings=False))
+
+
+BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
 
 
 def build_tiny(arch: str, out: Path, seed: int = 0):

@@ -15,6 +15,8 @@ ARCHITECTURES = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
 }
 
 
