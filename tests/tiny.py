@@ -43,7 +43,17 @@ def _olmoe():
                                         tie_word_embeddings=False))
 
 
-BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    # 4 layers, decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense; biases on q/k/v only
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **{**TINY_COMMON, "num_hidden_layers": 4}, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
+        norm_topk_prob=False, tie_word_embeddings=False))
+
+
+BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "qwen2_moe": _qwen2_moe}
 
 
 def build_tiny(arch: str, out: Path, seed: int = 0):
@@ -55,6 +65,8 @@ def build_tiny(arch: str, out: Path, seed: int = 0):
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".gate.weight") or "router" in name:
+                p.normal_(0, 0.5)
+            elif name.endswith(".bias") or "shared_expert_gate" in name:  # HF initialises these to ~0
                 p.normal_(0, 0.5)
     model.save_pretrained(out)
     return model

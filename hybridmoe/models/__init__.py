@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
 }
 
 
