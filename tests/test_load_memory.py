@@ -1,0 +1,42 @@
+"""Loading streams tensor by tensor: peak resident memory stays within 1.5x the loaded weights."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+SCRIPT = r"""
+import json, sys
+from hybridmoe.loader import load_model
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+base = status("VmRSS")
+model = load_model(sys.argv[1], progress=False)
+params = sum(p.numel() * p.element_size() for p in model.parameters())
+experts = model.runtime.store.total_nbytes() if model.runtime else 0
+print(json.dumps({"base": base, "peak": status("VmHWM"), "weights": params + experts}))
+"""
+
+
+def test_peak_rss_while_loading_is_at_most_1_5x_weights(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                        num_experts_per_tok=2)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="40MB")  # ~170 MB in several shards
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, check=True)
+    m = json.loads(out.stdout)
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert abs(m["weights"] - on_disk) < 0.01 * on_disk  # everything was loaded
+    ratio = (m["peak"] - m["base"]) / m["weights"]
+    assert ratio <= 1.5, m
+    print(f"peak RSS growth / weights = {ratio:.2f}")
