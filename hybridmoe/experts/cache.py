@@ -1,0 +1,188 @@
+"""The GPU expert cache: a fixed number of slots, a map (layer, expert) -> slot, pinned and dynamic.
+
+Slots come from a byte budget (`parse_budget`). The pinned set is placed at start
+(`placement`: uniform | frequency | front-loading) and never evicted; the dynamic set is managed
+by the policy. A key whose copy is still in flight has a `ready_at` time in the future: it owns
+its slot but may not be used on the GPU before then.
+
+Activation statistics (`ExpertStats`) are what `--expert-stats-out FILE` writes and what frequency
+placement reads. File format (JSON):
+
+    {"format": "hybridmoe-expert-stats", "version": 1,
+     "layers": [decoder-layer index of each MoE layer, ...],   # length L
+     "num_experts": E, "tokens": T,                            # tokens observed
+     "counts": [[uses of expert e in MoE layer i, for e < E] for i < L]}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridmoe.errors import UserError
+
+Key = tuple[int, int]  # (layer, expert); layer is the decoder-layer index the engine uses
+
+PLACEMENTS = ("uniform", "frequency", "front-loading")
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: float) -> int:
+    """Slots for a budget given as bytes ("6GB", "512MiB") or a fraction of all expert bytes ("0.1")."""
+    s = str(text).strip().upper()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", s)
+    if not m or expert_bytes <= 0:
+        raise UserError(f"GPU expert budget {text!r} is not a size like 6GB or a fraction like 0.1; write it that way")
+    value, unit = float(m.group(1)), m.group(2) or ""
+    if unit:
+        nbytes = value * _UNITS[unit]
+    elif value <= 1.0:
+        nbytes = value * total_expert_bytes
+    else:
+        raise UserError(f"GPU expert budget {text!r} has no unit; write a fraction (0.1) or bytes with a unit (6GB)")
+    total_slots = int(round(total_expert_bytes / expert_bytes))
+    return min(int(nbytes // expert_bytes + 1e-9), total_slots)
+
+
+# ---- activation statistics -------------------------------------------------------------------
+
+
+@dataclass
+class ExpertStats:
+    layers: list[int]
+    num_experts: int
+    tokens: int = 0
+    counts: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.counts:
+            self.counts = [[0] * self.num_experts for _ in self.layers]
+
+    def record(self, ordinal: int, experts) -> None:
+        row = self.counts[ordinal]
+        for e in experts:
+            row[e] += 1
+
+    def count(self, key: Key) -> int:
+        return self.counts[self.layers.index(key[0])][key[1]]
+
+    def ranked(self) -> list[Key]:
+        """All keys, most used first; ties in (layer, expert) order so the result is deterministic."""
+        keys = [(layer, e) for i, layer in enumerate(self.layers) for e in range(self.num_experts)]
+        flat = {(layer, e): self.counts[i][e] for i, layer in enumerate(self.layers) for e in range(self.num_experts)}
+        return sorted(keys, key=lambda k: -flat[k])
+
+
+def write_stats(path: str | Path, stats: ExpertStats) -> None:
+    data = {"format": "hybridmoe-expert-stats", "version": 1, "layers": stats.layers,
+            "num_experts": stats.num_experts, "tokens": stats.tokens, "counts": stats.counts}
+    Path(path).write_text(json.dumps(data) + "\n")
+
+
+def read_stats(path: str | Path) -> ExpertStats:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        raise UserError(f"expert statistics {path} are missing or not JSON; write them with --expert-stats-out {path}")
+    if data.get("format") != "hybridmoe-expert-stats":
+        raise UserError(f"{path} is not a hybridmoe expert-statistics file; write one with --expert-stats-out")
+    stats = ExpertStats(list(data["layers"]), int(data["num_experts"]), int(data["tokens"]), data["counts"])
+    if len(stats.counts) != len(stats.layers) or any(len(r) != stats.num_experts for r in stats.counts):
+        raise UserError(f"{path} has counts that do not match its layers and experts; write it again")
+    return stats
+
+
+def placement(kind: str, slots: int, layers: list[int], num_experts: int, stats: ExpertStats | None) -> list[Key]:
+    """The keys to place at start, `slots` of them (fewer only if there are fewer experts)."""
+    if kind not in PLACEMENTS:
+        raise UserError(f"unknown placement {kind!r}; use one of {', '.join(PLACEMENTS)}")
+    order = stats.ranked() if stats else None
+    if kind == "frequency":
+        if order is None:
+            raise UserError("frequency placement needs activation statistics; pass --expert-stats FILE")
+        return order[:slots]
+    if kind == "front-loading":  # whole layers first, as --n-cpu-moe style splits do
+        within = _per_layer_order(layers, num_experts, order)
+        return [k for layer in layers for k in within[layer]][:slots]
+    # uniform: the same number per layer, each layer's most used first; remainder to the first layers
+    within = _per_layer_order(layers, num_experts, order)
+    base, extra = divmod(min(slots, len(layers) * num_experts), len(layers))
+    return [k for i, layer in enumerate(layers) for k in within[layer][: base + (i < extra)]]
+
+
+def _per_layer_order(layers, num_experts, order) -> dict[int, list[Key]]:
+    if order is None:
+        return {layer: [(layer, e) for e in range(num_experts)] for layer in layers}
+    within = {layer: [] for layer in layers}
+    for k in order:
+        within[k[0]].append(k)
+    return within
+
+
+# ---- the cache -------------------------------------------------------------------------------
+
+
+class ExpertCache:
+    """Slots and who holds them. Pure bookkeeping: which expert to evict is the policy's call."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.slot_of: dict[Key, int] = {}
+        self.key_of: list[Key | None] = [None] * slots
+        self.ready_at: dict[Key, float] = {}
+        self.pinned: set[Key] = set()
+        self._free = list(range(slots - 1, -1, -1))
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.slot_of
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def is_ready(self, key: Key, now: float) -> bool:
+        return key in self.slot_of and self.ready_at[key] <= now
+
+    def in_flight(self, key: Key, now: float) -> bool:
+        return key in self.slot_of and self.ready_at[key] > now
+
+    def dynamic(self):
+        """Resident keys the policy may evict (pinned ones excluded)."""
+        return (k for k in self.slot_of if k not in self.pinned)
+
+    def place(self, keys: list[Key], pinned: bool) -> None:
+        """Fill slots at start (ready at time 0)."""
+        for key in keys:
+            if key not in self.slot_of and self._free:
+                self.insert(key, ready_at=0.0)
+                if pinned:
+                    self.pinned.add(key)
+
+    def insert(self, key: Key, ready_at: float, evict: Key | None = None) -> int:
+        """Give `key` a slot (the evicted key's, or a free one); usable from `ready_at` on."""
+        assert key not in self.slot_of, f"{key} is already resident"
+        if evict is not None:
+            self.remove(evict)
+        assert self._free, "no free slot: choose a victim first"
+        slot = self._free.pop()
+        self.slot_of[key], self.key_of[slot], self.ready_at[key] = slot, key, ready_at
+        return slot
+
+    def remove(self, key: Key) -> int:
+        assert key not in self.pinned, f"pinned expert {key} may not be evicted"
+        slot = self.slot_of.pop(key)
+        del self.ready_at[key]
+        self.key_of[slot] = None
+        self._free.append(slot)
+        return slot
+
+    def check(self) -> None:
+        """Invariants, for tests: the map and the slot table agree; slots are never exceeded."""
+        assert len(self.slot_of) + len(self._free) == self.slots
+        for key, slot in self.slot_of.items():
+            assert self.key_of[slot] == key
+        assert self.pinned <= set(self.slot_of)

@@ -1,0 +1,285 @@
+"""Cache and placement policies under one interface, so each peer is a baseline we can run.
+
+The planner (experts/planner.py) does the scheduling arithmetic; a policy answers its questions:
+may a miss be copied (`copy_rule`), which resident to evict for a key (`make_room`), what a copy
+leaves behind is worth (`admit_gain`, seconds), which keys to copy in the background
+(`background`), and whether one is worth its victim (`worth`).
+
+| name      | behaviour                                                                  | whose |
+|-----------|----------------------------------------------------------------------------|-------|
+| cpu       | every routed expert on the CPU                                             | KTransformers 0 GPU experts, llama.cpp --cpu-moe |
+| static    | placed set pinned, never changes; misses on the CPU                        | KTransformers --kt-num-gpu-experts, llama.cpp --n-cpu-moe |
+| fiddler   | static popular set; a miss is copied (not kept) iff copy+GPU beats the CPU | Fiddler |
+| hybrimoe  | makespan split, per-layer cache by EMA of router score (a=0.5), next-layer prefetch | HybriMoE |
+| lru, lfu  | per-layer demand caching: every miss is admitted, least recent/frequent out | mixtral-offloading |
+| value     | admission and eviction by predicted time to next use, weighed by the cost model | ours |
+| belady    | demand caching, evicts the key used farthest in the future (simulation)    | offline bound |
+"""
+
+from __future__ import annotations
+
+from hybridmoe.errors import UserError
+from hybridmoe.experts.cache import Key
+
+
+class Policy:
+    name = "base"
+    uses_gpu = True
+    copy_rule = "makespan"  # "none" | "makespan" | "threshold"
+    keeps_copies = True
+    partition = False  # per-layer slot quotas, as caches built per layer module are
+    default_placement = "frequency"
+    pin_placement = False  # placed experts pinned (static sets) or only a warm start
+
+    def bind(self, planner) -> None:
+        self.planner, self.cache, self.cost, self.predictor = planner, planner.cache, planner.cost, planner.predictor
+        self.L = len(planner.layers)
+
+    # ---- hooks the planner calls -------------------------------------------------------------
+    def warm_start(self, stats) -> None:
+        """Activation statistics (an ExpertStats) from a profile run or file."""
+
+    def on_use(self, layer: int, routed, now: float) -> None:
+        pass
+
+    def on_insert(self, key: Key, victim: Key | None, now: float) -> None:
+        pass
+
+    def keep_score(self, key: Key, now: float) -> float:
+        """Higher = keep longer; the victim is the evictable key with the lowest score."""
+        return 0.0
+
+    def admit_gain(self, key: Key, victim: Key | None, now: float) -> float:
+        return 0.0
+
+    def background(self, layer: int, now: float, plan):
+        return ()
+
+    def worth(self, key: Key, victim: Key | None, now: float) -> bool:
+        return True
+
+    def make_room(self, key: Key, protect: set[Key], now: float, free: int) -> tuple[bool, Key | None]:
+        """(True, None): a free slot; (True, victim): evict it; (False, None): no room."""
+        if self.partition:
+            return self._room_in_layer(key, protect, now, free)
+        if free > 0:
+            return True, None
+        victim = self._victim(self.cache.dynamic(), protect, now)
+        return victim is not None, victim
+
+    # ---- shared helpers ----------------------------------------------------------------------
+    def _victim(self, keys, protect, now):
+        """The evictable key with the lowest keep_score. Scores only change when the planner's
+        epoch does (a new layer, or new observations), so the ranking is computed once per epoch."""
+        group = keys if isinstance(keys, list) else None
+        ranking = self._ranking(now) if group is None else sorted(group, key=lambda k: self.keep_score(k, now))
+        for k in ranking:
+            if k not in protect and k in self.cache and k not in self.cache.pinned:
+                return k
+        return None
+
+    def _ranking(self, now):
+        epoch = self.planner.epoch
+        if getattr(self, "_ranked_epoch", None) != epoch:
+            self._ranked = sorted(self.cache.dynamic(), key=lambda k: self.keep_score(k, now))
+            self._ranked_epoch = epoch
+        return self._ranked
+
+    def _quota(self, layer: int) -> int:
+        base, extra = divmod(self.cache.slots, self.L)
+        return base + (self.planner.ordinal[layer] < extra)
+
+    def _room_in_layer(self, key, protect, now, free):
+        mine = [k for k in self.cache.dynamic() if k[0] == key[0]]
+        if free > 0 and len(mine) + sum(1 for k in self.cache.pinned if k[0] == key[0]) < self._quota(key[0]):
+            return True, None
+        victim = self._victim(mine, protect, now)
+        return victim is not None, victim
+
+    def _cpu_misses(self, layer, plan):
+        """This layer's experts that just ran on the CPU: demand caching admits them."""
+        return [(layer, r.expert) for r in plan.cpu]
+
+
+class CPUPolicy(Policy):
+    name = "cpu"
+    uses_gpu = False
+
+
+class StaticPolicy(Policy):
+    name = "static"
+    copy_rule = "none"
+    pin_placement = True
+
+
+class FiddlerPolicy(Policy):
+    """Fiddler: popular experts resident; a miss runs where it is faster, the copy is not kept."""
+
+    name = "fiddler"
+    copy_rule = "threshold"
+    keeps_copies = False
+    pin_placement = True
+
+
+class HybriMoEPolicy(Policy):
+    """HybriMoE: makespan split; per-layer cache scored by EMA of router probabilities; prefetch
+    of the next layer's predicted experts while the transfer stream is idle. Without router scores
+    it gets the same predictor our policy uses (recency and frequency), so it is not starved."""
+
+    name = "hybrimoe"
+    partition = True
+    default_placement = "uniform"
+    alpha = 0.5  # HybriMoE's score-cache EMA factor
+
+    def __init__(self):
+        self.score: dict[Key, float] = {}
+
+    def on_use(self, layer, routed, now):
+        weights = {r.expert: r.weight for r in routed}
+        a = self.alpha
+        for e in range(self.predictor.num_experts):
+            key = (layer, e)
+            self.score[key] = a * weights.get(e, 0.0) + (1 - a) * self.score.get(key, 0.0)
+
+    def on_insert(self, key, victim, now):
+        # A prefetched expert enters with its predicted score, so the next prefetch does not evict it.
+        p = self.predictor.p_next(key) / self.predictor.top_k
+        self.score[key] = max(self.score.get(key, 0.0), self.alpha * p)
+
+    def keep_score(self, key, now):
+        return self.score.get(key, 0.0)
+
+    def background(self, layer, now, plan):
+        o = self.planner.ordinal[layer]
+        if o + 1 >= self.L:
+            nxt = self.planner.layers[0]  # the first layer of the next step
+        else:
+            nxt = self.planner.layers[o + 1]
+        return [(nxt, e) for e in self.predictor.predict(nxt)]
+
+
+class LRUPolicy(Policy):
+    """mixtral-offloading: an LRU cache per layer; every miss is brought in (here after running on
+    the CPU when that is faster, the copy in the background)."""
+
+    name = "lru"
+    partition = True
+    default_placement = "uniform"
+
+    def __init__(self):
+        self.last: dict[Key, int] = {}
+
+    def on_use(self, layer, routed, now):
+        for r in routed:
+            self.last[(layer, r.expert)] = self.planner.position
+
+    def keep_score(self, key, now):
+        return self.last.get(key, -1)
+
+    def background(self, layer, now, plan):
+        return self._cpu_misses(layer, plan)
+
+
+class LFUPolicy(LRUPolicy):
+    name = "lfu"
+
+    def __init__(self):
+        super().__init__()
+        self.uses: dict[Key, int] = {}
+
+    def on_use(self, layer, routed, now):
+        super().on_use(layer, routed, now)
+        for r in routed:
+            key = (layer, r.expert)
+            self.uses[key] = self.uses.get(key, 0) + 1
+
+    def warm_start(self, stats):
+        for i, layer in enumerate(stats.layers):
+            for e, c in enumerate(stats.counts[i]):
+                self.uses[(layer, e)] = c
+
+    def keep_score(self, key, now):
+        return self.uses.get(key, 0) + 1e-9 * self.last.get(key, -1)  # ties: least recent out
+
+
+class ValuePolicy(Policy):
+    """Ours. A resident's worth is its expected distance to next use, Belady's criterion with the
+    predictor's probability p of use at each visit: D = d + L(1-p)/p layers (d = layers until its
+    layer runs again; a miss at a visit costs one more lap of L). Evict the largest D; copy in a
+    key only if its D beats the victim's and the copy can arrive before its layer runs. The gain
+    of a copy in the planner's objective is the expected CPU time it saves at the next visit."""
+
+    name = "value"
+    margin = 0.1  # a candidate must be this much closer than its victim (avoid churn)
+    per_layer = 4  # background candidates considered per layer
+
+    def distance(self, key: Key, now: float, arrive: float | None = None) -> float:
+        p = max(self.predictor.p_next(key), 1e-3)
+        d = self.planner.distance(key[0])
+        if arrive is not None and self.planner.layer_time > 0 and arrive > now + d * self.planner.layer_time:
+            d += self.L  # the copy would miss this visit
+        return d + self.L * (1.0 - p) / p
+
+    def keep_score(self, key, now):
+        return -self.distance(key, now)
+
+    def admit_gain(self, key, victim, now):
+        saving = self.cost.hit_saving(1)
+        lost = self.predictor.p_next(victim) if victim is not None else 0.0
+        return saving * (self.predictor.p_next(key) - lost)
+
+    def worth(self, key, victim, now):
+        if victim is None:
+            return self.predictor.p_next(key) > 0.0
+        arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
+        return self.distance(key, now, arrive) < (1.0 - self.margin) * self.distance(victim, now)
+
+    def background(self, layer, now, plan):
+        cands = []
+        for other in self.planner.layers:
+            p = self.predictor.p_layer(other)
+            order = sorted(range(len(p)), key=lambda e: -p[e])
+            taken = 0
+            for e in order:
+                if (other, e) in self.cache:
+                    continue
+                cands.append((other, e))
+                taken += 1
+                if taken == self.per_layer:
+                    break
+        arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
+        return sorted(cands, key=lambda k: self.distance(k, now, arrive))
+
+
+class BeladyPolicy(Policy):
+    """Demand caching with Belady's eviction (farthest next use); needs the future: simulation."""
+
+    name = "belady"
+
+    def __init__(self, future=None):
+        if future is None:
+            raise UserError("the belady policy needs the future and runs only in `hybridmoe simulate`; choose another policy")
+        self.future = future
+
+    def keep_score(self, key, now):
+        return -self.future.next_use(key, self.planner.position)
+
+    def worth(self, key, victim, now):
+        pos = self.planner.position
+        return victim is None or self.future.next_use(key, pos) < self.future.next_use(victim, pos)
+
+    def background(self, layer, now, plan):
+        return self._cpu_misses(layer, plan)
+
+
+POLICIES = {
+    cls.name: cls
+    for cls in (CPUPolicy, StaticPolicy, FiddlerPolicy, HybriMoEPolicy, LRUPolicy, LFUPolicy, ValuePolicy, BeladyPolicy)
+}
+
+
+def make_policy(name: str, future=None) -> Policy:
+    if name not in POLICIES:
+        raise UserError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}")
+    cls = POLICIES[name]
+    return cls(future) if cls is BeladyPolicy else cls()

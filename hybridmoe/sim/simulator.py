@@ -1,0 +1,176 @@
+"""Discrete-event replay of a routing trace through the real planner, on modelled hardware.
+
+Three resources: the CPU pool, the GPU and the copy stream. For each step and MoE layer the
+planner makes the same call the engine makes (`plan(layer, routed, now)`); the plan's predicted
+times are the truth here, since the cost model *is* the hardware. The layer ends at its makespan
+(plus `dense_s` of attention and the rest, during which the copy stream keeps working); the next
+layer starts then. Copies queued on the copy stream run on across layers.
+
+Fair protocol (issue 5): the first `profile_tokens` steps only build statistics (placement, every
+policy's warm start, the predictor); figures are reported on the rest, which nobody has seen.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from hybridmoe.errors import UserError
+from hybridmoe.experts.cache import ExpertStats, parse_budget, read_stats
+from hybridmoe.experts.cost_model import CostModel
+from hybridmoe.experts.cache import ExpertCache
+from hybridmoe.experts.planner import Planner, PlannerConfig, Routed, place
+from hybridmoe.experts.predictor import Predictor, PredictorStats
+from hybridmoe.experts.policies import make_policy
+from hybridmoe.sim.shapes import ModelShape
+from hybridmoe.sim.trace import TraceLine
+
+
+@dataclass
+class SimConfig:
+    policy: str = "value"
+    budget: str = "0.1"
+    placement: str | None = None
+    profile_tokens: int | None = None  # None = half of the trace
+    batch: int = 1  # trace lines per step (decode batched across sequences)
+    dense_s: float = 0.0  # non-expert seconds per layer (attention etc.), copies overlap it
+    expert_stats: str | None = None  # statistics file instead of the trace's profile part
+
+
+@dataclass
+class SimResult:
+    policy: str
+    hardware: str
+    quant: str
+    budget: str
+    slots: int
+    tokens: int
+    expert_ms_per_token: float
+    tokens_per_s: float
+    hit_rate: float
+    copies_per_token: float
+    pcie_mb_per_token: float
+    cpu_busy: float
+    gpu_busy: float
+    prefetch_precision: float
+    prefetches_per_token: float
+    predictor_precision: float
+    predictor_recall: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def steps_of(lines: list[TraceLine], batch: int) -> list[list[list[Routed]]]:
+    """Group trace lines into steps; per step and layer, one Routed per distinct expert."""
+    steps = []
+    for i in range(0, len(lines), batch):
+        group = lines[i : i + batch]
+        layers = []
+        for o in range(len(group[0].layers)):
+            n, w = Counter(), Counter()
+            for line in group:
+                ids = line.layers[o]
+                probs = line.probs[o] if line.probs else [1.0 / len(ids)] * len(ids)
+                for e, p in zip(ids, probs):
+                    n[e] += 1
+                    w[e] += p
+            layers.append([Routed(e, n[e], w[e]) for e in sorted(n)])
+        steps.append(layers)
+    return steps
+
+
+def check_trace(lines: list[TraceLine], shape: ModelShape) -> None:
+    e = shape.experts
+    n_layers = len(lines[0].layers)
+    if n_layers != shape.num_moe_layers:
+        raise UserError(f"the trace has {n_layers} MoE layers but {shape.name} has {shape.num_moe_layers}; pass the matching --model-shape")
+    top = max(max(ids) for line in lines for ids in line.layers if ids)
+    if top >= e.num_experts:
+        raise UserError(f"the trace uses expert {top} but {shape.name} has {e.num_experts} experts; pass the matching --model-shape")
+
+
+def profile_stats(steps, layers: list[int], num_experts: int) -> ExpertStats:
+    stats = ExpertStats(list(layers), num_experts)
+    for step in steps:
+        stats.tokens += max(r.n_tokens for r in step[0]) if step[0] else 0
+        for o, routed in enumerate(step):
+            for r in routed:
+                stats.counts[o][r.expert] += r.n_tokens
+    return stats
+
+
+def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None):
+    """The planner, the steps, and where evaluation starts (policy: a Policy object or None)."""
+    check_trace(lines, shape)
+    steps = steps_of(lines, cfg.batch)
+    n_profile = len(steps) // 2 if cfg.profile_tokens is None else cfg.profile_tokens // cfg.batch
+    if not 0 <= n_profile < len(steps):
+        raise UserError(f"--profile-tokens must leave tokens to measure; the trace has {len(lines)}")
+    layers = list(shape.experts.moe_layers)
+    stats = read_stats(cfg.expert_stats) if cfg.expert_stats else profile_stats(steps[:n_profile], layers, shape.experts.num_experts)
+    total = cost.expert_bytes * shape.experts.num_experts * len(layers)
+    slots = parse_budget(cfg.budget, total, cost.expert_bytes)
+    policy = policy or make_policy(cfg.policy)
+    gpu = policy.uses_gpu and cost.has_gpu
+    predictor = Predictor(layers, shape.experts.num_experts, shape.experts.top_k)
+    planner = Planner(cost, ExpertCache(slots if gpu else 0), policy, predictor, PlannerConfig())
+    # Warm start: statistics for placement and policies, then the profile steps observed in order.
+    planner.policy.warm_start(stats)
+    if cfg.expert_stats:
+        planner.predictor.warm_start(stats.counts, stats.tokens)
+    for step in steps[:n_profile]:
+        for o, routed in enumerate(step):
+            planner.observe_only(layers[o], routed)
+    place(planner, cfg.placement, stats)
+    planner.predictor.stats = PredictorStats()  # score the predictor on the measured part only
+    return planner, steps, n_profile
+
+
+def run(planner: Planner, steps, start: int, dense_s: float = 0.0) -> float:
+    """Replay steps[start:]; returns the total expert seconds."""
+    layers = planner.layers
+    clock = expert_s = 0.0
+    for step in steps[start:]:
+        for o, routed in enumerate(step):
+            plan = planner.plan(layers[o], routed, now=clock)
+            planner.complete(plan)
+            expert_s += plan.makespan - clock
+            clock = plan.makespan + dense_s
+    return expert_s
+
+
+def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None) -> SimResult:
+    """`cost` must already be costed for the shape's expert (CostModel.for_expert)."""
+    if policy is None and cfg.policy in ("belady", "oracle"):
+        from hybridmoe.sim.oracle import future_policy
+
+        policy = future_policy(cfg.policy, lines, shape, cfg.batch)
+    planner, steps, start = build(lines, shape, cost, cfg, policy)
+    expert_s = run(planner, steps, start, cfg.dense_s)
+    return summarise(planner, cfg, cost, expert_s, len(steps) - start)
+
+
+def summarise(planner: Planner, cfg: SimConfig, cost: CostModel, expert_s: float, n_steps: int) -> SimResult:
+    s, p = planner.stats, planner.predictor.stats
+    tokens = n_steps * cfg.batch
+    wall = expert_s + cfg.dense_s * len(planner.layers) * n_steps
+    return SimResult(
+        policy=planner.policy.name,
+        hardware=cost.name,
+        quant=cost.quant,
+        budget=str(cfg.budget),
+        slots=planner.cache.slots,
+        tokens=tokens,
+        expert_ms_per_token=1e3 * expert_s / tokens,
+        tokens_per_s=n_steps * cfg.batch / wall if wall else 0.0,
+        hit_rate=s.hit_rate,
+        copies_per_token=(s.demand_copies + s.prefetches_issued) / tokens,
+        pcie_mb_per_token=s.bytes_copied / 1e6 / tokens,
+        cpu_busy=s.cpu_busy_s / wall if wall else 0.0,
+        gpu_busy=s.gpu_busy_s / wall if wall else 0.0,
+        prefetch_precision=s.prefetch_precision,
+        prefetches_per_token=s.prefetches_issued / tokens,
+        predictor_precision=p.precision,
+        predictor_recall=p.recall,
+    )
