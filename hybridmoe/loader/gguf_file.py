@@ -1,0 +1,156 @@
+"""GGUF files (llama.cpp's format), read through the `gguf` package: config, and tensors one at a time.
+
+GGUF lists a tensor's dims innermost first, so a torch [rows, cols] weight is stored as (cols, rows);
+the reader's arrays are already in row-major order. Quantized blocks are dequantized to fp32 one
+tensor (one expert, for stacked experts) at a time, so that memory stays near the loaded model's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from hybridmoe.config import HFConfig
+from hybridmoe.errors import ModelFileError
+from hybridmoe.loader import gguf_names as names
+from hybridmoe.loader.gguf_config import hf_config
+
+GGUF_MAGIC = b"GGUF"
+
+
+def read_config(path: str | Path) -> HFConfig:
+    reader = _reader(path)
+    return HFConfig(hf_config(_metadata(reader), _shapes(reader), str(path)))
+
+
+def count_tensors(path: str | Path) -> int:
+    """How many (name, tensor) pairs iter_tensors yields: one per expert of a stack, one per MLA pair."""
+    total = 0
+    for t in _reader(path).tensors:
+        _, base, _ = names.split(t.name, str(path))
+        total += int(t.shape[-1]) if base in names.EXPERT_STACKS else 0 if base == "attn_v_b" else 1
+    return total
+
+
+def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor) one at a time, experts split out of their stacks."""
+    reader, where = _reader(path), str(path)
+    naming = names.NAMING.get(cfg.model_type, names.Naming())
+    # llama.cpp's llama converter interleaves q/k rows per head (GPT-J rope); HF keeps the halves apart
+    heads = {"attn_q": cfg.get("num_attention_heads"), "attn_k": cfg.get("num_key_value_heads")}
+    permuted = _metadata(reader).get("general.architecture") == "llama"
+    mla: dict[tuple[int, str], torch.Tensor] = {}
+    try:
+        for t in reader.tensors:
+            layer, base, suffix = names.split(t.name, where)
+            if base in names.EXPERT_STACKS:
+                for e in range(int(t.shape[-1])):
+                    yield names.expert_name(layer, e, names.EXPERT_STACKS[base], naming), _tensor(t, where, e)
+            elif base in names.MLA_HALVES:
+                mla[(layer, base)] = _tensor(t, where)
+                if all((layer, half) in mla for half in names.MLA_HALVES):
+                    kv_b = _join_kv_b(mla.pop((layer, "attn_k_b")), mla.pop((layer, "attn_v_b")))
+                    yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b
+            else:
+                tensor = _tensor(t, where)
+                if permuted and base in heads:
+                    tensor = _unpermute_rows(tensor, heads[base])
+                yield names.hf_name(layer, base, suffix, naming, where), tensor
+    finally:
+        _open.cache_clear()  # the memory map goes once loading is over
+    if mla:
+        (layer, half), _ = next(iter(mla.items()))
+        raise ModelFileError(f"{where}: layer {layer} has {half} but not its other half; the file is incomplete")
+
+
+def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's permute: per head, rows (pair, 2) -> (2, pair). w: [n_head*D, ...]."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """k_b [heads, kv_rank, nope] and v_b [heads, v_dim, kv_rank] -> kv_b_proj [heads*(nope+v_dim), kv_rank]."""
+    kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope+v_dim, kv_rank]
+    return kv.reshape(-1, kv.shape[-1]).contiguous()
+
+
+def _tensor(t, where: str, index: int | None = None) -> torch.Tensor:
+    """One GGUF tensor (or one slice of a stack) as a torch tensor of its element shape."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(t.tensor_type)
+    data = t.data if index is None else t.data[index]
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return torch.from_numpy(np.array(data))  # a copy: the memory map is read-only
+    if qtype == gguf.GGMLQuantizationType.BF16:  # stored as raw bytes [..., 2*cols]
+        return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+    try:
+        return torch.from_numpy(gguf.quants.dequantize(data, qtype))
+    except NotImplementedError:
+        raise ModelFileError(f"{where}: tensor {t.name} is {qtype.name}, which the gguf package cannot "
+                             "dequantize; requantize the model (Q8_0, Q4_K_M, ...)") from None
+
+
+def _metadata(reader) -> dict:
+    """Scalar and string metadata as Python values; arrays (the vocabulary) are left to the tokenizer."""
+    import gguf
+
+    kinds = gguf.GGUFValueType
+    meta = {}
+    for key, f in reader.fields.items():
+        if not f.types or f.types[0] == kinds.ARRAY or not f.data:
+            continue
+        part = f.parts[f.data[0]]
+        if f.types[0] == kinds.STRING:
+            meta[key] = bytes(part).decode("utf-8", errors="replace")
+        elif f.types[0] == kinds.FLOAT32:  # shortest decimal that round-trips: 1e-05, not 9.99999974e-06
+            meta[key] = float(str(np.float32(part[0])))
+        else:
+            meta[key] = part[0].item()
+    return meta
+
+
+def _shapes(reader) -> dict[str, tuple[int, ...]]:
+    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+
+
+def _reader(path: str | Path):
+    """The parsed file; kept while loading (config, count, tensors) because parsing a vocabulary takes seconds."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise ModelFileError(f"{p}: cannot be read ({e.strerror}); check the path") from None
+    return _open(str(p), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _open(path: str, mtime_ns: int, size: int):
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails in many ways (ValueError, IndexError, ...) on a damaged header
+        raise ModelFileError(f"{path}: {_problem(path, size, e)}; download the file again") from None
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelFileError(f"{path}: tensor {t.name} runs past the end of the file (it is truncated); "
+                                 "download the file again")
+    return reader
+
+
+def _problem(path: str, size: int, error: Exception) -> str:
+    """One phrase saying what is wrong with a file the gguf reader rejected."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        return f"not a GGUF file (it starts with {magic!r}, not b'GGUF')"
+    if "reshape" in str(error):  # the reader's view of a tensor came up short: data cut off
+        return "tensor data runs past the end of the file (it is truncated)"
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return f"the GGUF header is cut short or corrupt ({detail}; {size} bytes)"
