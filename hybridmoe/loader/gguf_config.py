@@ -163,6 +163,7 @@ def _deepseek2(m: Meta, shapes: Shapes) -> dict:
         "qk_nope_head_dim": qk_head - rope_dim,
         "v_head_dim": v_head,
         "head_dim": rope_dim,
+        "rope_interleave": True,  # llama.cpp's deepseek2 always rotates interleaved pairs, as HF's V2 does
         "moe_intermediate_size": m.need("expert_feed_forward_length"),
         "n_routed_experts": m.need("expert_count"),
         "num_experts_per_tok": m.need("expert_used_count"),
