@@ -91,6 +91,9 @@ class CausalLM(nn.Module):
                 (layer, expert), parts = next(iter(pending.items()))
                 raise ModelFileError(f"expert {expert} of layer {layer} lacks {sorted({'gate', 'up', 'down'} - set(parts))}")
             self.runtime.finish_loading()
+            attach = getattr(self.runtime, "attach_routers", None)
+            if attach is not None:  # the hybrid runtime's predictor and routing replay use the routers
+                attach({m.layer: m for m in self.modules() if hasattr(m, "route") and getattr(m, "runtime", None) is self.runtime})
 
     def _load_expert(self, name: str, tensor: torch.Tensor, pending: dict) -> bool:
         if self.runtime is None:
