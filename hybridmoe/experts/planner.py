@@ -222,8 +222,10 @@ class Planner:
             options = [(r, None, 0.0) for r in movable] + [(r, "copy", 0.0) for r in fast]
         else:
             options = [(r, None, 0.0) for r in movable] + self._copy_options(layer, misses, now, plan)
-        k = self._best_k(plan, options, now) if rule != "threshold" else len(options)
-        chosen = options[:k]
+        if rule == "threshold":
+            chosen = options
+        else:
+            chosen = self._best_split(plan, options[: len(movable)], options[len(movable) :], now)
         gpu = {r.expert for r, _, _ in chosen}
         plan.cpu = [r for r in movable + misses if r.expert not in gpu]
         for r, how, _ in chosen:
@@ -250,16 +252,18 @@ class Planner:
             out.append((r, ("evict", victim), gain))
         return out
 
-    def _best_k(self, plan: Plan, options, now) -> int:
-        """The number of leading options to run on the GPU that minimises makespan - value."""
-        best_k, best = 0, math.inf
-        for k in range(len(options) + 1):
-            cpu = [r for r, _, _ in options[k:]]
-            gpu = options[:k]
-            span = self._makespan(plan, cpu, gpu, now) - sum(g for _, _, g in gpu)
-            if span < best - 1e-12:
-                best_k, best = k, span
-        return best_k
+    def _best_split(self, plan: Plan, late, copies, now) -> list:
+        """Which leading late experts (soonest ready first) and leading copy options (biggest CPU
+        saving first) to run on the GPU: the pair of prefixes minimising makespan - value."""
+        best, best_cost = [], math.inf
+        for a in range(len(late) + 1):
+            for b in range(len(copies) + 1):
+                gpu = late[:a] + copies[:b]
+                cpu = [r for r, _, _ in late[a:] + copies[b:]]
+                cost = self._makespan(plan, cpu, gpu, now) - sum(g for _, _, g in gpu)
+                if cost < best_cost - 1e-12:
+                    best, best_cost = gpu, cost
+        return best
 
     def _makespan(self, plan: Plan, cpu, gpu_options, now) -> float:
         c = self.cost
@@ -267,14 +271,15 @@ class Planner:
         if cpu:
             cpu_end += c.t_act(max(r.n_tokens for r in cpu))
         gpu_end = now + sum(c.t_gpu(r.n_tokens) for r in plan.gpu_hits)
-        copy_t = max(now, self.copy_free)
+        copy_t, readies = max(now, self.copy_free), []
         for r, how, _ in gpu_options:
             if how is None:
-                ready = self.cache.ready_at[(plan.layer, r.expert)]
+                readies.append((self.cache.ready_at[(plan.layer, r.expert)], r.n_tokens))
             else:
                 copy_t += c.t_copy()
-                ready = copy_t
-            gpu_end = max(gpu_end, ready) + c.t_gpu(r.n_tokens)
+                readies.append((copy_t, r.n_tokens))
+        for ready, n in sorted(readies):  # the GPU takes copied experts as they arrive
+            gpu_end = max(gpu_end, ready) + c.t_gpu(n)
         return max(cpu_end, gpu_end)
 
     def _issue(self, layer: int, expert: int, how, now: float, out: list[Copy]) -> Copy:
