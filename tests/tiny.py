@@ -53,7 +53,41 @@ def _qwen2_moe():
         norm_topk_prob=False, tie_word_embeddings=False))
 
 
-BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "qwen2_moe": _qwen2_moe}
+# DeepSeek: MLA (nope 8 + rope 8 query/key dims, values 12), YaRN with mscale != mscale_all_dim so that
+# both the cos/sin factor and the softmax scale matter; layer 0 dense, 1-2 MoE with a shared expert;
+# 8 experts in 4 groups of which 2 are kept, so group-limited routing changes choices.
+DEEPSEEK_COMMON = dict(
+    **{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, intermediate_size=96,
+    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+    n_group=4, topk_group=2, routed_scaling_factor=1.5, tie_word_embeddings=False,
+    rope_scaling=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
+                      beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8),
+)
+
+
+def _deepseek_v2():
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    # V2 scores a group by its best expert: with one group kept, both experts come from it
+    cfg = DeepseekV2Config(**{**DEEPSEEK_COMMON, "topk_group": 1}, q_lora_rank=None,
+                           topk_method="group_limited_greedy", norm_topk_prob=False)
+    return DeepseekV2ForCausalLM(cfg)
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_COMMON, q_lora_rank=24, norm_topk_prob=True,
+                                                   rope_interleave=True))
+    with torch.no_grad():  # a load-balancing bias that changes choices (sigmoid scores lie in 0..1)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
+    return model
+
+
+BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "qwen2_moe": _qwen2_moe,
+            "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
 
 
 def build_tiny(arch: str, out: Path, seed: int = 0):

@@ -16,6 +16,57 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     return ids, weights
 
 
+def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """Mask (to -inf) the experts outside each token's `topk_group` best groups of experts.
+
+    choice: [T, E], the experts split into n_group consecutive groups. A group's score is its best
+    expert ("max", DeepSeek-V2) or the sum of its best two ("top2", DeepSeek-V3).
+    """
+    if n_group <= 1 or topk_group >= n_group:
+        return choice
+    grouped = choice.view(choice.shape[0], n_group, -1)  # [T, G, E/G]
+    if group_score == "max":
+        scores = grouped.max(dim=-1).values  # [T, G]
+    else:
+        scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    keep_groups = torch.topk(scores, topk_group, dim=-1).indices  # [T, topk_group]
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, keep_groups, True)  # [T, G]
+    keep = keep[:, :, None].expand_as(grouped).reshape_as(choice)  # [T, E]
+    return choice.masked_fill(~keep, float("-inf"))
+
+
+def _scale_weights(weights: torch.Tensor, renormalize: bool, scale: float) -> torch.Tensor:
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale
+
+
+def softmax_group_topk(logits: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1,
+                       renormalize: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2: softmax scores, top-k within the best groups (group_limited_greedy; n_group 1 is
+    plain greedy), weights optionally renormalised, then times routed_scaling_factor.
+
+    logits: [T, E] (fp32) -> ids [T, k], weights [T, k].
+    """
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    ids = torch.topk(limit_to_groups(probs, n_group, topk_group, "max"), k, dim=-1).indices  # [T, k]
+    return ids, _scale_weights(probs.gather(1, ids), renormalize, scale)
+
+
+def sigmoid_group_topk(logits: torch.Tensor, correction: torch.Tensor | None, k: int, n_group: int = 1,
+                       topk_group: int = 1, renormalize: bool = True,
+                       scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: sigmoid scores; the load-balancing bias `correction` [E] shifts which experts are
+    chosen (groups by their top-2 sum, then top-k) but not their weights.
+
+    logits: [T, E] (fp32) -> ids [T, k], weights [T, k].
+    """
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    choice = scores if correction is None else scores + correction.float()  # [T, E]
+    ids = torch.topk(limit_to_groups(choice, n_group, topk_group, "top2"), k, dim=-1).indices  # [T, k]
+    return ids, _scale_weights(scores.gather(1, ids), renormalize, scale)
+
+
 class SparseMoE(nn.Module):
     """Router -> top-k per token -> the expert runtime -> weighted sum.
 

@@ -46,7 +46,9 @@ def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor for a context extension of `scale`; DeepSeek also squares it into
+    its softmax scale (mscale_all_dim)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -59,8 +61,9 @@ def _yarn(inv: torch.Tensor, dim: int, p: dict) -> tuple[torch.Tensor, float]:
     def correction_dim(rot: float) -> float:
         return (dim * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(base))
 
-    low = math.floor(correction_dim(beta_fast))
-    high = math.ceil(correction_dim(beta_slow))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):  # gpt-oss turns the rounding off
+        low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
@@ -68,10 +71,12 @@ def _yarn(inv: torch.Tensor, dim: int, p: dict) -> tuple[torch.Tensor, float]:
     extrapolation = 1 - ramp
     inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
     mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
-    if mscale and mscale_all:
-        attn = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    if p.get("attention_factor") is not None:
+        attn = p["attention_factor"]
+    elif mscale and mscale_all:
+        attn = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
     else:
-        attn = p.get("attention_factor") or _yarn_mscale(factor)
+        attn = yarn_mscale(factor)
     return inv, float(attn)
 
 
