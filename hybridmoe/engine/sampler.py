@@ -21,6 +21,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n >= 0: the chosen token's log-probability and the n most likely
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +62,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits: [V], the model's own (before penalties and temperature, as OpenAI reports them) ->
+    (log-probability of `token`, the `top_n` most likely (id, log-probability) pairs)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top = torch.topk(logp, top_n) if top_n > 0 else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return float(logp[token]), pairs
 
 
 def make_generator(seed: int | None) -> torch.Generator:

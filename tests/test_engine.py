@@ -1,0 +1,133 @@
+"""The batching engine: whatever the batch, the chunking, the cache hits or the preemptions, each
+request gets the tokens it would get alone (transformers' greedy output is the reference)."""
+
+import pytest
+import torch
+
+from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
+from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.loader import load_model
+from tests.tiny import build_tiny
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: a second thread only adds synchronisation (and much more on a shared machine).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "llama"])
+def pair(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    ref = build_tiny(request.param, out, seed=3)
+    return ref, load_model(out, progress=False)
+
+
+def hf_greedy(ref, prompt, n):
+    ref.generation_config.eos_token_id = None  # the engines here run without EOS too (eos_ids=())
+    ids = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return ids[0, len(prompt):].tolist()
+
+
+def random_prompts(count, seed, lo=1, hi=40, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (count,), generator=g).tolist()
+    # no id 0: transformers' generate takes it for padding (pad_token_id=0) and masks it out
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def engine(model, **kw):
+    return LLMEngine(model, None, EngineConfig(**{"block_size": 4, **kw}), eos_ids=())
+
+
+def test_batched_chunked_greedy_equals_transformers_one_by_one(pair):
+    ref, model = pair
+    prompts = random_prompts(6, seed=1)
+    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    eng = engine(model, max_batch_size=4, max_tokens_per_step=24)  # prompts up to 39 tokens: chunked
+    assert eng.generate(prompts, GREEDY, max_steps=500) == want
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_repeated_system_prompt_is_not_recomputed_and_outputs_do_not_change(pair):
+    ref, model = pair
+    system = random_prompts(1, seed=2, lo=30, hi=31)[0]
+    prompts = [system + tail for tail in ([5, 6], [7], [8, 9, 10])]
+    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    eng = engine(model)
+    got = [eng.generate([prompts[0]], GREEDY)[0]]
+    computed = eng.metrics.prefill_tokens
+    got += eng.generate(prompts[1:], GREEDY)
+    assert got == want
+    # 30 system tokens = 7 full blocks of 4 found in the cache by each later request
+    assert eng.metrics.prefill_tokens - computed == sum(len(p) - 28 for p in prompts[1:])
+    assert eng.blocks.hit_tokens == 2 * 28
+
+
+def test_preemption_under_a_tiny_kv_budget_completes_every_request_correctly(pair):
+    ref, model = pair
+    prompts = random_prompts(5, seed=4, lo=10, hi=30)
+    want = [hf_greedy(ref, p, 20) for p in prompts]
+    eng = engine(model, kv_cache_tokens=64, max_batch_size=5, max_tokens_per_step=64)
+    got = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0), max_steps=2000)
+    assert eng.scheduler.num_preemptions > 0
+    assert got == want
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.has_unfinished()
+
+
+def test_abort_frees_the_blocks_and_the_others_go_on(pair):
+    ref, model = pair
+    prompts = random_prompts(3, seed=5)
+    eng = engine(model)
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    outs = {}
+    for o in eng.step():  # every prompt fits in one step: each has its first token
+        outs.setdefault(o.request_id, []).extend(o.token_ids)
+    assert eng.abort(ids[1]) and not eng.abort(ids[1])
+    del outs[ids[1]]
+    for _ in range(100):
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        if not eng.has_unfinished():
+            break
+    assert set(outs) == {ids[0], ids[2]}
+    assert outs[ids[2]] == hf_greedy(ref, prompts[2], GREEDY.max_tokens)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_seeded_sample_does_not_depend_on_the_batch(pair):
+    _, model = pair
+    prompts = random_prompts(4, seed=6)
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=123)
+    alone = engine(model).generate([prompts[0]], params)[0]
+    together = engine(model, max_tokens_per_step=16).generate(prompts, params)[0]
+    assert alone == together
+
+
+def test_logprobs_are_those_of_the_model(pair):
+    ref, model = pair
+    prompt = [3, 1, 4, 1, 5]
+    eng = engine(model)
+    eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=3))
+    (out,) = eng.step()
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    top = torch.topk(want, 3)
+    assert out.logprobs[0].logprob == pytest.approx(float(want.max()), abs=1e-4)
+    assert [t for t, _ in out.logprobs[0].top] == top.indices.tolist()
+    assert out.finished and out.finish_reason == "length"
+
+
+def test_a_prompt_that_cannot_fit_is_refused_and_max_tokens_is_clipped_to_the_context(pair):
+    _, model = pair
+    eng = engine(model, kv_cache_tokens=32)
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request(list(range(32)), GREEDY)
+    eng.add_request(list(range(28)), SamplingParams(max_tokens=100, temperature=0))
+    outs = [o for _ in range(20) for o in eng.step()]
+    assert len(outs) == 4 and outs[-1].finish_reason == "length"
