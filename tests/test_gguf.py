@@ -1,0 +1,208 @@
+"""GGUF loading: every tiny architecture written in llama.cpp's layout loads to transformers' logits;
+quantized blocks dequantize as the format spec says; the real SmolLM2 Q4_1 file matches transformers."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hybridmoe.engine.generate import forward_step
+from hybridmoe.engine.kv_cache import SequenceKV
+from hybridmoe.loader import gguf_file, load_model, model_config
+from tests.gguf_writer import GGUF_ARCH, Q, permute_rows, write_gguf
+from tests.tiny import BUILDERS, build_tiny, hf_logits
+
+ARCHS = sorted(a for a in BUILDERS if a in GGUF_ARCH)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def tiny_reference(arch: str, out):
+    """A tiny transformers model saved in `out`. DeepSeek: GGUF has one yarn mscale, so mscale is set to
+    mscale_all_dim (as in the real V2/V3 configs) and the reference reloaded with it."""
+    ref = build_tiny(arch, out)
+    cfg = json.loads((out / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("mscale_all_dim") is not None and rope.get("mscale") != rope["mscale_all_dim"]:
+        from transformers import AutoModelForCausalLM
+
+        rope["mscale"] = rope["mscale_all_dim"]
+        (out / "config.json").write_text(json.dumps(cfg))
+        ref = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    return ref
+
+
+def round_through_f16(model) -> None:
+    """What an F16 GGUF holds: matrices rounded to fp16, norms and biases (1-D) kept in fp32."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.half().float())
+
+
+def our_logits(model, ids: list[int]) -> torch.Tensor:
+    """Prefill half the ids, decode the rest one by one: fp32 logits [n - n//2, V] of the decode steps."""
+    cache, half = SequenceKV(), len(ids) // 2
+    forward_step(model, cache, ids[:half], 0)
+    return torch.stack([forward_step(model, cache, [ids[i]], i) for i in range(half, len(ids))])
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16], ids=["F32", "F16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_logits_match_transformers(arch, qtype, tmp_path):
+    ref = tiny_reference(arch, tmp_path)
+    path = write_gguf(tmp_path, tmp_path / "model.gguf", qtype)
+    if qtype == Q.F16:
+        round_through_f16(ref)
+    ours = load_model(path, progress=False)
+    ids = torch.randint(0, ref.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = hf_logits(ref, ids)[8:]  # [8, V]
+    got = our_logits(ours, ids)
+    assert rel_err(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_config_matches_config_json(arch, tmp_path):
+    tiny_reference(arch, tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    ours = model_config(write_gguf(tmp_path, tmp_path / "model.gguf")).data
+    keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+            "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "n_group", "topk_group",
+            "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+            "shared_expert_intermediate_size", "clip_qkv"]
+    if not arch.startswith("deepseek"):  # MLA is stored as MQA: one KV head in the file
+        keys.append("num_key_value_heads")
+    for key in keys:
+        if hf.get(key) is not None:
+            assert ours.get(key) == pytest.approx(hf[key]), key
+    assert expert_count(ours) == expert_count(hf)
+    assert ours["architectures"] == hf["architectures"]
+    assert bool(ours["tie_word_embeddings"]) == bool(hf.get("tie_word_embeddings"))
+    assert ours["rms_norm_eps"] == pytest.approx(hf["rms_norm_eps"], rel=1e-6)
+
+
+def expert_count(cfg: dict):
+    """Architectures name it differently (and transformers writes aliases); any one will do."""
+    return next((cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if cfg.get(k)), None)
+
+
+# ---- quantized blocks, against a dequantizer written from the format spec (ggml-quants.c layouts) ----
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def ref_dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """raw: [n_blocks, block_bytes] uint8 -> [n_blocks, values] float32."""
+    if qtype == Q.Q8_0:  # d:f16, qs:int8[32]; x = d * q
+        return _f16(raw[:, :2]) * raw[:, 2:].view(np.int8).astype(np.float32)
+    if qtype in (Q.Q4_0, Q.Q4_1):  # d:f16, (m:f16), qs:u8[16]; low nibbles are x[0:16], high x[16:32]
+        head = 2 if qtype == Q.Q4_0 else 4
+        qs = raw[:, head:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+        if qtype == Q.Q4_0:
+            return _f16(raw[:, :2]) * (q - 8)
+        return _f16(raw[:, :2]) * q + _f16(raw[:, 2:4])
+    if qtype == Q.Q4_K:
+        return ref_q4_k(raw)
+    raise NotImplementedError(qtype)
+
+
+def ref_q4_k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K super-block (256 values): d, dmin: f16; scales: 12 bytes of 6-bit (scale, min) x 8; qs: 128 bytes."""
+    d, dmin, sc, qs = _f16(raw[:, 0:2]), _f16(raw[:, 2:4]), raw[:, 4:16].astype(np.int32), raw[:, 16:]
+    scale = np.empty((raw.shape[0], 8), np.float32)
+    mins = np.empty_like(scale)
+    for j in range(8):
+        if j < 4:
+            scale[:, j], mins[:, j] = sc[:, j] & 63, sc[:, j + 4] & 63
+        else:
+            scale[:, j] = (sc[:, j + 4] & 0x0F) | ((sc[:, j - 4] >> 6) << 4)
+            mins[:, j] = (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
+    out = []
+    for chunk in range(4):  # 64 values each: low nibbles of 32 bytes, then their high nibbles
+        q = qs[:, 32 * chunk: 32 * chunk + 32]
+        for half, nib in enumerate((q & 0x0F, q >> 4)):
+            j = 2 * chunk + half
+            out.append(d * scale[:, j:j + 1] * nib.astype(np.float32) - dmin * mins[:, j:j + 1])
+    return np.concatenate(out, axis=1)
+
+
+def raw_blocks(path, t) -> np.ndarray:
+    """A tensor's bytes read straight from the file, as [n_blocks, block_bytes]."""
+    block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
+    with open(path, "rb") as f:
+        f.seek(t.data_offset)
+        return np.frombuffer(f.read(t.n_bytes), np.uint8).reshape(-1, block_bytes)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_quantized_weights_match_spec_dequantizer(qtype, tmp_path):
+    tiny_reference("mixtral", tmp_path)  # experts, router, attention: every kind of matrix
+    path = write_gguf(tmp_path, tmp_path / "model.gguf", qtype)
+    cfg = model_config(path)
+    ours = dict(gguf_file.iter_tensors(path, cfg))
+    reader = gguf.GGUFReader(str(path))
+    checked = 0
+    for t in reader.tensors:
+        if t.tensor_type != qtype:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        want = torch.from_numpy(ref_dequantize(raw_blocks(path, t), qtype).reshape(shape))
+        got = _ours_in_gguf_layout(ours, t.name, shape, cfg)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        checked += 1
+    assert checked >= 10  # q, k, v, o, router and expert stacks of 2 layers
+
+
+def _ours_in_gguf_layout(ours: dict, name: str, shape: tuple, cfg) -> torch.Tensor:
+    """Our loaded tensor(s) for GGUF tensor `name`, put back into the file's layout."""
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+    if name in top:
+        return ours[top[name]]
+    _, layer, base, _ = name.split(".")
+    if base.endswith("_exps"):
+        role = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}[base]
+        return torch.stack([ours[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{role}.weight"]
+                            for e in range(shape[0])])
+    hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate_inp": "block_sparse_moe.gate"}[base]
+    w = ours[f"model.layers.{layer}.{hf}.weight"]
+    if base in ("attn_q", "attn_k"):
+        w = permute_rows(w, cfg.get("num_attention_heads" if base == "attn_q" else "num_key_value_heads"))
+    return w
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_quantized_model_stays_close_to_full_precision(qtype, tmp_path):
+    ref = tiny_reference("llama", tmp_path)
+    ours = load_model(write_gguf(tmp_path, tmp_path / "model.gguf", qtype), progress=False)
+    ids = list(range(5, 21))
+    bound = {Q.Q8_0: 0.02, Q.Q4_0: 0.3, Q.Q4_1: 0.3}[qtype]
+    assert rel_err(our_logits(ours, ids), hf_logits(ref, ids)[8:]) <= bound
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
+    """gguf cannot quantize K-quants, so random blocks are crafted (sane fp16 scales) and written raw."""
+    rows, cols = 6, 512
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (rows * cols // block_values, block_bytes), dtype=np.uint8)
+    scale_at = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [block_bytes - 2]}[qtype]  # where the f16 d/dmin live
+    for at in scale_at:
+        raw[:, at:at + 2] = rng.uniform(0.001, 0.01, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_dtype=qtype)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    reader = gguf_file._open.__wrapped__(str(path), 0, path.stat().st_size)
+    got = gguf_file._tensor(reader.tensors[0], str(path))
+    assert got.shape == (rows, cols) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype)))
+    if qtype == Q.Q4_K:  # and an independent reference for one K-quant
+        torch.testing.assert_close(got.reshape(-1, 256), torch.from_numpy(ref_q4_k(raw)), rtol=1e-6, atol=1e-6)
