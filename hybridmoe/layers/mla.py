@@ -75,18 +75,40 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe[:, None, :].expand(L, self.heads, self.rope)], dim=-1)
         return k, v
 
+    def _attend_absorbed(self, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
+        """The same attention without expanding the history: kv_b_proj's key half is folded into the
+        queries and its value half applied after, so the n queries attend to the L latents directly
+        (DeepSeek-V2 paper, section 2.1.3). q_nope [n, h, nope], q_pe [n, h, rope] -> [n, h, v]."""
+        n, L = q_nope.shape[0], c_kv.shape[0]
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope :]  # [h, nope, rank], [h, v, rank]
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_k)  # [n, h, rank]
+        scores = (torch.einsum("nhr,lr->nhl", q_lat, c_kv) + torch.einsum("nhd,ld->nhl", q_pe, k_pe)) * self.scale
+        if n > 1:  # query i sits at position L - n + i
+            visible = torch.arange(L)[None, :] <= torch.arange(n)[:, None] + (L - n)  # [n, L]
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(c_kv.dtype)  # [n, h, L]
+        return torch.einsum("nhr,hvr->nhv", torch.einsum("nhl,lr->nhr", probs, c_kv), w_v)  # [n, h, v]
+
+    def _attend(self, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
+        # Expanding costs L * rank * h * (nope + v); absorbing costs about n * L * h * (2 * rank + rope)
+        # more than plain attention: absorb for decode and small chunks, expand for prefill.
+        if q_nope.shape[0] * (2 * self.rank + self.rope) < self.rank * (self.nope + self.v_dim):
+            return self._attend_absorbed(q_nope, q_pe, c_kv, k_pe)
+        k, v = self._expand(c_kv, k_pe)
+        return causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, self.scale)
+
     def forward(self, x: torch.Tensor, cos_sin, ctx: KVContext) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = cos_sin
         q_nope, q_pe = self._queries(x).split([self.nope, self.rope], dim=-1)  # [T, h, nope], [T, h, rope]
+        q_pe = self._rope(q_pe, cos, sin)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)  # [T, rank], [T, rope]
         c_kv = self.kv_a_layernorm(c_kv)
         k_pe = self._rope(k_pe[:, None, :], cos, sin)[:, 0]  # [T, rope]
-        q = torch.cat([q_nope, self._rope(q_pe, cos, sin)], dim=-1)  # [T, h, nope+rope]
         history = ctx.update(self.layer, c_kv, k_pe)
         outs, start = [], 0
         for n, (c_all, k_pe_all) in zip(ctx.seq_lens, history):
-            k, v = self._expand(c_all, k_pe_all)
-            outs.append(causal_attention(q[start : start + n], k, v, self.scale))  # [n, h, v]
+            outs.append(self._attend(q_nope[start : start + n], q_pe[start : start + n], c_all, k_pe_all))
             start += n
-        return self.o_proj(torch.cat(outs, dim=0).reshape(T, self.heads * self.v_dim))
+        return self.o_proj(torch.cat(outs, dim=0).reshape(T, self.heads * self.v_dim))  # [T, H]

@@ -79,6 +79,15 @@ class DeepseekV2ForCausalLM(CausalLM):
             for i in range(cfg.get("num_hidden_layers"))
         )
 
+    def load_weights(self, tensors) -> None:
+        # The correction bias only ranks experts, by small margins: bf16 rounding would change choices, so
+        # it stays fp32 whatever dtype the model is loaded in (transformers does the same).
+        for layer in self.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
+        super().load_weights(tensors)
+
     @staticmethod
     def rope_interleaved(cfg) -> bool:
         return True  # V2's weights always rotate adjacent pairs
