@@ -26,11 +26,14 @@ GGUF_ARCH = {  # config.json model_type -> llama.cpp architecture
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32) -> Path:
-    """Convert the checkpoint in `hf_dir` (config.json + model.safetensors) to the GGUF file `out`."""
+def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, drop: str | None = None,
+               arch_name: str | None = None) -> Path:
+    """Convert the checkpoint in `hf_dir` (config.json + model.safetensors) to the GGUF file `out`.
+    `drop` leaves out the GGUF tensor of that name and `arch_name` overrides general.architecture
+    (both for the bad-input tests)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(out), arch_name or gguf.MODEL_ARCH_NAMES[arch])
     write_metadata(writer, cfg)
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])  # for dense MLP layers
@@ -38,7 +41,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32) -> Path:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or dense.get_name(
             hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        add_tensor(writer, name, tensor.float().numpy(), qtype)
+        if name != drop:
+            add_tensor(writer, name, tensor.float().numpy(), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

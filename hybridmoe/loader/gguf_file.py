@@ -28,6 +28,11 @@ def read_config(path: str | Path) -> HFConfig:
     return HFConfig(hf_config(_metadata(reader), _shapes(reader), str(path)))
 
 
+def check(path: str | Path) -> None:
+    """Raise ModelFileError unless `path` parses as a GGUF file with all its tensor data present."""
+    _reader(path)
+
+
 def count_tensors(path: str | Path) -> int:
     """How many (name, tensor) pairs iter_tensors yields: one per expert of a stack, one per MLA pair."""
     total = 0

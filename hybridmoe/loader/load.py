@@ -75,7 +75,12 @@ def load_model(
         total, tensors = gguf_file.count_tensors(p), gguf_file.iter_tensors(p, cfg)
     bar = tqdm(tensors, total=total, desc=f"loading {p.name}", unit="tensor", file=sys.stderr,
                disable=not progress, leave=False)
-    model.load_weights(bar)
+    try:
+        model.load_weights(bar)
+    except ModelFileError as e:  # the model knows which tensor is wrong, not which file it came from
+        if str(p) in str(e):
+            raise
+        raise ModelFileError(f"{p}: {e}") from None
     model.eval()
     return model
 

@@ -75,6 +75,9 @@ def load_tokenizer_dir(directory: Path) -> Tokenizer:
 def load_tokenizer_gguf(path: Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
+    from hybridmoe.loader import gguf_file
+
+    gguf_file.check(path)  # a damaged file gets its own message, not "no tokenizer"
     try:
         with _quiet_transformers():
             return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
