@@ -4,6 +4,8 @@ group-limited top-k, times routed_scaling_factor) plus always-on shared experts.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,8 @@ from hybridmoe.layers.moe import SparseMoE, sigmoid_group_topk, softmax_group_to
 from hybridmoe.layers.rotary import Rotary, rope_parameters
 from hybridmoe.models.base import CausalLM
 from hybridmoe.models.llama import DecoderLayer
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekMoE(SparseMoE):
@@ -86,7 +90,15 @@ class DeepseekV2ForCausalLM(CausalLM):
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None and hasattr(gate, "e_score_correction_bias"):
                 gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
-        super().load_weights(tensors)
+        super().load_weights(self._without_mtp(tensors))
+
+    def _without_mtp(self, tensors):
+        """Drop the multi-token-prediction layers (DeepSeek-V3's model.layers.61): generation does not use them."""
+        n = len(self.layers)
+        for name, tensor in tensors:
+            m = _LAYER.match(name)
+            if m is None or int(m[1]) < n:
+                yield name, tensor
 
     @staticmethod
     def rope_interleaved(cfg) -> bool:
