@@ -33,6 +33,8 @@ class DeepseekMoE(SparseMoE):
         self.scoring = scoring
         self.n_group = cfg.get("n_group", default=1)
         self.topk_group = cfg.get("topk_group", default=self.n_group)
+        # transformers' V2 ignores norm_topk_prob (False in every released V2); when set we renormalise
+        # before scaling, as V3 does
         self.renormalize = bool(cfg.get("norm_topk_prob", default=False))
         self.scale = float(cfg.get("routed_scaling_factor", default=1.0))
         if scoring == "sigmoid":
