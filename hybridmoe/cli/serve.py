@@ -1,0 +1,76 @@
+"""`hybridmoe serve`: an OpenAI-compatible HTTP server with continuous batching."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from hybridmoe.cli.options import add_model_options, finish_runtime, load_from_args, model_path
+from hybridmoe.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, "
+                                   "batching concurrent requests (default model: the built-in demo model).")
+    add_model_options(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=10002, help="port (default 10002, as KTransformers)")
+    g.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the model's "
+                                                                "directory or file name)")
+    g.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-batch-size", type=int, default=8, metavar="N", help="requests decoded together (default 8)")
+    g.add_argument("--max-tokens-per-step", type=int, default=512, metavar="T",
+                   help="tokens per forward pass; longer prompts are prefilled in chunks (default 512)")
+    g.add_argument("--kv-cache-tokens", type=int, default=16384, metavar="K",
+                   help="KV cache capacity in tokens, shared by all requests (default 16384)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context, at most the KV cache)")
+    p.set_defaults(func=run)
+
+
+def engine_config(args):
+    from hybridmoe.engine.llm_engine import EngineConfig
+
+    for name in ("max_batch_size", "max_tokens_per_step", "kv_cache_tokens", "block_size", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: give a positive number")
+    if args.kv_cache_tokens < args.block_size:
+        raise UserError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); raise it")
+    return EngineConfig(max_batch_size=args.max_batch_size, max_tokens_per_step=args.max_tokens_per_step,
+                        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+                        max_model_len=args.max_model_len)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind now, so that a busy port is a one-line error before the model loads."""
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host") from None
+    return sock
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from hybridmoe.engine.llm_engine import LLMEngine
+    from hybridmoe.server.app import create_app
+    from hybridmoe.server.async_engine import AsyncEngine
+
+    config = engine_config(args)
+    sock = listen(args.host, args.port)
+    model, tokenizer = load_from_args(args)
+    name = args.served_model_name or Path(model_path(args)).name
+    engine = LLMEngine(model, tokenizer, config)
+    app = create_app(AsyncEngine(engine), tokenizer, name, args.api_key)
+    print(f"hybridmoe: serving '{name}' at http://{args.host}:{args.port}/v1 "
+          f"(context {engine.max_model_len} tokens, batch {config.max_batch_size})", file=sys.stderr)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finish_runtime(model, args)
+    return 0

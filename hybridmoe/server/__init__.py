@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: validation, chat templates, streaming; it wraps the engine."""
