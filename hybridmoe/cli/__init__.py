@@ -16,6 +16,8 @@ from hybridmoe.errors import UserError
 COMMANDS = [
     "generate",
     "chat",
+    "bench",
+    "calibrate",
     "serve",
 ]
 

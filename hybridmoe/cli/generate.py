@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from hybridmoe.cli.options import add_model_options, add_sampling_options, load_from_args, sampling_from_args
+from hybridmoe.cli.options import (add_model_options, add_sampling_options, finish_runtime, load_from_args,
+                                   sampling_from_args)
 from hybridmoe.engine.generate import GenerationStats, generate_text
 
 
@@ -16,6 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     add_sampling_options(p)
+    p.add_argument("--stats", action="store_true", help="print the expert runtime's statistics at the end")
     p.set_defaults(func=run)
 
 
@@ -35,4 +37,5 @@ def run(args) -> int:
     print(f"prefill: {stats.prompt_tokens} tokens, {stats.prefill_tps:.1f} tok/s | "
           f"decode: {stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s | "
           f"finish: {stats.finish_reason}", file=sys.stderr)
+    finish_runtime(model, args)
     return 0

@@ -22,13 +22,73 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     add_runtime_options(p)
 
 
+POLICIES = ("cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value")
+PLACEMENTS = ("uniform", "frequency", "front-loading")
+
+
 def add_runtime_options(p: argparse.ArgumentParser) -> None:
-    """Options of the expert runtime (where experts run); the hybrid runtime adds its own here."""
+    """Options of the expert runtime (where experts run): experts/hybrid_runtime.py."""
+    g = p.add_argument_group("expert placement (CPU/GPU)")
+    g.add_argument("--gpu-expert-budget", metavar="SIZE", default=None,
+                   help="GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes (0.1)")
+    g.add_argument("--policy", choices=POLICIES, default=None,
+                   help="where experts run and what the GPU keeps (default: value with a budget, else cpu)")
+    g.add_argument("--placement", choices=PLACEMENTS, default=None,
+                   help="experts placed on the GPU at start (default: the policy's own)")
+    g.add_argument("--device", choices=("auto", "cuda", "emulated"), default="auto",
+                   help="the accelerator: CUDA, or an emulated GPU over CPU memory (auto: CUDA when present)")
+    g.add_argument("--calibration", metavar="FILE",
+                   help="cost profile from `hybridmoe calibrate` (default: measured once and cached)")
+    g.add_argument("--expert-stats", metavar="FILE", help="activation statistics for placement and warm start")
+    g.add_argument("--expert-stats-out", metavar="FILE", help="write this run's activation statistics here")
+    g.add_argument("--routing-trace", metavar="FILE",
+                   help="take expert choices from this routing trace (JSONL) instead of the router")
+    g.add_argument("--record-trace", metavar="FILE", help="record this run's routing as a JSONL trace")
+
+
+def _device(args: argparse.Namespace) -> str:
+    if args.device == "emulated":
+        return "emulated"
+    if torch.cuda.is_available():
+        return "cuda"
+    if args.device == "cuda":
+        raise UserError("--device cuda: no CUDA GPU is visible to torch; use --device emulated or leave it out")
+    if args.gpu_expert_budget:
+        print("hybridmoe: no CUDA GPU, every expert runs on the CPU (--device emulated emulates one)", file=sys.stderr)
+    return "cpu"
 
 
 def runtime_factory(args: argparse.Namespace):
     """The expert runtime the options ask for; None means the plain CPU runtime."""
-    return None
+    wanted = [args.gpu_expert_budget, args.policy, args.placement, args.expert_stats, args.expert_stats_out,
+              args.routing_trace, args.record_trace, args.calibration, args.device != "auto",
+              getattr(args, "stats", False)]
+    if not any(wanted):
+        return None
+    from hybridmoe.experts.cache import parse_budget
+    from hybridmoe.experts.calibrate import load_or_calibrate
+    from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
+
+    budget = args.gpu_expert_budget or "0"
+    parse_budget(budget, 1.0, 1.0)  # a malformed budget fails now, not after loading
+    config = HybridConfig(
+        policy=args.policy or ("value" if args.gpu_expert_budget else "cpu"), budget=budget,
+        placement=args.placement, device=_device(args), expert_stats=args.expert_stats,
+        expert_stats_out=args.expert_stats_out, routing_trace=args.routing_trace, record_trace=args.record_trace)
+
+    def make(shape, dtype):
+        return HybridRuntime(shape, dtype, config, load_or_calibrate(args.calibration, dtype))
+
+    return make
+
+
+def finish_runtime(model, args: argparse.Namespace) -> None:
+    """After a command's run: print the runtime's stats if --stats, write its trace and statistics."""
+    runtime = getattr(model, "runtime", None)
+    if getattr(args, "stats", False) and hasattr(runtime, "refresh_stats"):
+        print(runtime.refresh_stats().summary(), file=sys.stderr)
+    if hasattr(runtime, "close"):
+        runtime.close()
 
 
 def model_path(args: argparse.Namespace) -> str:

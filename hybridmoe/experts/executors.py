@@ -55,7 +55,8 @@ class CPUPool:
     def submit(self, jobs: list[Callable[[], torch.Tensor]]) -> "CPUBatch":
         """Start `jobs`, split round-robin over the workers; `.result()` waits for them."""
         bins = [jobs[i :: self.workers] for i in range(self.workers)]
-        return CPUBatch(len(jobs), self.workers, [self._pool.submit(_run_bin, b) if b else None for b in bins])
+        threads = torch.get_num_threads()
+        return CPUBatch(len(jobs), self.workers, [self._pool.submit(_run_bin, b, threads) if b else None for b in bins])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -79,7 +80,10 @@ class CPUBatch:
         return outs, busy
 
 
-def _run_bin(jobs) -> tuple[list[torch.Tensor], float]:
+def _run_bin(jobs, threads: int) -> tuple[list[torch.Tensor], float]:
+    # The caller's intra-op thread count: a kernel's reduction order can depend on it, and CPU
+    # experts must give bit for bit what they give in the calling thread (CPURuntime).
+    torch.set_num_threads(threads)
     t0 = time.perf_counter()
     with torch.inference_mode():
         ys = [job() for job in jobs]
@@ -171,6 +175,7 @@ class CopyRecord:
     buffer: object
     start: float
     end: float
+    free_at: float  # when the GPU finished reading the buffer's previous contents
 
 
 @dataclass
@@ -241,7 +246,7 @@ class EmulatedAccelerator:
         else:
             self.ready[slot] = end
         if self.keep_log:
-            self.copies.append(CopyRecord((layer, expert), buf, start, end))
+            self.copies.append(CopyRecord((layer, expert), buf, start, end, free_at))
         return buf
 
     def run(self, x: torch.Tensor, layer: int, expert: int, buf) -> _Pending:
@@ -267,9 +272,12 @@ class EmulatedAccelerator:
         return self.clock
 
     def check(self) -> None:
-        """Invariants for tests: no GPU expert started before its copy's event."""
+        """Invariants for tests: no GPU expert starts before its copy's event, no copy overwrites a
+        buffer the GPU is still reading."""
         for r in self.runs:
             assert r.start + 1e-12 >= r.ready, f"{r.key} ran at {r.start} before its copy was ready at {r.ready}"
+        for c in self.copies:
+            assert c.start + 1e-12 >= c.free_at, f"copy of {c.key} overwrote buffer {c.buffer} while in use"
 
 
 # ---- CUDA --------------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""`hybridmoe calibrate`: measure this machine's expert speed and save the cost profile."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hybridmoe.cli.options import DTYPES
+from hybridmoe.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure CPU (and GPU, PCIe) expert speed; save a cost profile",
+                       description="Time one routed expert over 1..512 tokens on the CPU (and the GPU and "
+                                   "PCIe copies when CUDA is there), fit the cost model, check it on shapes "
+                                   "not used for fitting, and save the profile as JSON.")
+    p.add_argument("--out", metavar="FILE", default=None,
+                   help="where to save the profile (default: the cache the engine reads on start)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="expert weights' dtype")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (what the engine runs on first start)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hybridmoe.experts.calibrate import calibrate, default_profile_path
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads}: give a positive number of threads")
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    result = calibrate(dtype, quick=args.quick)
+    out = args.out or default_profile_path(dtype)
+    try:
+        result.save(out)
+    except OSError as e:
+        raise UserError(f"cannot write {out} ({e.strerror}); pass a writable --out path")
+    print(report(result), file=sys.stderr)
+    print(f"saved {out}")
+    return 0
+
+
+def report(result) -> str:
+    p = result.profile
+    lines = [f"CPU: {p.bw_cpu / 1e9:.1f} GB/s, {p.f_cpu / 1e9:.0f} GFLOP/s, {p.c_cpu * 1e6:.0f} us per call "
+             f"({str(result.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"]
+    if p.has_gpu:
+        lines.append(f"GPU: {p.bw_gpu / 1e9:.0f} GB/s, {p.f_gpu / 1e12:.1f} TFLOP/s, {p.c_gpu * 1e6:.0f} us; "
+                     f"PCIe {p.bw_pcie / 1e9:.1f} GB/s + {p.c_copy * 1e6:.0f} us per copy")
+    lines.append("held-out checks (shapes and token counts not used for fitting):")
+    lines.append(f"  {'kind':5} {'expert':>10} {'tokens':>6} {'measured':>10} {'predicted':>10} {'error':>7}")
+    for c in result.checks:
+        shape = f"{c.hidden}x{c.intermediate}"
+        lines.append(f"  {c.kind:5} {shape:>10} {c.n_tokens:>6} {c.measured * 1e3:>8.3f}ms "
+                     f"{c.predicted * 1e3:>8.3f}ms {100 * c.error:>+6.1f}%")
+    lines.append(f"largest CPU error on held-out shapes: {100 * result.max_cpu_error():.1f}% (target: within 20%)")
+    return "\n".join(lines)
