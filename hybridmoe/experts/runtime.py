@@ -27,14 +27,16 @@ def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, tor
     topk_ids: [T, K]. Returned in increasing expert id.
     """
     flat = topk_ids.reshape(-1)  # [T*K]
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat[order]).tolist()
+    order = torch.argsort(flat, stable=True)  # [T*K]
     k = topk_ids.shape[1]
+    # Rows and columns for all assignments at once, then sliced per expert: a `//` and a `%` per expert
+    # cost 128 small ops per layer at prefill (integer remainder alone measured 33 us a call here).
+    rows, cols = order // k, order % k  # [T*K] each
+    counts = torch.bincount(flat).tolist()  # one sync per layer
     groups, start = [], 0
     for expert, count in enumerate(counts):
         if count:
-            idx = order[start : start + count]
-            groups.append((expert, idx // k, idx % k))
+            groups.append((expert, rows[start : start + count], cols[start : start + count]))
             start += count
     return groups
 
@@ -62,8 +64,17 @@ class CPURuntime(ExpertRuntime):
     """Every routed expert runs on the CPU, in the calling thread."""
 
     def forward(self, layer, x, topk_ids, topk_weights):
+        if x.shape[0] == 1:
+            return self._forward_token(layer, x, topk_ids, topk_weights)
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H], accumulated in fp32
         for expert, rows, cols in group_by_expert(topk_ids):
             y = expert_ffn(x[rows], self.store.get(layer, expert))  # [n, H]
             out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())
         return out.to(x.dtype)
+
+    def _forward_token(self, layer, x, topk_ids, topk_weights):
+        """Decode: one token, so no grouping, gathering or scattering; the K outputs are summed by one
+        [1, K] @ [K, H] product. This halves the ops per expert (16 -> 8), which measured about
+        3 ms of a 37 ms decode step (Qwen3-30B-A3B shapes, 4 layers, 1 thread)."""
+        ys = torch.cat([expert_ffn(x, self.store.get(layer, e)) for e in topk_ids[0].tolist()])  # [K, H]
+        return (topk_weights.float() @ ys.float()).to(x.dtype)  # [1, H], accumulated in fp32
