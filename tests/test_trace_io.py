@@ -1,0 +1,118 @@
+"""Routing traces on the tensor side: --record-trace writes what the model routed, --routing-trace
+makes the model route as the trace says."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.errors import UserError
+from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
+from hybridmoe.experts.profiles import PROFILES
+from hybridmoe.experts.trace_io import RoutingReplay, TraceRecorder
+from hybridmoe.loader import load_model
+from hybridmoe.sim.trace import read_trace
+from tests.tiny import build_tiny
+
+PROMPT = [5, 9, 14, 33, 2, 71]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+OLMOE_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral") / "model"
+    build_tiny("mixtral", path)  # 2 MoE layers, 8 experts, top-2, renormalised
+    return path
+
+
+def run(path, **options) -> list[int]:
+    config = HybridConfig(**{"device": "emulated", "cpu_clock": "model", **options})
+    model = load_model(path, runtime_factory=lambda s, d: HybridRuntime(s, d, config, PROFILES["this-machine-2core"]),
+                       progress=False)
+    tokens = list(generate_ids(model, PROMPT, GREEDY))
+    model.runtime.close()
+    return tokens
+
+
+def random_trace(path: Path, lines: int, layers: int = 2, experts: int = 8, k: int = 2, seed: int = 0) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    rows = [[rng.sample(range(experts), k) for _ in range(layers)] for _ in range(lines)]
+    path.write_text("".join(json.dumps({"tok": i + 1, "layers": r}) + "\n" for i, r in enumerate(rows)))
+    return rows
+
+
+def test_a_recorded_trace_reads_back(mixtral_dir, tmp_path):
+    out = tmp_path / "trace.jsonl"
+    run(mixtral_dir, record_trace=str(out))
+    lines = read_trace(out)
+    assert len(lines) == GREEDY.max_tokens - 1  # one line per decode step; the prompt is not one
+    assert [line.tok for line in lines] == list(range(1, len(lines) + 1))
+    for line in lines:
+        assert len(line.layers) == 2 and all(len(ids) == 2 and len(set(ids)) == 2 for ids in line.layers)
+        assert line.req == 0
+        assert all(sum(p) == pytest.approx(1.0, abs=1e-5) for p in line.probs)  # Mixtral renormalises
+
+
+def test_placement_does_not_change_the_recorded_routing(mixtral_dir, tmp_path):
+    a, b = tmp_path / "cpu.jsonl", tmp_path / "value.jsonl"
+    run(mixtral_dir, policy="cpu", record_trace=str(a))
+    run(mixtral_dir, policy="value", budget="0.5", record_trace=str(b))
+    assert a.read_text() == b.read_text()
+
+
+def test_replay_follows_the_trace_exactly(mixtral_dir, tmp_path):
+    trace, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = random_trace(trace, lines=40)
+    run(mixtral_dir, routing_trace=str(trace), record_trace=str(out))
+    recorded = read_trace(out)
+    # The prompt's rows take lines 0..P-1; decode step i takes line P + i.
+    assert [line.layers for line in recorded] == rows[len(PROMPT) : len(PROMPT) + len(recorded)]
+    for line in recorded:  # weights: the router's probabilities at the trace's ids, renormalised
+        assert all(sum(p) == pytest.approx(1.0, abs=1e-5) and min(p) > 0 for p in line.probs)
+
+
+def test_replay_differs_from_the_router_and_placement_still_does_not_matter(mixtral_dir, tmp_path):
+    trace = tmp_path / "in.jsonl"
+    random_trace(trace, lines=7, seed=3)  # shorter than the run: it cycles
+    replayed = run(mixtral_dir, routing_trace=str(trace))
+    assert replayed != run(mixtral_dir)
+    assert run(mixtral_dir, routing_trace=str(trace), policy="lru", budget="0.25") == replayed
+
+
+@pytest.mark.parametrize("k,experts,fragment", [(3, 8, "top-k"), (2, 12, "experts per layer")])
+def test_a_trace_of_another_model_is_a_clear_error(mixtral_dir, tmp_path, k, experts, fragment):
+    trace = tmp_path / "bad.jsonl"
+    random_trace(trace, lines=3, k=k, experts=experts, seed=1)
+    if experts > 8:  # make sure an out-of-range id is present
+        trace.write_text(json.dumps({"tok": 1, "layers": [[11, 0], [1, 2]]}) + "\n")
+    with pytest.raises(UserError, match=fragment):
+        run(mixtral_dir, routing_trace=str(trace))
+
+
+def test_recorder_writes_the_rows_the_engine_names(tmp_path):
+    out = tmp_path / "t.jsonl"
+    rec = TraceRecorder(out, num_moe_layers=2)
+    rec.begin_step(3, rows=[(0, "a"), (2, "b")])  # row 1 is a prompt token of another request
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    rec.add(0, ids, torch.full((3, 2), 0.5))
+    rec.add(1, ids + 1, torch.full((3, 2), 0.5))
+    rec.begin_step(4)  # a prompt: nothing recorded
+    rec.add(0, ids, torch.ones(3, 2))
+    rec.close()
+    lines = read_trace(out)
+    assert [(line.req, line.layers) for line in lines] == [("a", [[1, 2], [2, 3]]), ("b", [[5, 6], [6, 7]])]
+
+
+@pytest.mark.skipif(not OLMOE_TRACE.exists(), reason="the shared OLMoE trace is not beside this checkout")
+def test_the_olmoe_trace_replays_on_a_model_of_its_shape():
+    replay = RoutingReplay.from_file(OLMOE_TRACE, num_moe_layers=16, num_experts=64, top_k=8)
+    replay.begin_step(2)
+    assert replay.ids(0).shape == (2, 8)
+    assert replay.ids(17).tolist() == replay.ids(1).tolist()  # deeper models cycle the trace's layers
