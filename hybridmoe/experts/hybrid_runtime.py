@@ -86,6 +86,18 @@ def weights_at(block, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def combine(outputs: dict[int, torch.Tensor], groups, x, topk_ids, topk_weights) -> torch.Tensor:
+    """The weighted sum of expert outputs [T, H], with CPURuntime's arithmetic to the bit (fp32): one
+    token as a [1, K] @ [K, H] product in top-k order, more tokens by index_add_ in expert order."""
+    if x.shape[0] == 1:
+        ys = torch.cat([outputs[e] for e in topk_ids[0].tolist()])  # [K, H]
+        return (topk_weights.float() @ ys.float()).to(x.dtype)  # [1, H]
+    out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+    for expert, rows, cols in groups:
+        out.index_add_(0, rows, outputs[expert].float() * topk_weights[rows, cols, None].float())
+    return out.to(x.dtype)
+
+
 class HybridRuntime(ExpertRuntime):
     def __init__(self, shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel):
         super().__init__(shape, dtype)
@@ -159,10 +171,7 @@ class HybridRuntime(ExpertRuntime):
         self._observe(o, topk_ids, topk_weights)
         groups = group_by_expert(topk_ids)
         outputs = self._execute(layer, x, groups, topk_weights)
-        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]; the same arithmetic as CPURuntime
-        for expert, rows, cols in groups:
-            out.index_add_(0, rows, outputs[expert].float() * topk_weights[rows, cols, None].float())
-        return out.to(x.dtype)
+        return combine(outputs, groups, x, topk_ids, topk_weights)
 
     def _begin_step(self, n_rows: int) -> None:
         self.stats.begin_step(n_rows)
