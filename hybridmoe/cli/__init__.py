@@ -16,7 +16,6 @@ from hybridmoe.errors import UserError
 COMMANDS = [
     "generate",
     "chat",
-    "bench",
     "calibrate",
     "serve",
 ]
