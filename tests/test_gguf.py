@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridmoe.config import HFConfig
 from hybridmoe.engine.generate import forward_step
 from hybridmoe.engine.kv_cache import SequenceKV
 from hybridmoe.loader import gguf_file, load_model, model_config
@@ -186,6 +187,9 @@ def test_quantized_model_stays_close_to_full_precision(qtype, tmp_path):
     assert rel_err(our_logits(ours, ids), hf_logits(ref, ids)[8:]) <= bound
 
 
+_K_QUANT_CFG = HFConfig({"model_type": "llama", "num_attention_heads": 1, "num_key_value_heads": 1})
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
     """gguf cannot quantize K-quants, so random blocks are crafted (sane fp16 scales) and written raw."""
@@ -200,8 +204,7 @@ def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_dtype=qtype)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    reader = gguf_file._open.__wrapped__(str(path), 0, path.stat().st_size)
-    got = gguf_file._tensor(reader.tensors[0], str(path))
+    (got,) = [t for _, t in gguf_file.iter_tensors(path, _K_QUANT_CFG)]
     assert got.shape == (rows, cols) and torch.isfinite(got).all()
     torch.testing.assert_close(got, torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype)))
     if qtype == Q.Q4_K:  # and an independent reference for one K-quant
@@ -315,3 +318,29 @@ def test_cli_exits_2_with_one_line_on_a_truncated_gguf(good_gguf):
     assert "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and str(good_gguf) in errors[0] and "truncated" in errors[0]
+
+
+def test_gguf_peak_rss_while_loading_is_at_most_1_5x_weights(tmp_path):
+    """Experts come out of their stacks one at a time, so memory grows by about the weights only."""
+    import subprocess
+    import sys
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.test_load_memory import SCRIPT  # the same measurement as for safetensors
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path)  # ~170 MB fp32, ~85 MB as F16 GGUF
+    big = write_gguf(tmp_path, tmp_path / "big.gguf", Q.F16)
+    (tmp_path / "model.safetensors").unlink()
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    tiny_reference("mixtral", tiny)
+    small = write_gguf(tiny, tiny / "tiny.gguf")
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(big), str(small)], capture_output=True, text=True,
+                         check=True)
+    m = json.loads(out.stdout)
+    assert m["weights"] > 150e6  # everything was loaded, as fp32
+    assert (m["peak"] - m["base"]) / m["weights"] <= 1.5, m

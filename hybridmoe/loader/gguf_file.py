@@ -51,22 +51,24 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     permuted = _metadata(reader).get("general.architecture") == "llama"
     mla: dict[tuple[int, str], torch.Tensor] = {}
     try:
+        f = open(where, "rb")  # plain reads: pages of a memory map would stay in our RSS after their use
         for t in reader.tensors:
             layer, base, suffix = names.split(t.name, where)
             if base in names.EXPERT_STACKS:
                 for e in range(int(t.shape[-1])):
-                    yield names.expert_name(layer, e, names.EXPERT_STACKS[base], naming), _tensor(t, where, e)
+                    yield names.expert_name(layer, e, names.EXPERT_STACKS[base], naming), _tensor(t, f, where, e)
             elif base in names.MLA_HALVES:
-                mla[(layer, base)] = _tensor(t, where)
+                mla[(layer, base)] = _tensor(t, f, where)
                 if all((layer, half) in mla for half in names.MLA_HALVES):
                     kv_b = _join_kv_b(mla.pop((layer, "attn_k_b")), mla.pop((layer, "attn_v_b")))
                     yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b
             else:
-                tensor = _tensor(t, where)
+                tensor = _tensor(t, f, where)
                 if permuted and base in heads:
                     tensor = _unpermute_rows(tensor, heads[base])
                 yield names.hf_name(layer, base, suffix, naming, where), tensor
     finally:
+        f.close()
         _open.cache_clear()  # the memory map goes once loading is over
     if mla:
         (layer, half), _ = next(iter(mla.items()))
@@ -84,21 +86,37 @@ def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     return kv.reshape(-1, kv.shape[-1]).contiguous()
 
 
-def _tensor(t, where: str, index: int | None = None) -> torch.Tensor:
-    """One GGUF tensor (or one slice of a stack) as a torch tensor of its element shape."""
+def _tensor(t, f, where: str, index: int | None = None) -> torch.Tensor:
+    """One GGUF tensor (or one expert `index` of a stack), read from the open file `f`, as torch."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
-    data = t.data if index is None else t.data[index]
+    data = _read(t, f, index)
     if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        return torch.from_numpy(np.array(data))  # a copy: the memory map is read-only
+        return torch.from_numpy(data)
     if qtype == gguf.GGMLQuantizationType.BF16:  # stored as raw bytes [..., 2*cols]
-        return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
     try:
         return torch.from_numpy(gguf.quants.dequantize(data, qtype))
     except NotImplementedError:
         raise ModelFileError(f"{where}: tensor {t.name} is {qtype.name}, which the gguf package cannot "
                              "dequantize; requantize the model (Q8_0, Q4_K_M, ...)") from None
+
+
+def _read(t, f, index: int | None) -> np.ndarray:
+    """The bytes of tensor `t` (or of its slice `index` along the outermost dim) in the reader's
+    array layout: elements for float types, [..., bytes per row] for quantized blocks."""
+    shape, nbytes, offset = t.data.shape, t.n_bytes, t.data_offset  # t.data is a view: no pages touched
+    if index is not None:
+        nbytes //= shape[0]
+        offset += index * nbytes
+        shape = shape[1:]
+    buf = bytearray(nbytes)  # writable, so torch can take it without a copy
+    f.seek(offset)
+    if f.readinto(buf) != nbytes:
+        raise ModelFileError(f"{f.name}: tensor {t.name} runs past the end of the file (it is truncated); "
+                             "download the file again")
+    return np.frombuffer(buf, dtype=t.data.dtype).reshape(shape)
 
 
 def _metadata(reader) -> dict:
