@@ -1,17 +1,18 @@
-"""Generation for one prompt: prefill, then decode token by token with a contiguous KV cache."""
+"""Generation for one prompt (the `generate` and `chat` commands): the batching engine with a batch of one.
+
+`forward_step` over a contiguous `SequenceKV` stays as the simplest possible forward, for tests."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
 
 from hybridmoe.engine.kv_cache import BatchKVContext, SequenceKV
-from hybridmoe.engine.sampler import SamplingParams, make_generator, sample
-from hybridmoe.engine.stop import StopStrings
-from hybridmoe.loader.tokenizer import Detokenizer, Tokenizer
+from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.loader.tokenizer import Tokenizer
 
 
 @dataclass
@@ -42,46 +43,40 @@ def forward_step(model, cache: SequenceKV, ids: list[int], start: int) -> torch.
     return model.logits(hidden[-1:])[0]
 
 
+def single_engine(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids=None) -> LLMEngine:
+    """An engine for one request: the whole prompt in one step, a KV cache just large enough."""
+    need = len(prompt_ids) + params.max_tokens
+    need = min(need, model.cfg.get("max_position_embeddings", default=need))
+    config = EngineConfig(max_batch_size=1, max_tokens_per_step=max(len(prompt_ids), 1), kv_cache_tokens=need + 16)
+    return LLMEngine(model, tokenizer, config, eos_ids=eos_ids)
+
+
+def _run(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,
+         stats: GenerationStats) -> Iterator[RequestOutput]:
+    stats.prompt_tokens = len(prompt_ids)
+    engine.add_request(prompt_ids, params, "generate")
+    while engine.has_unfinished():
+        for out in engine.step():
+            stats.completion_tokens, stats.prefill_s, stats.decode_s = out.completion_tokens, out.prefill_s, out.decode_s
+            stats.finish_reason = out.finish_reason or ""
+            yield out
+
+
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, eos_ids=frozenset(),
                  stats: GenerationStats | None = None) -> Iterator[int]:
-    """Yield generated token ids until EOS or max_tokens (stop strings are the caller's, on text)."""
+    """Yield generated token ids until EOS (not yielded, but counted) or max_tokens; the engine, batch of one.
+    Stop strings are the caller's, on text."""
     stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = len(prompt_ids)
-    gen = None if params.greedy else make_generator(params.seed)
-    cache, output = SequenceKV(), []
-    t0 = time.perf_counter()
-    logits = forward_step(model, cache, prompt_ids, 0)
-    stats.prefill_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    while len(output) < params.max_tokens:
-        token = sample(logits, params, gen, prompt_ids, output)
-        output.append(token)
-        stats.completion_tokens = len(output)
-        if token in eos_ids and not params.ignore_eos:
-            stats.finish_reason = "stop"
-            break
-        yield token
-        if len(output) >= params.max_tokens:
-            break
-        logits = forward_step(model, cache, [token], len(prompt_ids) + len(output) - 1)
-        stats.decode_s = time.perf_counter() - t1
-    stats.finish_reason = stats.finish_reason or "length"
+    params = replace(params, stop=[])
+    for out in _run(single_engine(model, None, prompt_ids, params, eos_ids), prompt_ids, params, stats):
+        if not (out.finish_reason == "stop" and not params.ignore_eos):
+            yield from out.token_ids
 
 
 def generate_text(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
                   stats: GenerationStats | None = None) -> Iterator[str]:
     """Yield text increments, honouring EOS, stop strings and max_tokens."""
     stats = stats if stats is not None else GenerationStats()
-    detok, stops = Detokenizer(tokenizer, prompt_ids), StopStrings(params.stop)
-    ids = generate_ids(model, prompt_ids, params, tokenizer.eos_ids, stats)
-    for token in ids:
-        text, hit = stops.feed(detok.add(token))
-        if text:
-            yield text
-        if hit:
-            stats.finish_reason = "stop"
-            ids.close()
-            return
-    tail = stops.flush()
-    if tail:
-        yield tail
+    for out in _run(single_engine(model, tokenizer, prompt_ids, params), prompt_ids, params, stats):
+        if out.text:
+            yield out.text
