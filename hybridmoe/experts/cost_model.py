@@ -63,6 +63,10 @@ class CostModel:
     name: str = ""
     # Effective CPU bandwidth per quantisation when it differs from bw_cpu (dequantisation costs).
     bw_cpu_by_quant: dict[str, float] = field(default_factory=dict)
+    # One token runs a matrix-vector kernel that streams weights faster than the batched (GEMM)
+    # kernel does at small n (measured: 1536x640 fp32, 1 thread: 0.69 ms at n=1, 1.1-1.6 ms at
+    # n=2..12); 0 = no separate figure, bw_cpu for every n. Set by experts/calibrate.py.
+    bw_cpu_one: float = 0.0
     # Geometry, filled in by for_expert():
     expert_bytes: float = 0.0
     flops_per_token: float = 0.0
@@ -88,7 +92,8 @@ class CostModel:
         )
 
     def t_cpu(self, n: int) -> float:
-        return max(self.expert_bytes / self.bw_cpu, n * self.flops_per_token / self.f_cpu) + self.c_cpu
+        bw = self.bw_cpu_one if n == 1 and self.bw_cpu_one else self.bw_cpu
+        return max(self.expert_bytes / bw, n * self.flops_per_token / self.f_cpu) + self.c_cpu
 
     def t_gpu(self, n: int) -> float:
         if not self.has_gpu:

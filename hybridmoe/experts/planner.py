@@ -138,7 +138,7 @@ class Planner:
         plan = Plan(layer=layer, now=now)
         hits, late, misses = self._classify(layer, routed, now, plan)
         if not (self.policy.uses_gpu and self.cost.has_gpu):
-            plan.cpu = late + misses
+            plan.cpu, plan.gpu_hits = hits + late + misses, []
         else:
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
@@ -312,13 +312,15 @@ class Planner:
         plan.gpu_finish = t
 
     def _background(self, layer: int, now: float, plan: Plan) -> None:
-        """Copies the policy wants for later, while the copy stream would idle in this layer."""
-        end = plan.makespan
-        if self.copy_free >= end:
+        """Copies the policy wants for later (admissions, prefetches)."""
+        # An idle stream always takes one; a busy one only while its backlog ends `slack` copies
+        # before this layer does (so the next layer's demand copies do not queue behind it).
+        end = plan.makespan - self.policy.background_slack * self.cost.t_copy()
+        if self.copy_free > now and self.copy_free >= end:
             return
         protect = self.protected(now, plan)
         for key in self.policy.background(layer, now, plan):
-            if self.copy_free >= end:
+            if self.copy_free > now and self.copy_free >= end:
                 break
             if key in self.cache or key in protect:
                 continue

@@ -85,6 +85,17 @@ PROFILES: dict[str, CostModel] = {
 }
 
 
+# (VRAM, RAM) in GB of each profiled machine, for `hybridmoe plan`. VRAM: vendor spec. RAM: est.,
+# a typical build of that class (desktop 64 GB, budget desktop 32 GB, server 512 GB).
+MEMORY_GB: dict[str, tuple[float, float]] = {
+    "rtx4090-ddr5": (24, 64),
+    "rtx3090-ddr4": (24, 64),
+    "rtx4060-8gb-ddr5": (8, 32),
+    "h100-spr": (80, 512),
+    "this-machine-2core": (0, 23),  # no GPU; 23 GB total RAM (`free -g`)
+}
+
+
 def get_profile(name: str) -> CostModel:
     """A named profile, or the path of a JSON profile written by `hybridmoe calibrate`."""
     if name in PROFILES:

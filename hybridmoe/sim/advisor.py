@@ -1,0 +1,88 @@
+"""`hybridmoe plan`: which quantisation, GPU expert budget and policy are fastest on a machine.
+
+For each quantisation: does the model fit in RAM; what VRAM is left for experts once the dense
+weights, the KV-cache reserve and the runtime overhead are on the GPU; then the simulator runs the
+candidate policies at that budget (on the given trace, or a synthetic one of the model's shape)
+and the fastest wins. Dense layers are charged at GPU memory speed per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from hybridmoe.experts.cost_model import quant_bytes
+from hybridmoe.experts.profiles import MEMORY_GB, get_profile
+from hybridmoe.sim.shapes import ModelShape
+from hybridmoe.sim.simulator import SimConfig, simulate
+from hybridmoe.sim.synthetic import SynthConfig, generate
+
+GB = 1e9
+RUNTIME_OVERHEAD_GB = 1.0  # CUDA context, activations, staging buffers (est.)
+RAM_OVERHEAD_GB = 4.0  # OS and the Python process (est.)
+
+
+@dataclass
+class Option:
+    quant: str
+    fits_ram: bool
+    ram_needed_gb: float
+    expert_budget: float  # fraction of routed-expert bytes on the GPU
+    expert_gb_on_gpu: float
+    kv_gb: float  # VRAM left for the KV cache
+    policy: str = ""
+    tokens_per_s: float = 0.0
+    hit_rate: float = 0.0
+
+
+def budget_for(shape: ModelShape, quant: str, vram_gb: float, kv_gb: float) -> tuple[float, float]:
+    """(fraction of expert bytes that fits, GB it takes) after dense weights and the KV reserve."""
+    qb = quant_bytes(quant)
+    dense_gb = shape.dense_params * qb / GB
+    experts_gb = shape.routed_params() * qb / GB
+    left = max(0.0, vram_gb - dense_gb - kv_gb - RUNTIME_OVERHEAD_GB)
+    frac = min(1.0, left / experts_gb) if experts_gb else 0.0
+    return frac, frac * experts_gb
+
+
+def advise(shape: ModelShape, hardware: str, vram_gb: float | None, ram_gb: float | None, lines=None,
+           quants=("bf16", "q8", "q4"), policies=("static", "hybrimoe", "value"), kv_gb: float | None = None) -> list[Option]:
+    base = get_profile(hardware)
+    default_vram, default_ram = MEMORY_GB.get(hardware, (0.0, 64.0))
+    vram = default_vram if vram_gb is None else vram_gb
+    ram = default_ram if ram_gb is None else ram_gb
+    kv = max(1.0, 0.1 * vram) if kv_gb is None else kv_gb
+    lines = lines or synthetic_for(shape)
+    options = []
+    for quant in quants:
+        qb = quant_bytes(quant)
+        need = (shape.routed_params() + (0 if vram else shape.dense_params)) * qb / GB + RAM_OVERHEAD_GB
+        frac, on_gpu = budget_for(shape, quant, vram, kv) if base.has_gpu and vram else (0.0, 0.0)
+        opt = Option(quant, need <= ram, need, round(frac, 4), on_gpu, kv if vram else 0.0)
+        cost = base.for_expert(shape.experts, quant)
+        dense_s = _dense_seconds_per_layer(shape, cost, qb)
+        for policy in policies if frac > 0 else ("cpu",):
+            r = simulate(lines, shape, cost, SimConfig(policy=policy, budget=str(frac), dense_s=dense_s))
+            if r.tokens_per_s > opt.tokens_per_s:
+                opt.policy, opt.tokens_per_s, opt.hit_rate = policy, r.tokens_per_s, r.hit_rate
+        options.append(opt)
+    return options
+
+
+def _dense_seconds_per_layer(shape: ModelShape, cost, qb: float) -> float:
+    bw = cost.bw_gpu if cost.has_gpu else cost.bw_cpu
+    return shape.dense_params * qb / bw / shape.num_moe_layers
+
+
+def synthetic_for(shape: ModelShape, tokens: int = 120):
+    e = shape.experts
+    return generate(SynthConfig(layers=shape.num_moe_layers, experts=e.num_experts, top_k=e.top_k, tokens=tokens,
+                                skew=1.0, locality=0.4, drift=60, seed=0))
+
+
+def best(options: list[Option]) -> Option | None:
+    fitting = [o for o in options if o.fits_ram]
+    return max(fitting, key=lambda o: o.tokens_per_s) if fitting else None
+
+
+def to_json(options: list[Option]) -> list[dict]:
+    return [asdict(o) for o in options]

@@ -1,0 +1,131 @@
+"""Each policy does what its peer does (policies.py's table), on hand-made situations."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridmoe.errors import UserError
+from hybridmoe.experts.cache import ExpertCache
+from hybridmoe.experts.planner import Planner, PlannerConfig, Routed
+from hybridmoe.experts.policies import POLICIES, make_policy
+from hybridmoe.experts.predictor import Predictor
+from hybridmoe.sim.oracle import Future
+from tests.test_planner import cost_model
+
+LAYERS = [0, 1]
+E = 8
+
+
+def planner_for(policy, slots, dynamic=(), pinned=(), cost=None):
+    cache = ExpertCache(slots)
+    cache.place(list(pinned), pinned=True)
+    cache.place(list(dynamic), pinned=False)
+    return Planner(cost or cost_model(100, 250, 5), cache, policy, Predictor(LAYERS, E, 2), PlannerConfig())
+
+
+def run_steps(planner, steps, gap=1.0):
+    """Each step is a list per layer of expert ids; layers far apart so copies always finish.
+    The clock carries on from the planner's previous run_steps."""
+    clock, plans = getattr(planner, "test_clock", 0.0), []
+    for step in steps:
+        for layer, ids in zip(LAYERS, step):
+            plan = planner.plan(layer, [Routed(e) for e in ids], now=clock)
+            planner.complete(plan)
+            plans.append(plan)
+            clock = plan.makespan + gap
+    planner.test_clock = clock
+    return plans
+
+
+def test_cpu_policy_never_touches_the_gpu():
+    planner = planner_for(make_policy("cpu"), 4, dynamic=[(0, 1)])
+    plans = run_steps(planner, [[[1, 2], [3]], [[1], [4, 5]]])
+    assert all(not p.gpu_hits and not p.gpu_copied and not p.copies and not p.prefetches for p in plans)
+
+
+def test_static_keeps_its_set_and_never_copies():
+    planner = planner_for(make_policy("static"), 2, pinned=[(0, 1), (1, 3)])
+    plans = run_steps(planner, [[[1, 2, 4, 5, 6], [3, 7]]] * 3)
+    assert set(planner.cache.slot_of) == {(0, 1), (1, 3)}
+    assert all(not p.copies and not p.prefetches for p in plans)
+    assert [r.expert for r in plans[0].gpu_hits] == [1]
+
+
+def test_fiddler_copies_only_when_copy_and_gpu_beat_the_cpu_and_keeps_nothing():
+    # A 1 MB expert: 100 us on the CPU at one token, 50 ms/token... compute-bound past 2 tokens.
+    cost = cost_model(100, 250, 5)
+    planner = planner_for(make_policy("fiddler"), 2, pinned=[(0, 1)], cost=cost)
+    few = planner.plan(0, [Routed(2, 1)], now=0.0)
+    assert few.cpu and not few.copies  # 100 us on the CPU < 250 us copy
+    many = planner.plan(1, [Routed(2, 64)], now=1.0)
+    assert cost.t_copy() + cost.t_gpu(64) < cost.t_cpu(64)
+    assert [c.slot for c in many.copies] == [None] and [r.expert for r in many.gpu_copied] == [2]
+    assert set(planner.cache.slot_of) == {(0, 1)}
+
+
+def test_lru_evicts_the_least_recently_used_expert_of_the_same_layer():
+    planner = planner_for(make_policy("lru"), 4)  # two slots per layer
+    run_steps(planner, [[[1], [5]], [[2], [5]]])
+    assert {(0, 1), (0, 2)} <= set(planner.cache.slot_of)
+    run_steps(planner, [[[1], [5]], [[3], [5]]])  # 1 used again, so 2 is the least recent
+    layer0 = {k for k in planner.cache.slot_of if k[0] == 0}
+    assert layer0 == {(0, 1), (0, 3)}
+
+
+def test_lfu_evicts_the_least_frequently_used_expert():
+    planner = planner_for(make_policy("lfu"), 4)
+    run_steps(planner, [[[1], [5]], [[1], [5]], [[2], [5]], [[3], [5]]])
+    layer0 = {k for k in planner.cache.slot_of if k[0] == 0}
+    assert layer0 == {(0, 1), (0, 3)}  # 2 (one use, older) went; 1 (two uses) stays
+
+
+def test_hybrimoe_scores_are_an_ema_of_router_weights_and_the_lowest_goes():
+    policy = make_policy("hybrimoe")
+    planner = planner_for(policy, 4)
+    planner.plan(0, [Routed(1, 1, 0.8), Routed(2, 1, 0.2)], now=0.0)
+    assert policy.score[(0, 1)] == pytest.approx(0.4) and policy.score[(0, 2)] == pytest.approx(0.1)
+    planner.plan(1, [Routed(6)], now=1.0)
+    planner.plan(0, [Routed(1, 1, 0.5), Routed(3, 1, 0.5)], now=2.0)
+    assert policy.score[(0, 1)] == pytest.approx(0.5 * 0.5 + 0.5 * 0.4)
+    planner.cache.place([(0, 2), (0, 4)], pinned=False)
+    policy.score[(0, 4)] = 0.3
+    ok, victim = policy.make_room((0, 5), protect=set(), now=3.0, free=planner.cache.free_count())
+    assert ok and victim == (0, 2)  # score 0.05 after one EMA step without use
+
+
+def test_hybrimoe_prefetches_the_next_layers_predicted_experts():
+    policy = make_policy("hybrimoe")
+    planner = planner_for(policy, 4)
+    run_steps(planner, [[[1, 2], [6, 7]]] * 3)
+    plan = planner.plan(0, [Routed(1), Routed(2)], now=100.0)
+    assert {(c.layer, c.expert) for c in plan.prefetches} <= {(1, 6), (1, 7)}
+    assert all(k in planner.cache for k in [(1, 6), (1, 7)])
+
+
+def test_value_keeps_the_expert_used_every_step_over_one_used_once():
+    policy = make_policy("value")
+    planner = planner_for(policy, 1)
+    run_steps(planner, [[[1], [5]]] * 6 + [[[2], [5]]])
+    # One slot: (0, 1) was used six steps running; (0, 2) once. Expected time to next use
+    # favours keeping 1 (or the steady layer-1 expert 5): never the one-off 2.
+    assert (0, 2) not in planner.cache
+    assert policy.distance((0, 1), 0.0) < policy.distance((0, 2), 0.0)
+
+
+def test_belady_evicts_the_expert_used_farthest_in_the_future():
+    steps = [[[1], [5]], [[2], [5]], [[1], [5]], [[3], [5]], [[2], [5]]]
+    future = Future(steps, LAYERS)
+    policy = make_policy("belady", future=future)
+    planner = planner_for(policy, 2)
+    run_steps(planner, steps[:2])  # after step 1: holds 1 and 2 (layer 1's 5 could not fit)
+    assert future.next_use((0, 1), 2) == 4 and future.next_use((0, 2), 2) == 8
+    run_steps(planner, steps[2:4])
+    assert (0, 2) in planner.cache or (0, 1) in planner.cache
+
+
+def test_unknown_policy_and_belady_without_future_are_user_errors():
+    with pytest.raises(UserError, match="value"):
+        make_policy("magic")
+    with pytest.raises(UserError, match="simulate"):
+        make_policy("belady")
+    assert set(POLICIES) == {"cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value", "belady"}
