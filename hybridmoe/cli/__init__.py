@@ -18,6 +18,8 @@ COMMANDS = [
     "chat",
     "calibrate",
     "serve",
+    "simulate",
+    "plan",
 ]
 
 
