@@ -19,7 +19,7 @@ def small_shapes(monkeypatch):
     monkeypatch.setattr(cal, "FIT_SHAPES", ((256, 128), (768, 384)))
     monkeypatch.setattr(cal, "CHECK_SHAPES", ((512, 256),))
     monkeypatch.setattr(cal, "QUICK_FIT_TOKENS", (1, 4, 16, 64))
-    monkeypatch.setattr(cal, "QUICK_CHECK_TOKENS", (2, 32))
+    monkeypatch.setattr(cal, "QUICK_CHECK_TOKENS", (3, 48))
     monkeypatch.setattr(cal, "ROTATE_BYTES", 8e6)
 
 
@@ -33,7 +33,7 @@ def test_calibrate_writes_a_profile_the_engine_loads(small_shapes, tmp_path):
     assert data["dtype"] == "float32" and data["checks"]
     assert {(c["hidden"], c["intermediate"]) for c in data["checks"]} == {(512, 256)}  # held out of the fit
     assert all(c["measured"] > 0 and c["predicted"] > 0 for c in data["checks"])
-    assert {(s.bytes, s.n_tokens) for s in result.samples}.isdisjoint({(512 * 256 * 12, n) for n in (2, 32)})
+    assert {(s.bytes, s.n_tokens) for s in result.samples}.isdisjoint({(512 * 256 * 12, n) for n in (3, 48)})
 
 
 def test_the_check_uses_the_runtime_cost_formula():

@@ -44,7 +44,8 @@ def run(args) -> int:
 
 def report(result) -> str:
     p = result.profile
-    lines = [f"CPU: {p.bw_cpu / 1e9:.1f} GB/s, {p.f_cpu / 1e9:.0f} GFLOP/s, {p.c_cpu * 1e6:.0f} us per call "
+    lines = [f"CPU: {p.bw_cpu / 1e9:.1f} GB/s ({(p.bw_cpu_one or p.bw_cpu) / 1e9:.1f} GB/s for one token), "
+             f"{p.f_cpu / 1e9:.0f} GFLOP/s, {p.c_cpu * 1e6:.0f} us per call "
              f"({str(result.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"]
     if p.has_gpu:
         lines.append(f"GPU: {p.bw_gpu / 1e9:.0f} GB/s, {p.f_gpu / 1e12:.1f} TFLOP/s, {p.c_gpu * 1e6:.0f} us; "
