@@ -16,11 +16,11 @@ from hybridmoe.experts.store import ExpertShape
 @pytest.fixture
 def small_shapes(monkeypatch):
     """Small experts and few token counts: the same code path in a second."""
-    monkeypatch.setattr(cal, "FIT_SHAPES", ((256, 128), (768, 384)))
-    monkeypatch.setattr(cal, "CHECK_SHAPES", ((512, 256),))
+    monkeypatch.setattr(cal, "FIT_SHAPES", ((512, 256), (1536, 768)))  # 1.5 and 14 MB: time grows with size
+    monkeypatch.setattr(cal, "CHECK_SHAPES", ((1024, 512),))
     monkeypatch.setattr(cal, "QUICK_FIT_TOKENS", (1, 4, 16, 64))
     monkeypatch.setattr(cal, "QUICK_CHECK_TOKENS", (3, 48))
-    monkeypatch.setattr(cal, "ROTATE_BYTES", 8e6)
+    monkeypatch.setattr(cal, "ROTATE_BYTES", 16e6)
 
 
 def test_calibrate_writes_a_profile_the_engine_loads(small_shapes, tmp_path):
@@ -31,9 +31,9 @@ def test_calibrate_writes_a_profile_the_engine_loads(small_shapes, tmp_path):
     assert profile.bw_cpu > 0 and profile.f_cpu > 0 and profile.c_cpu >= 0 and not profile.has_gpu
     data = json.loads(out.read_text())
     assert data["dtype"] == "float32" and data["checks"]
-    assert {(c["hidden"], c["intermediate"]) for c in data["checks"]} == {(512, 256)}  # held out of the fit
+    assert {(c["hidden"], c["intermediate"]) for c in data["checks"]} == {(1024, 512)}  # held out of the fit
     assert all(c["measured"] > 0 and c["predicted"] > 0 for c in data["checks"])
-    assert {(s.bytes, s.n_tokens) for s in result.samples}.isdisjoint({(512 * 256 * 12, n) for n in (3, 48)})
+    assert {(s.bytes, s.n_tokens) for s in result.samples}.isdisjoint({(1024 * 512 * 12, n) for n in (3, 48)})
 
 
 def test_the_check_uses_the_runtime_cost_formula():
