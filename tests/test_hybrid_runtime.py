@@ -150,6 +150,8 @@ def test_stats_add_up(tiny_dir):
     d = stats.to_dict()
     assert 0.0 <= d["hit_rate"] <= 1.0 and d["slots"] == runtime.planner.cache.slots
     assert "hits" in stats.summary()
+    assert stats.hits == t["hits"] and stats.hit_rate == d["hit_rate"]  # attributes, for /metrics
+    assert 0.0 < stats.predictor_recall <= 1.0
 
 
 def test_cpu_policy_and_no_accelerator_run_everything_on_the_cpu(tiny_dir):

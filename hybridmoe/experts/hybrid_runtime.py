@@ -174,6 +174,7 @@ class HybridRuntime(ExpertRuntime):
         return combine(outputs, groups, x, topk_ids, topk_weights)
 
     def _begin_step(self, n_rows: int) -> None:
+        self.refresh_stats()
         self.stats.begin_step(n_rows)
         self.activations.tokens += n_rows
         if self.replay is not None:

@@ -24,6 +24,10 @@ def _blank() -> dict[str, float]:
     return dict.fromkeys(FIELDS, 0)
 
 
+DERIVED = ("hit_rate", "prefetch_precision", "predicted_over_measured", "cpu_busy_fraction", "gpu_busy_fraction",
+           "expert_ms_per_token")
+
+
 def derived(c: dict) -> dict:
     """Rates from counters: hit rate, prefetch precision, predicted/measured, busy fractions."""
     measured = c["measured_s"]
@@ -89,3 +93,13 @@ class RuntimeStats:
             f"GPU busy {1e3 * d['gpu_busy_s']:.1f} ms, copy stream {1e3 * d['copy_busy_s']:.1f} ms",
             f"  predictor: precision {100 * d['predictor_precision']:.0f}%, recall {100 * d['predictor_recall']:.0f}%",
         ])
+
+
+# Every total and rate is also an attribute (stats.hits, stats.hit_rate), so that readers that walk
+# an object's numeric properties, such as the server's /metrics, see them all.
+for _name in FIELDS:
+    setattr(RuntimeStats, _name, property(lambda self, f=_name: self.total[f]))
+for _name in DERIVED:
+    setattr(RuntimeStats, _name, property(lambda self, f=_name: derived(self.total)[f]))
+RuntimeStats.predictor_precision = property(lambda self: self.predictor["precision"])
+RuntimeStats.predictor_recall = property(lambda self: self.predictor["recall"])
