@@ -1,0 +1,34 @@
+"""Where the built demo model lives, and building it on first use.
+
+The directory name carries the recipe version and the configuration, so a changed recipe or an
+option like `--experts 32` never picks up a stale build.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from hybridmoe.demo.build import DEFAULT_SPEC, RECIPE_VERSION, MoESpec, build, is_complete
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/hybridmoe, or ~/.cache/hybridmoe."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "hybridmoe"
+
+
+def demo_model_path(spec: MoESpec = DEFAULT_SPEC) -> Path:
+    """The cache directory of the demo model built with `spec` (it may not exist yet)."""
+    return cache_root() / f"demo-smollm2-{spec.tag()}-v{RECIPE_VERSION}"
+
+
+def ensure_demo_model(spec: MoESpec = DEFAULT_SPEC) -> Path:
+    """The path of the built demo model, building it first (with a one-line notice) if needed."""
+    path = demo_model_path(spec)
+    if not is_complete(path):
+        print(f"hybridmoe: building the demo model into {path} (once, about a minute)...",
+              file=sys.stderr)
+        build(path, spec)
+    return path

