@@ -20,6 +20,7 @@ COMMANDS = [
     "serve",
     "simulate",
     "plan",
+    "demo-model",
 ]
 
 
