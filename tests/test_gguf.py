@@ -67,6 +67,26 @@ def test_gguf_logits_match_transformers(arch, qtype, tmp_path):
     assert rel_err(got, want) <= 1e-4
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_bf16_gguf_logits_match_transformers_with_bf16_weights(arch, tmp_path):
+    ref = tiny_reference(arch, tmp_path)
+    path = write_gguf(tmp_path, tmp_path / "model.gguf", Q.BF16)
+    with torch.no_grad():  # what a BF16 GGUF holds: matrices rounded to bf16, 1-D tensors fp32
+        for p in ref.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.bfloat16().float())
+    ids = list(range(7, 23))
+    got = our_logits(load_model(path, progress=False), ids)
+    assert rel_err(got, hf_logits(ref, ids)[8:]) <= 1e-4
+
+
+def test_count_tensors_is_what_iter_tensors_yields(tmp_path):
+    tiny_reference("deepseek_v3", tmp_path)  # stacked experts and split kv_b: counts differ from the file's
+    path = write_gguf(tmp_path, tmp_path / "model.gguf")
+    yielded = list(gguf_file.iter_tensors(path, model_config(path)))
+    assert gguf_file.count_tensors(path) == len(yielded) != len(gguf.GGUFReader(str(path)).tensors)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gguf_config_matches_config_json(arch, tmp_path):
     tiny_reference(arch, tmp_path)

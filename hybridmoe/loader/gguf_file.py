@@ -67,6 +67,8 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
                 tensor = _tensor(t, f, where)
                 if permuted and base in heads:
                     tensor = _unpermute_rows(tensor, heads[base])
+                if base == "ffn_gate_inp_shexp" and tensor.dim() == 1:  # llama.cpp accepts it as [H]; HF has [1, H]
+                    tensor = tensor[None]
                 yield names.hf_name(layer, base, suffix, naming, where), tensor
     finally:
         f.close()
