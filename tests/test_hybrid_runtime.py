@@ -187,3 +187,14 @@ def test_expert_stats_round_trip_into_frequency_placement(tiny_dir, tmp_path):
     cache = placed.runtime.planner.cache
     assert set(cache.slot_of) == set(stats.ranked()[: cache.slots])
     placed.runtime.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["static", "fiddler", "value"])
+def test_the_cuda_path_gives_the_cpu_tokens(policy, tiny_dir):
+    path = tiny_dir("mixtral")
+    reference = greedy_tokens(load_model(path, progress=False))
+    model = hybrid_model(path, policy=policy, budget="0.5", device="cuda", keep_log=False, cpu_clock="measured")
+    assert greedy_tokens(model) == reference
+    assert model.runtime.stats.total["gpu_runs"] > 0
+    model.runtime.close()

@@ -55,11 +55,14 @@ class HybridConfig:
 
 
 def device_cost(cost: CostModel, device: str) -> CostModel:
-    """The constants the planner uses on `device`: no GPU terms on the CPU; an emulated GPU borrows
-    them from a named profile when the calibration measured none."""
+    """The constants the planner uses on `device`: no GPU terms on the CPU; a GPU (emulated or real)
+    borrows them from a named profile when the calibration measured none."""
     if device == "cpu":
         return cost.without_gpu()
-    if device == "emulated" and not cost.has_gpu:
+    if not cost.has_gpu:
+        if device == "cuda":
+            print(f"hybridmoe: the cost profile has no GPU figures; planning with {EMULATED_GPU}'s until "
+                  "`hybridmoe calibrate` is run on this machine", file=sys.stderr)
         g = PROFILES[EMULATED_GPU]
         return replace(cost, bw_gpu=g.bw_gpu, f_gpu=g.f_gpu, c_gpu=g.c_gpu, bw_pcie=g.bw_pcie,
                        c_copy=g.c_copy, c_act=g.c_act)
