@@ -49,10 +49,11 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     naming = names.NAMING.get(cfg.model_type, names.Naming())
     # llama.cpp's llama converter interleaves q/k rows per head (GPT-J rope); HF keeps the halves apart
     heads = {"attn_q": cfg.get("num_attention_heads"), "attn_k": cfg.get("num_key_value_heads")}
-    permuted = _metadata(reader).get("general.architecture") == "llama"
+    if _metadata(reader).get("general.architecture") != "llama":
+        heads = {}
     mla: dict[tuple[int, str], torch.Tensor] = {}
+    f = open(where, "rb")  # plain reads: pages of a memory map would stay in our RSS after their use
     try:
-        f = open(where, "rb")  # plain reads: pages of a memory map would stay in our RSS after their use
         for t in reader.tensors:
             layer, base, suffix = names.split(t.name, where)
             if base in names.EXPERT_STACKS:
@@ -64,18 +65,22 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
                     kv_b = _join_kv_b(mla.pop((layer, "attn_k_b")), mla.pop((layer, "attn_v_b")))
                     yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b
             else:
-                tensor = _tensor(t, f, where)
-                if permuted and base in heads:
-                    tensor = _unpermute_rows(tensor, heads[base])
-                if base == "ffn_gate_inp_shexp" and tensor.dim() == 1:  # llama.cpp accepts it as [H]; HF has [1, H]
-                    tensor = tensor[None]
-                yield names.hf_name(layer, base, suffix, naming, where), tensor
+                yield names.hf_name(layer, base, suffix, naming, where), _fix_layout(base, _tensor(t, f, where), heads)
     finally:
         f.close()
         _open.cache_clear()  # the memory map goes once loading is over
     if mla:
         (layer, half), _ = next(iter(mla.items()))
         raise ModelFileError(f"{where}: layer {layer} has {half} but not its other half; the file is incomplete")
+
+
+def _fix_layout(base: str, tensor: torch.Tensor, heads: dict[str, int]) -> torch.Tensor:
+    """Where llama.cpp's layout of a tensor differs from Hugging Face's, convert it back."""
+    if base in heads:
+        return _unpermute_rows(tensor, heads[base])
+    if base == "ffn_gate_inp_shexp" and tensor.dim() == 1:  # llama.cpp accepts it as [H]; HF has [1, H]
+        return tensor[None]
+    return tensor
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
