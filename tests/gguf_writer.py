@@ -27,10 +27,11 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, drop: str | None = None,
-               arch_name: str | None = None) -> Path:
+               arch_name: str | None = None, legacy_experts: bool = False) -> Path:
     """Convert the checkpoint in `hf_dir` (config.json + model.safetensors) to the GGUF file `out`.
     `drop` leaves out the GGUF tensor of that name and `arch_name` overrides general.architecture
-    (both for the bad-input tests)."""
+    (both for the bad-input tests); `legacy_experts` writes one tensor per expert, blk.N.ffn_up.E.weight,
+    as llama.cpp did before it stacked them."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
     writer = gguf.GGUFWriter(str(out), arch_name or gguf.MODEL_ARCH_NAMES[arch])
@@ -38,6 +39,11 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, drop: str | None = Non
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])  # for dense MLP layers
     for hf_name, tensor in llama_cpp_tensors(load_file(str(hf_dir / "model.safetensors")), cfg):
+        if legacy_experts and tensor.dim() == 3:
+            _, layer, stack, _ = names.get_name(hf_name, try_suffixes=(".weight",)).split(".")
+            for e, expert in enumerate(tensor):  # blk.0.ffn_up_exps -> blk.0.ffn_up.E
+                add_tensor(writer, f"blk.{layer}.{stack.removesuffix('_exps')}.{e}.weight", expert.float().numpy(), qtype)
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or dense.get_name(
             hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name

@@ -80,6 +80,14 @@ def test_bf16_gguf_logits_match_transformers_with_bf16_weights(arch, tmp_path):
     assert rel_err(got, hf_logits(ref, ids)[8:]) <= 1e-4
 
 
+def test_legacy_per_expert_mixtral_gguf_loads(tmp_path):
+    ref = tiny_reference("mixtral", tmp_path)
+    path = write_gguf(tmp_path, tmp_path / "model.gguf", legacy_experts=True)
+    assert any(t.name == "blk.0.ffn_up.7.weight" for t in gguf.GGUFReader(str(path)).tensors)
+    ids = list(range(4, 20))
+    assert rel_err(our_logits(load_model(path, progress=False), ids), hf_logits(ref, ids)[8:]) <= 1e-4
+
+
 def test_count_tensors_is_what_iter_tensors_yields(tmp_path):
     tiny_reference("deepseek_v3", tmp_path)  # stacked experts and split kv_b: counts differ from the file's
     path = write_gguf(tmp_path, tmp_path / "model.gguf")

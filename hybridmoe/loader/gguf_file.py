@@ -38,6 +38,9 @@ def count_tensors(path: str | Path) -> int:
     """How many (name, tensor) pairs iter_tensors yields: one per expert of a stack, one per MLA pair."""
     total = 0
     for t in _reader(path).tensors:
+        if names.legacy_expert(t.name):
+            total += 1
+            continue
         _, base, _ = names.split(t.name, str(path))
         total += int(t.shape[-1]) if base in names.EXPERT_STACKS else 0 if base == "attn_v_b" else 1
     return total
@@ -55,6 +58,9 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     f = open(where, "rb")  # plain reads: pages of a memory map would stay in our RSS after their use
     try:
         for t in reader.tensors:
+            if legacy := names.legacy_expert(t.name):
+                yield names.expert_name(*legacy, naming), _tensor(t, f, where)
+                continue
             layer, base, suffix = names.split(t.name, where)
             if base in names.EXPERT_STACKS:
                 for e in range(int(t.shape[-1])):

@@ -14,6 +14,8 @@ from hybridmoe.errors import ModelFileError
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_LEVEL = re.compile(r"^(\w+)\.(weight|bias)$")
+# Mixtral files from before llama.cpp stacked experts (early 2024) keep one tensor per expert
+_LEGACY_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -88,6 +90,12 @@ def hf_name(layer: int | None, base: str, suffix: str, naming: Naming, where: st
         raise ModelFileError(f"{where}: llama3-style rope_freqs factors in GGUF are not supported yet; "
                              "load the Hugging Face checkpoint instead")
     raise ModelFileError(f"{where}: tensor {base!r} is not one hybridmoe knows for this architecture")
+
+
+def legacy_expert(name: str) -> tuple[int, int, str] | None:
+    """blk.3.ffn_up.7.weight -> (3, 7, 'up'); None for any other name."""
+    m = _LEGACY_EXPERT.match(name)
+    return (int(m[1]), int(m[3]), m[2]) if m else None
 
 
 def expert_name(layer: int, expert: int, role: str, naming: Naming) -> str:
