@@ -369,3 +369,22 @@ def test_gguf_peak_rss_while_loading_is_at_most_1_5x_weights(tmp_path):
     m = json.loads(out.stdout)
     assert m["weights"] > 150e6  # everything was loaded, as fp32
     assert (m["peak"] - m["base"]) / m["weights"] <= 1.5, m
+
+
+def test_tokenizer_dir_overrides_gguf_metadata(smollm2, smol_tokenizer_dir):
+    from hybridmoe.loader import load_tokenizer
+
+    path, from_metadata, _ = smollm2
+    from_dir = load_tokenizer(path, smol_tokenizer_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert from_dir.encode_chat(messages) == from_metadata.encode_chat(messages)
+    assert from_dir.eos_ids == from_metadata.eos_ids
+
+
+def test_gguf_without_a_vocabulary_asks_for_tokenizer_dir(good_gguf):
+    from hybridmoe.errors import ModelFileError
+    from hybridmoe.loader import load_tokenizer
+
+    with pytest.raises(ModelFileError, match="--tokenizer DIR") as info:
+        load_tokenizer(good_gguf)
+    assert str(good_gguf) in str(info.value) and "\n" not in str(info.value)
