@@ -113,3 +113,17 @@ def test_random_operations_keep_reference_counts_exact():
     for s in live:
         bm.release(s)
     assert bm.num_free == bm.num_blocks
+
+
+def test_sequences_growing_side_by_side_keep_consecutive_blocks_while_there_is_room():
+    bm = BlockManager(64, 4)
+    seqs = [seq([i] * 10, f"s{i}") for i in range(4)]
+    for s in seqs:
+        compute(bm, s, 10)
+    for _ in range(12):  # decode, interleaved: 12 more tokens each
+        for s in seqs:
+            s.append(0)
+            compute(bm, s, 1)
+    for s in seqs:
+        assert s.block_table == list(range(s.block_table[0], s.block_table[0] + len(s.block_table)))
+    check_invariants(bm, seqs)

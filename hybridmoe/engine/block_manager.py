@@ -115,7 +115,7 @@ class BlockManager:
         if need > len(self.free):
             return False
         for _ in range(need):
-            seq.block_table.append(self._take().id)
+            seq.block_table.append(self._take(self._preferred(seq.block_table)).id)
         return True
 
     def release(self, seq: Sequence) -> None:
@@ -130,8 +130,35 @@ class BlockManager:
                     self.free.move_to_end(block_id, last=False)  # nothing to keep: reuse it first
         seq.block_table = []
 
-    def _take(self) -> Block:
-        block_id, _ = self.free.popitem(last=False)
+    # A sequence whose blocks are consecutive is attended to in place (paged_kv.history_index), without
+    # gathering its history into a copy. So a new sequence starts in the middle of the longest run of
+    # free blocks (the sequence before the run can grow into the first half), and a growing one takes
+    # the block after its last when that is free. Cached (keyed) blocks are left to the LRU order.
+    def _preferred(self, table: list[int]) -> int | None:
+        if table:
+            nxt = table[-1] + 1
+            return nxt if nxt < len(self.blocks) and self._open(nxt) else None
+        best_start, best_len, start = 0, 0, None
+        for i in range(len(self.blocks) + 1):
+            if i < len(self.blocks) and self._open(i):
+                start = i if start is None else start
+            elif start is not None:
+                if i - start > best_len:
+                    best_start, best_len = start, i - start
+                start = None
+        if best_len == 0:
+            return None
+        return best_start if best_start == 0 else best_start + best_len // 2
+
+    def _open(self, block_id: int) -> bool:
+        return block_id in self.free and self.blocks[block_id].key is None
+
+    def _take(self, preferred: int | None = None) -> Block:
+        if preferred is None:
+            block_id, _ = self.free.popitem(last=False)
+        else:
+            block_id = preferred
+            del self.free[block_id]
         block = self.blocks[block_id]
         if block.key is not None and self.by_key.get(block.key) is block:
             del self.by_key[block.key]
