@@ -42,7 +42,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, drop: str | None = Non
         if legacy_experts and tensor.dim() == 3:
             _, layer, stack, _ = names.get_name(hf_name, try_suffixes=(".weight",)).split(".")
             for e, expert in enumerate(tensor):  # blk.0.ffn_up_exps -> blk.0.ffn_up.E
-                add_tensor(writer, f"blk.{layer}.{stack.removesuffix('_exps')}.{e}.weight", expert.float().numpy(), qtype)
+                name = f"blk.{layer}.{stack.removesuffix('_exps')}.{e}.weight"
+                add_tensor(writer, name, expert.float().numpy(), qtype)
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or dense.get_name(
             hf_name, try_suffixes=(".weight", ".bias"))
