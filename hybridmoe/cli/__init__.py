@@ -16,6 +16,7 @@ from hybridmoe.errors import UserError
 COMMANDS = [
     "generate",
     "chat",
+    "bench",
     "calibrate",
     "serve",
     "simulate",

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): each sub-benchmark of `hybridmoe bench` is one module here."""

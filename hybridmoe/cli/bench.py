@@ -1,0 +1,27 @@
+"""`hybridmoe bench SUB`: benchmarks (not tests). Each sub-benchmark is a module with `add_parser(sub)`."""
+
+from __future__ import annotations
+
+import importlib
+
+# sub-benchmark name -> module; a module that is not written yet is left out of the command
+BENCHMARKS = {
+    "generate": "hybridmoe.bench.generate",
+    "serve": "hybridmoe.bench.serve",
+    "make-model": "hybridmoe.bench.make_model",
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: generation speed, serving, benchmark models",
+                       description="Benchmarks (not tests). Run `hybridmoe bench SUB --help` for each.")
+    benches = p.add_subparsers(dest="bench", metavar="SUB")
+    benches.required = True
+    for module in BENCHMARKS.values():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        mod.add_parser(benches)
