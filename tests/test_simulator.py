@@ -92,16 +92,18 @@ def test_everything_resident_means_all_hits_on_the_gpu():
     assert r.expert_ms_per_token == pytest.approx(16 * 8 * cost.t_gpu(1) * 1e3, rel=1e-9)
 
 
-def test_no_policy_beats_belady_min_hit_rate_and_the_oracle_beats_static():
+def test_no_demand_policy_beats_belady_min_hit_rate_and_the_oracle_beats_static():
+    # MIN bounds the hit rate of demand fetching; a policy that prefetches may pass it (a key
+    # copied before its first use counts as a hit), so only demand policies are held to it.
     lines = small_trace(60, seed=5)
     cost = get_profile("rtx4090-ddr5").for_expert(OLMOE.experts, "q4")
     cfg = SimConfig(budget="0.2")
     planner, _, start = build(lines, OLMOE, cost, cfg)
     bound = belady_min_hit_rate(future_of(lines, OLMOE, 1), planner.cache.slots, start, list(planner.cache.slot_of))
     results = {p: simulate(lines, OLMOE, cost, SimConfig(policy=p, budget="0.2"))
-               for p in ("static", "lru", "hybrimoe", "value", "belady", "oracle")}
-    for name, r in results.items():
-        assert r.hit_rate <= bound + 1e-9, name
+               for p in ("static", "lru", "lfu", "belady", "value", "oracle")}
+    for name in ("static", "lru", "lfu", "belady"):
+        assert results[name].hit_rate <= bound + 1e-9, name
     assert results["oracle"].expert_ms_per_token < results["static"].expert_ms_per_token
     assert results["value"].expert_ms_per_token < results["static"].expert_ms_per_token
 

@@ -17,6 +17,12 @@ Call sequence (the engine's hybrid runtime and the simulator make exactly these 
             #   CPU:  plan.cpu on the worker pool, at the same time.
             planner.complete(plan, finished_at=clock_seconds_when_all_done)   # or None: predicted
 
+Build it with `make_planner(cost, layers, num_experts, top_k, slots, make_policy(name), stats,
+placement)` (cost: `CostModel.for_expert(shape, quant)`; slots: `cache.parse_budget(...)`; stats: an
+`ExpertStats` from `cache.read_stats(FILE)` or None). To write `--expert-stats-out FILE`, keep an
+`ExpertStats(layers, num_experts)`, call `.record(ordinal, expert_ids)` per layer and step, bump
+`.tokens`, and `cache.write_stats(FILE, stats)` at exit.
+
 `predicted` is the next MoE layer's router applied to this layer's input (per-expert
 probabilities, or None); the planner hands it to the predictor. Every decision mutates the cache at
 plan time (slots are assigned to copies immediately, usable from their `ready` time). `complete`
@@ -25,16 +31,17 @@ run's counters (hits, misses, copies, bytes, prefetches issued/used, makespan pr
 
 Objective per layer: makespan = max(CPU finish, GPU finish), where a GPU expert that needs a copy
 waits for it, minus the value (seconds of expected future saving, from the policy) of what the
-copies leave in the cache. Misses are ordered by CPU time saved and the best number k of them to
-send to the GPU is found by trying every k (list scheduling on two resources). Then, while the
-copy stream would otherwise idle before the layer ends, the policy's background candidates
-(admissions, prefetches) are copied in.
+copies leave in the cache. Experts whose copy is in flight are ordered by readiness, misses by
+CPU time saved; every pair of prefixes (a of the first, b of the second go to the GPU) is tried
+and the best kept (list scheduling on two resources; within 10% of brute force in the tests).
+Then the policy's background candidates (admissions, prefetches) are queued on the copy stream
+while it is idle, or its backlog ends `policy.background_slack` copies before this layer does.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from hybridmoe.experts.cache import ExpertCache, Key
 from hybridmoe.experts.cost_model import CostModel
@@ -104,6 +111,10 @@ class PlannerStats:
     @property
     def prefetch_precision(self) -> float:
         return self.prefetches_used / self.prefetches_issued if self.prefetches_issued else 0.0
+
+    def summary(self) -> dict:
+        """Every counter plus the derived rates, for `--stats` and /metrics."""
+        return {**asdict(self), "hit_rate": self.hit_rate, "prefetch_precision": self.prefetch_precision}
 
 
 @dataclass

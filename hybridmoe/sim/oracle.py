@@ -3,7 +3,9 @@
 - `oracle`: obeys the same copy stream as everyone (it can only move experts in the stream's idle
   time); it evicts the resident used farthest in the future and fills in the missing one used
   soonest. This is what is possible on the modelled hardware.
-- `belady_min_hit_rate`: Belady's MIN with free, instant copies: the upper bound on hit rate.
+- `belady_min_hit_rate`: Belady's MIN with free, instant copies: the upper bound on the hit rate
+  of demand fetching. A policy that prefetches can pass it slightly (a key copied in before its
+  first use is a hit there, a compulsory miss for MIN).
 """
 
 from __future__ import annotations
