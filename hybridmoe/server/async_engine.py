@@ -13,6 +13,8 @@ import queue
 import threading
 from typing import AsyncIterator
 
+import torch
+
 from hybridmoe.engine.llm_engine import LLMEngine, RequestOutput
 from hybridmoe.engine.sampler import SamplingParams
 
@@ -25,6 +27,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        self._threads = torch.get_num_threads()  # OpenMP settings are per thread: carry them over
         self._thread = threading.Thread(target=self._loop, name="hybridmoe-engine", daemon=True)
 
     def start(self) -> None:
@@ -55,6 +58,7 @@ class AsyncEngine:
 
     # ---- the engine thread ----
     def _loop(self) -> None:
+        torch.set_num_threads(self._threads)
         while not self._stopping:
             self._take_commands(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
@@ -85,8 +89,8 @@ class AsyncEngine:
             self._sinks[request_id] = sink
             try:
                 self.engine.add_request(prompt_ids, params, request_id)
-            except ValueError as e:
-                self._deliver(request_id, e)
+            except Exception as e:  # ValueError: refused (a 400); anything else is a bug (a 500)
+                self._deliver(request_id, e if isinstance(e, ValueError) else RuntimeError(str(e)))
                 self._sinks.pop(request_id, None)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
