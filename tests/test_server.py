@@ -178,6 +178,8 @@ BAD = {
     "temperature out of range": ({**GOOD, "temperature": 5}, 400),
     "top_p 0": ({**GOOD, "top_p": 0}, 400),
     "n=2": ({**GOOD, "n": 2}, 400),
+    "seed out of range": ({**GOOD, "seed": 2**70}, 400),
+    "stream not a boolean": ({**GOOD, "stream": "yes"}, 400),
     "tools": ({**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     "an image part": ({**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
     "top_logprobs without logprobs": ({**GOOD, "top_logprobs": 2}, 400),
