@@ -28,7 +28,7 @@ class Option:
     ram_needed_gb: float
     expert_budget: float  # fraction of routed-expert bytes on the GPU
     expert_gb_on_gpu: float
-    kv_gb: float  # VRAM left for the KV cache
+    kv_gb: float  # VRAM left for the KV cache (at least the reserve, more when all experts fit)
     policy: str = ""
     tokens_per_s: float = 0.0
     hit_rate: float = 0.0
@@ -57,7 +57,9 @@ def advise(shape: ModelShape, hardware: str, vram_gb: float | None, ram_gb: floa
         qb = quant_bytes(quant)
         need = (shape.routed_params() + (0 if vram else shape.dense_params)) * qb / GB + RAM_OVERHEAD_GB
         frac, on_gpu = budget_for(shape, quant, vram, kv) if base.has_gpu and vram else (0.0, 0.0)
-        opt = Option(quant, need <= ram, need, round(frac, 4), on_gpu, kv if vram else 0.0)
+        dense_gb = shape.dense_params * qb / GB
+        kv_left = max(0.0, vram - dense_gb - on_gpu - RUNTIME_OVERHEAD_GB) if vram else 0.0
+        opt = Option(quant, need <= ram, need, round(frac, 4), on_gpu, kv_left)
         cost = base.for_expert(shape.experts, quant)
         dense_s = _dense_seconds_per_layer(shape, cost, qb)
         for policy in policies if frac > 0 else ("cpu",):
