@@ -250,7 +250,9 @@ class Planner:
         protect = self.protected(now, plan) | {(layer, r.expert) for r in misses}
         free = self.cache.free_count()
         out = []
-        for r in sorted(misses, key=lambda r: -self.cost.t_cpu(r.n_tokens)):
+        # Biggest CPU saving first; among equals (decode: all one token) the policy's favourite.
+        order = sorted(misses, key=lambda r: (-self.cost.t_cpu(r.n_tokens), -self.policy.copy_priority((layer, r.expert))))
+        for r in order:
             key = (layer, r.expert)
             ok, victim = self.policy.make_room(key, protect, now, free)
             if not ok:

@@ -56,6 +56,10 @@ class Policy:
     def admit_gain(self, key: Key, victim: Key | None, now: float) -> float:
         return 0.0
 
+    def copy_priority(self, key: Key) -> float:
+        """Among misses that save the same CPU time, which to copy first (higher first)."""
+        return 0.0
+
     def background(self, layer: int, now: float, plan):
         return ()
 
@@ -153,6 +157,9 @@ class HybriMoEPolicy(Policy):
     def keep_score(self, key, now):
         return self.score.get(key, 0.0)
 
+    def copy_priority(self, key):
+        return self.score.get(key, 0.0)
+
     def background(self, layer, now, plan):
         o = self.planner.ordinal[layer]
         if o + 1 >= self.L:
@@ -228,6 +235,9 @@ class ValuePolicy(Policy):
 
     def keep_score(self, key, now):
         return -self.distance(key, now)
+
+    def copy_priority(self, key):
+        return self.predictor.p_next(key)
 
     def admit_gain(self, key, victim, now):
         saving = self.cost.hit_saving(1)

@@ -47,12 +47,17 @@ class PredictorStats:
 
 
 class Predictor:
+    # Visits over which frequency is counted (0 = all history). 128 measured on synthetic traces:
+    # 1-1.5% faster where popularity drifts, within 1% where it does not; 32 hurt without drift.
+    window = 128
+
     def __init__(self, layers: list[int], num_experts: int, top_k: int):
         self.layers, self.num_experts, self.top_k = list(layers), num_experts, top_k
         self.ordinal = {layer: i for i, layer in enumerate(self.layers)}
         L, E = len(self.layers), num_experts
         self.last_use = [[-(10**9)] * E for _ in range(L)]
         self.count = [[0.0] * E for _ in range(L)]
+        self.weight = [0.0] * L  # visits counted in `count` (discounted like it)
         self.visits = [0] * L  # steps observed per layer
         self.router: dict[int, list[int]] = {}  # layer ordinal -> rank of each expert by router score
         self._p: dict[int, list[float]] = {}  # layer ordinal -> p_next of each expert, until it changes
@@ -87,6 +92,11 @@ class Predictor:
             if e in used:
                 hits[cell] = hits.get(cell, 0.0) + 1.0
         self.visits[i] += 1
+        if self.window:  # discount old uses so the frequency follows drifting popularity
+            keep = 1.0 - 1.0 / self.window
+            self.count[i] = [c * keep for c in self.count[i]]
+            self.weight[i] *= keep
+        self.weight[i] += 1.0
         for e in used:
             self.last_use[i][e] = self.visits[i]
             self.count[i][e] += 1.0
@@ -98,6 +108,7 @@ class Predictor:
         for i, row in enumerate(counts):
             self.count[i] = [float(c) for c in row]
             self.visits[i] = max(self.visits[i], tokens)
+            self.weight[i] = float(tokens)
         self._p.clear()
 
     # ---- outputs -----------------------------------------------------------------------------
@@ -130,11 +141,11 @@ class Predictor:
         return (self.hits.get(cell, 0.0) + _PRIOR_WEIGHT * prior) / (self.trials.get(cell, 0.0) + _PRIOR_WEIGHT)
 
     def _rate(self, i: int, e: int) -> float:
-        return self.count[i][e] / max(1, self.visits[i])
+        return self.count[i][e] / max(1.0, self.weight[i])
 
     def _cell(self, i: int, e: int) -> tuple:
         age = self.visits[i] - self.last_use[i][e] + 1  # 1 = used at the previous visit
-        rel = self.count[i][e] / max(1, self.visits[i]) * self.num_experts / self.top_k
+        rel = self.count[i][e] / max(1.0, self.weight[i]) * self.num_experts / self.top_k
         return (self._router_bucket(i, e), bisect.bisect_left(_AGE_EDGES, age), bisect.bisect_left(_FREQ_EDGES, rel))
 
     def _router_bucket(self, i: int, e: int) -> int:
