@@ -141,7 +141,7 @@ def machine() -> dict:
     """What the figures depend on; the load average shows whether other processes shared the cores."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "load_avg_1min": round(os.getloadavg()[0], 2)}
+            "load_avg_1min": round(os.getloadavg()[0], 2), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def run(args) -> int:

@@ -1,11 +1,11 @@
-"""Worker threads that split one token's experts between them, each with one intra-op thread.
+"""Worker threads that split one layer's experts between them, each with one intra-op thread.
 
-At decode a token's K experts are independent matrix-vector products. Splitting each product over
-the cores (torch's intra-op threads) puts a fork and a barrier in every one, 16 per layer; on a
-machine whose cores are shared with other processes a barrier waits for a descheduled thread, and
-8 Qwen3-30B-A3B experts measured a median of 20-320 ms instead of 3 ms (2 cores, load average 8).
-Whole experts per worker, one barrier per layer: median 5-14 ms under the same load, and the same
-3 ms when the machine is quiet.
+A token's K experts are independent matrix-vector products (at prefill, matrix products).
+Splitting each product over the cores (torch's intra-op threads) puts a fork and a barrier in
+every one, 16 per layer at decode; on a machine whose cores are shared with other processes a
+barrier waits for a descheduled thread, and 8 Qwen3-30B-A3B experts measured a median of 20-320 ms
+instead of 3 ms (2 cores, load average 8). Whole experts per worker, one barrier per layer: median
+5-14 ms under the same load, and the same best case, 2.8-2.9 ms.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 
-class TokenWorkers:
+class ExpertWorkers:
     """`workers` threads; `map(fn, items)` runs fn over items, worker j taking items j, j+W, ..."""
 
     def __init__(self, workers: int):
