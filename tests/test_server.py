@@ -243,7 +243,7 @@ def load_served(served):
     if path is None:
         yield served
         return
-    server, engine, tok = start(path, "tiny", max_batch_size=8, max_tokens_per_step=256, kv_cache_tokens=8192)
+    server, engine, tok = start(path, "tiny", max_batch_size=8, max_tokens_per_step=256, kv_cache_tokens=2048)
     with server:
         server.engine, server.tok = engine, tok
         yield server
@@ -277,3 +277,17 @@ def test_32_concurrent_streams_all_finish_with_no_token_lost_or_duplicated(load_
         assert len(tokens) == completion_tokens == n_tokens, i
         assert text == whole[i % 4], i
     wait_for(lambda: metric(load_served, "kv_blocks_used") == 0)
+
+
+def test_the_expert_runtime_counters_are_exported_when_it_keeps_them():
+    from types import SimpleNamespace
+
+    from hybridmoe.server.metrics import runtime_metrics
+
+    class Stats:
+        def to_dict(self):
+            return {"hits": 5, "misses": 2, "demand_copies": 1, "hit_rate": 0.71, "policy": "value"}
+
+    got = {name: value for name, _, _, value in runtime_metrics(SimpleNamespace(stats=Stats()))}
+    assert got == {"expert_hits": 5, "expert_misses": 2, "expert_demand_copies": 1, "expert_hit_rate": 0.71}
+    assert runtime_metrics(None) == [] and runtime_metrics(SimpleNamespace()) == []

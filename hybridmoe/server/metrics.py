@@ -41,14 +41,16 @@ def runtime_metrics(runtime) -> list[tuple[str, str, str, float]]:
     stats = getattr(runtime, "stats", None)
     if stats is None:
         return []
-    if dataclasses.is_dataclass(stats):
+    if hasattr(stats, "to_dict"):  # experts/runtime_stats.py: totals and rates, flat
+        fields = dict(stats.to_dict())
+    elif dataclasses.is_dataclass(stats):
         fields = dataclasses.asdict(stats)
     elif isinstance(stats, dict):
         fields = stats
     else:
         fields = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
     props = [n for n in dir(type(stats)) if isinstance(getattr(type(stats), n, None), property)]
-    fields.update({n: getattr(stats, n) for n in props})
+    fields.update({n: getattr(stats, n) for n in props if n not in fields})
     return [(f"expert_{name}", "gauge", f"expert runtime: {name}", value) for name, value in sorted(fields.items())
             if isinstance(value, numbers.Real) and not isinstance(value, bool)]
 
