@@ -51,7 +51,8 @@ def runtime_metrics(runtime) -> list[tuple[str, str, str, float]]:
         fields = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
     props = [n for n in dir(type(stats)) if isinstance(getattr(type(stats), n, None), property)]
     fields.update({n: getattr(stats, n) for n in props if n not in fields})
-    return [(f"expert_{name}", "gauge", f"expert runtime: {name}", value) for name, value in sorted(fields.items())
+    return [(f"expert_{name.removeprefix('expert_')}", "gauge", f"expert runtime: {name}", value)
+            for name, value in sorted(fields.items())
             if isinstance(value, numbers.Real) and not isinstance(value, bool)]
 
 
