@@ -95,10 +95,7 @@ def moe_config(dense_config: dict, spec: MoESpec):
 
 def write_tokenizer(out: Path) -> None:
     """tokenizer.json and tokenizer_config.json (chat template inside it too) from the GGUF."""
-    from transformers import AutoTokenizer
-
-    path = source.gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = source.tokenizer()
     tok.save_pretrained(str(out))
     # transformers 5 puts the template in chat_template.jinja only; older readers look here
     cfg_path = out / "tokenizer_config.json"

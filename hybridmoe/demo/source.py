@@ -5,6 +5,7 @@ dependencies that the package does not need here).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -37,8 +38,10 @@ def read_dense(path: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]
     return weights, dict(config.data)
 
 
+@functools.lru_cache(maxsize=1)
 def tokenizer():
-    """SmolLM2's tokenizer and chat template, read from the GGUF by transformers."""
+    """SmolLM2's tokenizer and chat template, read from the GGUF by transformers (slow: ~10 s of
+    parsing the vocabulary, hence read once per process)."""
     from transformers import AutoTokenizer
 
     path = gguf_path()

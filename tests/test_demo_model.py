@@ -1,0 +1,92 @@
+"""The demo MoE built from SmolLM2-135M: a reduced build (first 2 layers, little calibration text)
+must load in transformers with its own class and in hybridmoe at fp32 parity, and route for real:
+exactly top-k experts per token, and not the same experts for every token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridmoe.demo.build import build, is_complete
+from hybridmoe.demo.fit import MoESpec
+from hybridmoe.errors import UserError
+
+SPECS = {
+    "qwen2_moe": MoESpec(experts=8, top_k=2, shared=0.5),  # shared expert -> Qwen2-MoE
+    "mixtral": MoESpec(experts=8, top_k=3, shared=0.0),    # none -> Mixtral
+}
+CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def built(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "model"
+    torch.manual_seed(0)
+    build(out, SPECS[request.param], progress=False, layers=2, tokens=1500)
+    return request.param, out
+
+
+@pytest.fixture(scope="module")
+def reference(built):
+    from transformers import AutoModelForCausalLM
+
+    kind, out = built
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                       output_loading_info=True)
+    return kind, out, model.eval(), info
+
+
+def prompt_ids(out, text: str = "The ocean covers most of the planet, and its deep currents") -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(out))(text)["input_ids"]
+
+
+def test_transformers_loads_it_with_its_own_class_and_every_weight(reference):
+    kind, out, model, info = reference
+    assert type(model).__name__ == CLASSES[kind]
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert is_complete(out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in config["chat_template"]
+
+
+def test_routing_picks_exactly_top_k_distinct_experts_and_varies(reference):
+    kind, out, model, _ = reference
+    spec = SPECS[kind]
+    picked = []
+    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda _m, args: picked.append(args[1]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompt_ids(out)]))
+    for h in hooks:
+        h.remove()
+    assert len(picked) == 2
+    for ids in picked:                                        # [T, k] expert ids per token
+        assert ids.shape[1] == spec.top_k
+        assert all(len(set(row)) == spec.top_k for row in ids.tolist())
+        assert ((ids >= 0) & (ids < spec.experts)).all()
+        assert len({tuple(sorted(row)) for row in ids.tolist()}) > 1, "same experts for every token"
+
+
+def test_hybridmoe_loader_matches_transformers_at_fp32(reference):
+    from hybridmoe.engine.generate import forward_step
+    from hybridmoe.engine.kv_cache import SequenceKV
+    from hybridmoe.loader import load_model
+
+    _, out, model, _ = reference
+    ids = prompt_ids(out)
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids])).logits[0, -1]   # [V]
+    ours = load_model(out, progress=False)
+    got = forward_step(ours, SequenceKV(), ids, 0)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_split_is_a_user_error():
+    with pytest.raises(UserError, match="--experts"):
+        MoESpec(experts=7, top_k=2, shared=0.5).validate()
+    with pytest.raises(UserError, match="--top-k"):
+        MoESpec(experts=8, top_k=9, shared=0.5).validate()
