@@ -148,13 +148,15 @@ class Planner:
         self._take_prediction(layer, predicted)
         plan = Plan(layer=layer, now=now)
         hits, late, misses = self._classify(layer, routed, now, plan)
+        # Learn this layer's routing before splitting it, so that a copy's worth (and a victim's)
+        # is judged by the layer's *next* visit, and the look-ahead to later layers is fresh.
+        self.predictor.observe(layer, [r.expert for r in routed])
         if not (self.policy.uses_gpu and self.cost.has_gpu):
             plan.cpu, plan.gpu_hits = hits + late + misses, []
         else:
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
         self.policy.on_use(layer, routed, now)
-        self.predictor.observe(layer, [r.expert for r in routed])
         self.epoch += 1
         if self.policy.uses_gpu and self.cost.has_gpu:
             self._background(layer, now, plan)
@@ -378,7 +380,7 @@ def make_planner(
     """
     gpu = policy.uses_gpu and cost.has_gpu
     cache = ExpertCache(slots if gpu else 0)
-    predictor = Predictor(layers, num_experts, top_k)
+    predictor = Predictor(layers, num_experts, top_k, cross_layer=policy.cross_layer)
     planner = Planner(cost, cache, policy, predictor, config)
     if stats is not None:
         predictor.warm_start(stats.counts, stats.tokens)

@@ -113,7 +113,7 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
     slots = parse_budget(cfg.budget, total, cost.expert_bytes)
     policy = policy or make_policy(cfg.policy)
     gpu = policy.uses_gpu and cost.has_gpu
-    predictor = Predictor(layers, shape.experts.num_experts, shape.experts.top_k)
+    predictor = Predictor(layers, shape.experts.num_experts, shape.experts.top_k, cross_layer=policy.cross_layer)
     planner = Planner(cost, ExpertCache(slots if gpu else 0), policy, predictor, PlannerConfig())
     # Warm start: statistics for placement and policies, then the profile steps observed in order.
     planner.policy.warm_start(stats)

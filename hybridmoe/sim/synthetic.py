@@ -5,6 +5,12 @@ Per layer, expert popularity is Zipf(`skew`) over a random permutation; at each 
 the layer used at the previous token is kept with probability `locality`, the rest of the top-k is
 drawn by popularity without replacement. Every `drift` tokens a fraction of the popularity order is
 reshuffled (topic changes), which a static placement cannot follow.
+
+Cross-layer correlation (`cross` > 0): real routing of one token is correlated from layer to layer
+(the residual stream moves slowly). Each expert of layer l-1 has `fanout` random successors in
+layer l; the non-kept part of layer l is drawn from the mixture (1 - cross) * popularity + cross *
+(successors of the token's layer l-1 experts, each equally). `cross=0` gives exactly the traces of
+before (the successor tables use their own random stream).
 """
 
 from __future__ import annotations
@@ -26,13 +32,27 @@ class SynthConfig:
     locality: float = 0.4  # chance a previous-token expert is chosen again
     drift: int = 0  # tokens between popularity reshuffles (0 = never)
     drift_fraction: float = 0.3
+    cross: float = 0.0  # weight of the previous layer's successors in the draw (0 = independent layers)
+    fanout: int = 4  # successors per expert in the next layer
     seed: int = 0
+
+
+def successors(cfg: SynthConfig) -> np.ndarray:
+    """[layers, experts, experts]: row (l, a) is the draw distribution that expert a of layer l-1
+    gives layer l (uniform over its `fanout` successors); row 0 is unused."""
+    rng = np.random.default_rng([cfg.seed, 1])
+    succ = np.zeros((cfg.layers, cfg.experts, cfg.experts))
+    for layer in range(1, cfg.layers):
+        for a in range(cfg.experts):
+            succ[layer, a, rng.choice(cfg.experts, size=cfg.fanout, replace=False)] = 1.0 / cfg.fanout
+    return succ
 
 
 def generate(cfg: SynthConfig) -> list[TraceLine]:
     rng = np.random.default_rng(cfg.seed)
     base = 1.0 / np.arange(1, cfg.experts + 1) ** cfg.skew
     order = [rng.permutation(cfg.experts) for _ in range(cfg.layers)]
+    succ = successors(cfg) if cfg.cross > 0 else None
     prev: list[list[int]] = [[] for _ in range(cfg.layers)]
     lines = []
     for t in range(cfg.tokens):
@@ -42,6 +62,8 @@ def generate(cfg: SynthConfig) -> list[TraceLine]:
         for layer in range(cfg.layers):
             pop = np.empty(cfg.experts)
             pop[order[layer]] = base
+            if succ is not None and layer > 0:
+                pop = (1 - cfg.cross) * pop / pop.sum() + cfg.cross * succ[layer, layers[-1]].mean(axis=0)
             kept = [e for e in prev[layer] if rng.random() < cfg.locality]
             ids = _draw(pop, kept, cfg.top_k, rng)
             layers.append(ids)
