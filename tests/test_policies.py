@@ -129,3 +129,9 @@ def test_unknown_policy_and_belady_without_future_are_user_errors():
     with pytest.raises(UserError, match="simulate"):
         make_policy("belady")
     assert set(POLICIES) == {"cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value", "belady"}
+
+
+def test_only_our_policy_learns_cross_layer_routing():
+    # HybriMoE predicts from the next router (or, without it, recency and frequency); giving it our
+    # co-occurrence predictor would no longer be HybriMoE.
+    assert [name for name, cls in POLICIES.items() if cls.cross_layer] == ["value"]
