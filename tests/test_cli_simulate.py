@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridmoe.cli import main
-from hybridmoe.sim.trace import read_trace, write_trace
+from hybridmoe.experts.trace_format import read_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE_TRACE = "/work/shared/traces/olmoe-1b-7b_299tok.jsonl"

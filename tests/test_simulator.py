@@ -12,7 +12,7 @@ from hybridmoe.sim.oracle import belady_min_hit_rate, future_of
 from hybridmoe.sim.shapes import SHAPES, get_shape, shape_from_config
 from hybridmoe.sim.simulator import SimConfig, build, simulate
 from hybridmoe.sim.synthetic import SynthConfig, generate
-from hybridmoe.sim.trace import TraceLine, read_trace, write_trace
+from hybridmoe.experts.trace_format import TraceLine, read_trace, write_trace
 
 OLMOE_TRACE = "/work/shared/traces/olmoe-1b-7b_299tok.jsonl"
 OLMOE = get_shape("olmoe-1b-7b")

@@ -17,7 +17,7 @@ from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.experts.profiles import PROFILES
 from hybridmoe.experts.trace_io import RoutingReplay, TraceRecorder
 from hybridmoe.loader import load_model
-from hybridmoe.sim.trace import read_trace
+from hybridmoe.experts.trace_format import read_trace
 from tests.tiny import build_tiny
 
 PROMPT = [5, 9, 14, 33, 2, 71]

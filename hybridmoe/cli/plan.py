@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridmoe.sim.advisor import advise, best, to_json
     from hybridmoe.sim.shapes import get_shape
     from hybridmoe.sim.simulator import check_trace
-    from hybridmoe.sim.trace import read_trace
+    from hybridmoe.experts.trace_format import read_trace
 
     shape = get_shape(args.model_shape)
     lines = None

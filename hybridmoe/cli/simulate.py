@@ -48,7 +48,7 @@ def add_parser(subparsers) -> None:
 
 def load_lines(args, shape):
     from hybridmoe.sim.synthetic import SynthConfig, generate
-    from hybridmoe.sim.trace import read_trace, write_trace
+    from hybridmoe.experts.trace_format import read_trace, write_trace
 
     if bool(args.trace) == bool(args.synthetic):
         raise UserError("give exactly one of --trace FILE or --synthetic SPEC")

@@ -5,7 +5,7 @@
   of every step (prefill included) consumes the next trace line, cycling at the end; MoE layer i
   takes the trace's layer i mod (trace layers), so a short trace can drive a deeper model.
 - `TraceRecorder` (--record-trace FILE): one line per decode token, in the format of
-  hybridmoe/sim/trace.py (its writer): {"tok": n, "layers": [[ids], ...], "probs": [[w], ...],
+  experts/trace_format.py (its writer): {"tok": n, "layers": [[ids], ...], "probs": [[w], ...],
   "req": id}. "probs" are the routing weights the model used for those ids.
 
 Which rows of a step are decode tokens, and of which request, is the engine's knowledge: it says
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.errors import UserError
-from hybridmoe.sim.trace import TraceLine, TraceWriter, read_trace
+from hybridmoe.experts.trace_format import TraceLine, TraceWriter, read_trace
 
 
 class RoutingReplay:

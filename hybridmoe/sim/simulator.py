@@ -23,7 +23,7 @@ from hybridmoe.experts.planner import Planner, PlannerConfig, Routed, place
 from hybridmoe.experts.predictor import Predictor, PredictorStats
 from hybridmoe.experts.policies import make_policy
 from hybridmoe.sim.shapes import ModelShape
-from hybridmoe.sim.trace import TraceLine
+from hybridmoe.experts.trace_format import TraceLine
 
 
 @dataclass

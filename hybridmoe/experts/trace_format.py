@@ -1,9 +1,13 @@
-"""Routing traces: JSONL, one token of one sequence per line.
+"""The routing-trace file format: JSONL, one token of one sequence per line.
 
     {"tok": n, "layers": [[expert ids of MoE layer 0], [... layer 1], ...]}
 
 optionally with "probs" (the router weights of those ids, the same nesting) and "req" (the request
-id). The engine writes them with --record-trace (TraceWriter); the simulator reads them.
+id). Without them it is the plain format of shared/traces/olmoe-1b-7b_299tok.jsonl, read the same way.
+
+It lives in experts/ because both drivers of the planner use it: the engine's runtime writes traces
+(--record-trace) and replays them (--routing-trace), the simulator (sim/, which sits above experts/)
+reads them. No tensors here.
 """
 
 from __future__ import annotations
@@ -64,7 +68,10 @@ def _parse(raw: str, path, number: int) -> TraceLine:
 
 
 class TraceWriter:
-    """Appends one line per token; use as a context manager or call close()."""
+    """Appends one line per token; use as a context manager or call close().
+
+    Each line goes out in one write and is flushed at once, so that a server killed mid-run leaves
+    the lines of the steps it finished, complete, rather than a buffer's worth lost or cut."""
 
     def __init__(self, path: str | Path):
         self._file = open(path, "w")
@@ -72,6 +79,7 @@ class TraceWriter:
     def write(self, tok: int, layers: list[list[int]], probs=None, req=None) -> None:
         line = TraceLine(tok, [list(map(int, ids)) for ids in layers], probs, req)
         self._file.write(json.dumps(line.to_json()) + "\n")
+        self._file.flush()
 
     def close(self) -> None:
         self._file.close()
