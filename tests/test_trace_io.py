@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.errors import UserError
 from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
@@ -33,12 +34,16 @@ def mixtral_dir(tmp_path_factory):
 
 
 def run(path, **options) -> list[int]:
-    config = HybridConfig(**{"device": "emulated", "cpu_clock": "model", **options})
-    model = load_model(path, runtime_factory=lambda s, d: HybridRuntime(s, d, config, PROFILES["this-machine-2core"]),
-                       progress=False)
+    model = hybrid_model(path, **options)
     tokens = list(generate_ids(model, PROMPT, GREEDY))
     model.runtime.close()
     return tokens
+
+
+def hybrid_model(path, **options):
+    config = HybridConfig(**{"device": "emulated", "cpu_clock": "model", **options})
+    return load_model(path, runtime_factory=lambda s, d: HybridRuntime(s, d, config, PROFILES["this-machine-2core"]),
+                      progress=False)
 
 
 def random_trace(path: Path, lines: int, layers: int = 2, experts: int = 8, k: int = 2, seed: int = 0) -> list[list[list[int]]]:
@@ -56,7 +61,7 @@ def test_a_recorded_trace_reads_back(mixtral_dir, tmp_path):
     assert [line.tok for line in lines] == list(range(1, len(lines) + 1))
     for line in lines:
         assert len(line.layers) == 2 and all(len(ids) == 2 and len(set(ids)) == 2 for ids in line.layers)
-        assert line.req == 0
+        assert line.req == "generate"  # the engine names the request (engine/generate.py's id)
         assert all(sum(p) == pytest.approx(1.0, abs=1e-5) for p in line.probs)  # Mixtral renormalises
 
 
@@ -94,6 +99,31 @@ def test_a_trace_of_another_model_is_a_clear_error(mixtral_dir, tmp_path, k, exp
         trace.write_text(json.dumps({"tok": 1, "layers": [[11, 0], [1, 2]]}) + "\n")
     with pytest.raises(UserError, match=fragment):
         run(mixtral_dir, routing_trace=str(trace))
+
+
+def test_concurrent_requests_are_recorded_under_their_ids_as_if_alone(mixtral_dir, tmp_path):
+    prompts = {"a": PROMPT, "b": [40, 3, 17, 8]}
+    alone = {}
+    for name, prompt in prompts.items():
+        out = tmp_path / f"{name}.jsonl"
+        model = hybrid_model(mixtral_dir, record_trace=str(out))
+        LLMEngine(model, config=EngineConfig(max_batch_size=1)).generate([prompt], GREEDY)
+        model.runtime.close()
+        alone[name] = [line.layers for line in read_trace(out)]
+    out = tmp_path / "both.jsonl"
+    model = hybrid_model(mixtral_dir, record_trace=str(out))
+    engine = LLMEngine(model, config=EngineConfig(max_batch_size=2))
+    for name, prompt in prompts.items():
+        engine.add_request(prompt, GREEDY, name)
+    while engine.has_unfinished():
+        engine.step()
+    model.runtime.close()
+    lines = read_trace(out)
+    assert {line.req for line in lines} == {"a", "b"}
+    assert len(lines) == 2 * (GREEDY.max_tokens - 1)
+    assert any(x.req != y.req for x, y in zip(lines, lines[1:3]))  # really batched: the ids interleave
+    for name in prompts:
+        assert [line.layers for line in lines if line.req == name] == alone[name]
 
 
 def test_recorder_writes_the_rows_the_engine_names(tmp_path):

@@ -43,7 +43,8 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-stats-out", metavar="FILE", help="write this run's activation statistics here")
     g.add_argument("--routing-trace", metavar="FILE",
                    help="take expert choices from this routing trace (JSONL) instead of the router")
-    g.add_argument("--record-trace", metavar="FILE", help="record this run's routing as a JSONL trace")
+    g.add_argument("--record-trace", metavar="FILE",
+                   help="record this run's routing as a JSONL trace: a line per decode token, with its request id")
 
 
 def _device(args: argparse.Namespace) -> str:

@@ -85,6 +85,17 @@ class _Request:
     last_token: float | None = None
 
 
+def decode_rows(batch: Batch, starts: list[int]) -> list[tuple[int, str]]:
+    """(row of the forward pass, request id) of each decode token in `batch`: a sequence's one new
+    token past its prompt. Prompt chunks, even one token long, are not decode tokens."""
+    rows, row = [], 0
+    for seq, n, start in zip(batch.seqs, batch.num_tokens, starts):
+        if n == 1 and start >= len(seq.prompt_ids):
+            rows.append((row, seq.request_id))
+        row += n
+    return rows
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, eos_ids=None):
         self.model, self.tokenizer = model, tokenizer
@@ -164,6 +175,9 @@ class LLMEngine:
             positions += range(start, start + n)
             starts.append(start)
         ctx = PagedKVContext(self.kv, [s.block_table for s in batch.seqs], starts, batch.num_tokens)
+        tell = getattr(self.model, "set_batch", None)  # optional: lets the model attribute rows (traces)
+        if tell is not None:
+            tell(decode_rows(batch, starts))
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)  # [T, H]
         rows, done, end = [], [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):

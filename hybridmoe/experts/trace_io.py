@@ -59,7 +59,7 @@ def _check(lines: list[TraceLine], num_experts: int, top_k: int, where: str) -> 
 
 
 class TraceRecorder:
-    """Collects each step's routing per MoE layer, writes the decode rows at the step's end."""
+    """Collects each step's routing per MoE layer, writes the decode rows once the last layer is in."""
 
     def __init__(self, path: str | Path, num_moe_layers: int):
         try:
@@ -84,6 +84,8 @@ class TraceRecorder:
         if self._rows:
             self._ids[ordinal] = topk_ids.tolist()
             self._weights[ordinal] = topk_weights.float().tolist()
+            if ordinal == self.num_moe_layers - 1:
+                self.end_step()  # written now, not at the next step: a server may idle, or be killed
 
     def end_step(self) -> None:
         if not self._rows or any(ids is None for ids in self._ids):

@@ -49,6 +49,13 @@ class CausalLM(nn.Module):
             x = layer(x, cos_sin, ctx)
         return self.norm(x)
 
+    def set_batch(self, decode_rows: list[tuple[int, str]]) -> None:
+        """Before a forward pass: (row, request id) of its decode tokens. The engine says it; the
+        expert runtime may use it (--record-trace writes each request's routing under its id)."""
+        hook = getattr(self.runtime, "set_batch", None)
+        if hook is not None:
+            hook(decode_rows)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] -> fp32 logits [n, V]."""
         weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
