@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.experts.cache import ExpertStats, parse_budget, read_stats, write_stats
 from hybridmoe.experts.cost_model import CostModel
@@ -67,26 +66,6 @@ def device_cost(cost: CostModel, device: str) -> CostModel:
         return replace(cost, bw_gpu=g.bw_gpu, f_gpu=g.f_gpu, c_gpu=g.c_gpu, bw_pcie=g.bw_pcie,
                        c_copy=g.c_copy, c_act=g.c_act)
     return cost
-
-
-def router_probs(block, x: torch.Tensor) -> torch.Tensor:
-    """A MoE block's routing probabilities over all experts, [T, E] fp32. Blocks whose router is not
-    a softmax over `gate` (sigmoid scoring, groups) provide `router_probs` themselves."""
-    own = getattr(block, "router_probs", None)
-    if own is not None:
-        return own(x)
-    return F.softmax(block.gate(x).float(), dim=-1)
-
-
-def weights_at(block, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Routing weights [T, K] (fp32) the block would give experts `ids` [T, K] on x [T, H]."""
-    own = getattr(block, "weights_at", None)
-    if own is not None:
-        return own(x, ids)
-    w = router_probs(block, x).gather(1, ids)  # [T, K]
-    if getattr(block, "renormalize", False):
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w
 
 
 def combine(outputs: dict[int, torch.Tensor], groups, x, topk_ids, topk_weights) -> torch.Tensor:
@@ -149,7 +128,8 @@ class HybridRuntime(ExpertRuntime):
         atexit.register(self.close)
 
     def attach_routers(self, blocks: dict[int, object]) -> None:
-        """The model's MoE blocks by layer: their routers feed the predictor and routing replay."""
+        """The model's MoE blocks by layer: their routers feed the predictor (`router_probs(x)` [T, E])
+        and routing replay (`weights_at(x, ids)` [T, K]); layers/moe.py defines both."""
         self.blocks = dict(blocks)
 
     def _block(self, layer: int):
@@ -170,7 +150,7 @@ class HybridRuntime(ExpertRuntime):
         self._last_ordinal = o
         if self.replay is not None:
             topk_ids = self.replay.ids(o)  # [T, K]
-            topk_weights = weights_at(self._block(layer), x, topk_ids)  # [T, K]
+            topk_weights = self._block(layer).weights_at(x, topk_ids)  # [T, K], the router's own weights
         self._observe(o, topk_ids, topk_weights)
         groups = group_by_expert(topk_ids)
         outputs = self._execute(layer, x, groups, topk_weights)
@@ -246,7 +226,7 @@ class HybridRuntime(ExpertRuntime):
         block = self.blocks.get(self.layers[o + 1])
         if block is None:
             return None
-        return router_probs(block, x).mean(dim=0).tolist()  # [E]
+        return block.router_probs(x).mean(dim=0).tolist()  # [E]
 
     # ---- the end -----------------------------------------------------------------------------
     def refresh_stats(self) -> RuntimeStats:

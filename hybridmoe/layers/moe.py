@@ -35,7 +35,7 @@ def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_s
     return choice.masked_fill(~keep, float("-inf"))
 
 
-def _scale_weights(weights: torch.Tensor, renormalize: bool, scale: float) -> torch.Tensor:
+def scale_weights(weights: torch.Tensor, renormalize: bool, scale: float) -> torch.Tensor:
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale
@@ -50,7 +50,7 @@ def softmax_group_topk(logits: torch.Tensor, k: int, n_group: int = 1, topk_grou
     """
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     ids = torch.topk(limit_to_groups(probs, n_group, topk_group, "max"), k, dim=-1).indices  # [T, k]
-    return ids, _scale_weights(probs.gather(1, ids), renormalize, scale)
+    return ids, scale_weights(probs.gather(1, ids), renormalize, scale)
 
 
 def sigmoid_group_topk(logits: torch.Tensor, correction: torch.Tensor | None, k: int, n_group: int = 1,
@@ -64,7 +64,7 @@ def sigmoid_group_topk(logits: torch.Tensor, correction: torch.Tensor | None, k:
     scores = torch.sigmoid(logits.float())  # [T, E]
     choice = scores if correction is None else scores + correction.float()  # [T, E]
     ids = torch.topk(limit_to_groups(choice, n_group, topk_group, "top2"), k, dim=-1).indices  # [T, k]
-    return ids, _scale_weights(scores.gather(1, ids), renormalize, scale)
+    return ids, scale_weights(scores.gather(1, ids), renormalize, scale)
 
 
 class SparseMoE(nn.Module):
@@ -82,6 +82,18 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(self.gate(x), self.top_k, self.renormalize)
+
+    def router_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> per-expert routing probability [T, E] (fp32): what ranks experts for top-k.
+        The runtime's predictor applies it to the previous layer's input."""
+        return F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+
+    def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weights [T, K] (fp32) this router gives experts `ids` [T, K] on x [T, H], whether or
+        not it would choose them: routing replay (--routing-trace) takes ids from a trace, weights
+        from here, so that a replayed model mixes experts as its own router would."""
+        weights = self.router_probs(x).gather(1, ids)  # [T, K]
+        return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)  # [T, k], [T, k]

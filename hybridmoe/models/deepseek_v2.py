@@ -13,7 +13,8 @@ from torch import nn
 from hybridmoe.experts.store import ExpertShape
 from hybridmoe.layers.mla import MLAttention
 from hybridmoe.layers.mlp import GatedMLP
-from hybridmoe.layers.moe import SparseMoE, sigmoid_group_topk, softmax_group_topk
+from hybridmoe.layers.moe import (SparseMoE, limit_to_groups, scale_weights, sigmoid_group_topk,
+                                  softmax_group_topk)
 from hybridmoe.layers.rotary import Rotary, rope_parameters
 from hybridmoe.models.base import CausalLM
 from hybridmoe.models.llama import DecoderLayer
@@ -45,12 +46,36 @@ class DeepseekMoE(SparseMoE):
         shared = cfg.get("n_shared_experts", default=0)
         self.shared_experts = GatedMLP(shape.hidden, shared * shape.intermediate) if shared else None
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.gate.weight.float())  # [T, E], fp32 as DeepSeek's reference
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-expert scores [T, E] that weigh the chosen experts (before renormalising and scaling)."""
+        return torch.sigmoid(logits) if self.scoring == "sigmoid" else F.softmax(logits, dim=-1)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E], fp32 as DeepSeek's reference
+        logits = self._logits(x)
         if self.scoring == "sigmoid":
             return sigmoid_group_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
                                       self.topk_group, self.renormalize, self.scale)
         return softmax_group_topk(logits, self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale)
+
+    def router_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, E]: what ranks experts for selection, the scores plus (V3) the correction bias, with the
+        experts of groups the router would not keep at 0. For the predictor, which only ranks."""
+        scores = self._scores(self._logits(x))  # [T, E]
+        if self.scoring == "sigmoid":
+            scores = scores + self.gate.e_score_correction_bias.float()
+        group_score = "top2" if self.scoring == "sigmoid" else "max"
+        kept = limit_to_groups(scores, self.n_group, self.topk_group, group_score)  # [T, E], -inf outside
+        return kept.clamp(min=0.0)
+
+    def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weights [T, K] DeepSeek's router gives experts `ids` [T, K]: their scores (sigmoid or
+        softmax, never the correction bias, which only chooses), renormalised if norm_topk_prob, times
+        routed_scaling_factor; exactly what `route` gives when ids are its own choice."""
+        weights = self._scores(self._logits(x)).gather(1, ids)  # [T, K]
+        return scale_weights(weights, self.renormalize, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # [T, H]
