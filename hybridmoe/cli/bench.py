@@ -9,6 +9,7 @@ BENCHMARKS = {
     "generate": "hybridmoe.bench.generate",
     "serve": "hybridmoe.bench.serve",
     "make-model": "hybridmoe.bench.make_model",
+    "sim-vs-real": "hybridmoe.bench.sim_vs_real",
 }
 
 
