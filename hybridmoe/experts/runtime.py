@@ -16,10 +16,8 @@ from hybridmoe.experts.expert_workers import ExpertWorkers
 
 def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """SwiGLU expert: down(silu(gate x) * up x). x: [n, H] -> [n, H]."""
-    gu = F.linear(x.to(w.gate_up.dtype), w.gate_up)  # [n, 2I]
-    inter = gu.shape[-1] // 2
-    h = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
-    return F.linear(h, w.down)  # [n, H]
+    gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(2, dim=-1)  # [n, I] each, views of [n, 2I]
+    return F.linear(F.silu(gate) * up, w.down)  # [n, H]
 
 
 def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -40,6 +38,19 @@ def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, tor
             groups.append((expert, rows[start : start + count], cols[start : start + count]))
             start += count
     return groups
+
+
+def combine_grouped(x: torch.Tensor, groups, ys: list[torch.Tensor], topk_weights: torch.Tensor) -> torch.Tensor:
+    """The weighted sum [T, H] of the experts' outputs ys ([n, H] each, in the order of `groups`), in
+    fp32, each token's terms added in increasing expert id.
+
+    One gather, one product and one index_add_ for all experts: index_add_ adds its source rows in
+    order, so this is bit for bit the per-expert loop it replaced, at 4 ops per layer instead of 5
+    per expert (a batch-8 decode of the demo model uses ~15 experts in each of 30 layers)."""
+    rows = torch.cat([g[1] for g in groups])  # [T*K], grouped by expert
+    cols = torch.cat([g[2] for g in groups])  # [T*K]
+    terms = torch.cat(ys).float() * topk_weights[rows, cols, None].float()  # [T*K, H]
+    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, terms).to(x.dtype)
 
 
 class ExpertRuntime:
@@ -80,10 +91,7 @@ class CPURuntime(ExpertRuntime):
             return self._forward_token(layer, x, topk_ids, topk_weights)
         groups = group_by_expert(topk_ids)
         ys = self._map(lambda g: expert_ffn(x[g[1]], self.store.get(layer, g[0])), groups)  # [n, H] each
-        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H], accumulated in fp32, in expert order
-        for (_, rows, cols), y in zip(groups, ys):
-            out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())
-        return out.to(x.dtype)
+        return combine_grouped(x, groups, ys, topk_weights)
 
     def _forward_token(self, layer, x, topk_ids, topk_weights):
         """Decode: one token, so no grouping, gathering or scattering; the K outputs are summed by one
