@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary
 
@@ -66,11 +67,11 @@ class Attention(nn.Module):
         self.kv_heads = cfg.get("num_key_value_heads", default=self.heads)
         self.head_dim = cfg.head_dim()
         bias = cfg.get("attention_bias", default=False) if bias is None else bias
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.q_proj = Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
         o_bias = bias if o_bias is None else o_bias
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=o_bias)
         self.clip_qkv = cfg.get("clip_qkv", default=None)  # OLMoE: clamp q, k, v after the q/k norms
         eps = cfg.get("rms_norm_eps", default=1e-6)
         self.qk_norm = qk_norm

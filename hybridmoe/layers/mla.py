@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridmoe.layers.attention import KVContext, causal_attention
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary, yarn_mscale
 
@@ -49,15 +50,15 @@ class MLAttention(nn.Module):
         q_out = self.heads * (self.nope + self.rope)
         self.low_rank_q = bool(q_rank)
         if self.low_rank_q:
-            self.q_a_proj = nn.Linear(hidden, q_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, q_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_rank)  # DeepSeek's latent norms keep the default eps 1e-6
-            self.q_b_proj = nn.Linear(q_rank, q_out, bias=False)
+            self.q_b_proj = Linear(q_rank, q_out, bias=False)
         else:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
+            self.q_proj = Linear(hidden, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank)
-        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
         self.scale = softmax_scale(self.nope + self.rope, rotary.params)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
 from hybridmoe.experts.runtime import ExpertRuntime
 from hybridmoe.experts.store import ExpertShape
+from hybridmoe.layers.linear import Linear, linear
 from hybridmoe.layers.norm import RMSNorm
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
@@ -33,7 +34,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", default=1e-6))
         self.tied = bool(cfg.get("tie_word_embeddings", default=False))
-        self.lm_head = None if self.tied else nn.Linear(hidden, self.vocab_size, bias=False)
+        self.lm_head = None if self.tied else Linear(hidden, self.vocab_size, bias=False)
 
     # ---- the geometry of the routed experts (None for a dense model) ----
     @staticmethod
@@ -59,7 +60,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] -> fp32 logits [n, V]."""
         weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     # ---- loading ----
     def checkpoint_name(self, name: str) -> str | None:
