@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from hybridmoe.cli import main
 from hybridmoe.experts import calibrate as cal
-from hybridmoe.experts.cost_model import CostModel, Sample
+from hybridmoe.experts.cost_model import CostModel, Sample, fit
 from hybridmoe.experts.store import ExpertShape
 
 
@@ -18,6 +19,7 @@ def small_shapes(monkeypatch):
     """Small experts and few token counts: the same code path in a second."""
     monkeypatch.setattr(cal, "FIT_SHAPES", ((512, 256), (1536, 768)))  # 1.5 and 14 MB: time grows with size
     monkeypatch.setattr(cal, "CHECK_SHAPES", ((1024, 512),))
+    monkeypatch.setattr(cal, "QUICK_CHECK_SHAPES", ((1024, 512),))
     monkeypatch.setattr(cal, "QUICK_FIT_TOKENS", (1, 4, 16, 64))
     monkeypatch.setattr(cal, "QUICK_CHECK_TOKENS", (3, 48))
     monkeypatch.setattr(cal, "ROTATE_BYTES", 16e6)
@@ -45,19 +47,58 @@ def test_the_check_uses_the_runtime_cost_formula():
         assert cal.predict(profile, sample) == pytest.approx(costed.t_cpu(n))
 
 
+def _by_hand(kind, b, fl, n, k):
+    """The cost model's time for one call, written out from DESIGN.md (not through CostModel)."""
+    if n == 1:
+        return b / k["bw_one"] + k["c_one"]
+    return max(b / k["bw"], fl / k["f"]) + k["c"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_recovers_the_constants_that_made_the_samples(seed):
+    rng = np.random.default_rng(seed)
+    known = {"bw": rng.uniform(5e9, 30e9), "f": rng.uniform(3e10, 3e11), "c": rng.uniform(5e-6, 5e-5),
+             "c_one": rng.uniform(1e-6, 3e-5)}
+    known["bw_one"] = known["bw"] * rng.uniform(1.0, 2.5)
+    samples = []
+    for hidden, inter in ((256, 64), (576, 48), (1024, 256), (4096, 1536)):  # 0.2 to 75 MB: small and large
+        b, params = 3 * hidden * inter * 4, 3 * hidden * inter
+        for n in (1, 2, 4, 8, 32, 128, 512):
+            samples.append(Sample("cpu", n, _by_hand("cpu", b, 2.0 * params * n, n, known), bytes=b,
+                                  flops=2.0 * params * n))
+    p = fit(samples)
+    got = {"bw": p.bw_cpu, "f": p.f_cpu, "c": p.c_cpu, "bw_one": p.bw_cpu_one, "c_one": p.c_cpu_one}
+    for name, value in known.items():
+        assert got[name] == pytest.approx(value, rel=0.01), name
+
+
+def test_fit_shapes_span_small_experts_to_beyond_the_last_level_cache():
+    """The per-call constant shows only on small experts, bandwidth only on large ones (a fit on
+    large ones alone once put c_cpu at 0.40 ms, 10x a 576x48 expert's whole call)."""
+    mb = sorted(3 * h * i * 4 / 1e6 for h, i in cal.FIT_SHAPES)
+    assert mb[0] < 0.5 and mb[-1] > 64
+    for shapes in (cal.CHECK_SHAPES, cal.QUICK_CHECK_SHAPES):
+        held = sorted(3 * h * i * 4 / 1e6 for h, i in shapes)
+        assert held[0] < 1 and held[-1] > 32 and not set(shapes) & set(cal.FIT_SHAPES)
+    fit_shapes, check_shapes = cal._shapes(quick=True, model=(768, 96))
+    assert (768, 96) in fit_shapes and (768, 96) not in check_shapes
+
+
 def test_first_start_measures_once_then_reads_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
 
-    def fake(dtype, quick=False, progress=True, cuda=None):
-        calls.append(quick)
+    def fake(dtype, quick=False, progress=True, cuda=None, model=None):
+        calls.append((quick, model))
         return cal.Calibration(CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype)
 
     monkeypatch.setattr(cal, "calibrate", fake)
-    first = cal.load_or_calibrate(None, torch.float32, progress=False)
-    second = cal.load_or_calibrate(None, torch.float32, progress=False)
-    assert calls == [True] and first.bw_cpu == second.bw_cpu == 1e10
-    assert cal.default_profile_path(torch.float32).is_relative_to(tmp_path / "hybridmoe")
+    first = cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48))
+    second = cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48))
+    other = cal.load_or_calibrate(None, torch.float32, progress=False, model=(2048, 768))
+    assert calls == [(True, (576, 48)), (True, (2048, 768))] and first.bw_cpu == second.bw_cpu == other.bw_cpu
+    assert cal.default_profile_path(torch.float32, (576, 48)).is_relative_to(tmp_path / "hybridmoe")
+    assert cal.default_profile_path(torch.float32, (576, 48)) != cal.default_profile_path(torch.float32)
 
 
 def test_calibrate_command(small_shapes, tmp_path, capsys, monkeypatch):

@@ -72,11 +72,13 @@ def run(args) -> int:
     from hybridmoe.cli.options import model_path
     from hybridmoe.experts.calibrate import load_or_calibrate
     from hybridmoe.loader import load_tokenizer
+    from hybridmoe.sim.shapes import get_shape
 
     torch.set_num_threads(args.threads)
     args.tokenizer = None
     path = Path(model_path(args))
-    cost = load_or_calibrate(args.calibration, torch.float32)
+    experts = get_shape(str(path / "config.json")).experts
+    cost = load_or_calibrate(args.calibration, torch.float32, model=(experts.hidden, experts.intermediate))
     prompt_ids = load_tokenizer(str(path)).encode(args.prompt)
     out = {"model": path.name, "threads": args.threads, "date": date.today().isoformat(),
            "load_average": os.getloadavg()[0]}

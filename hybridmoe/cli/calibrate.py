@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
                    help="where to save the profile (default: the cache the engine reads on start)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="expert weights' dtype")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--expert-shape", metavar="HxI", default=None,
+                   help="also fit on experts of this hidden x intermediate size (e.g. 576x48); the default "
+                        "--out is then the cache the engine reads for models with that shape")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (what the engine runs on first start)")
     p.set_defaults(func=run)
 
@@ -31,8 +34,9 @@ def run(args) -> int:
             raise UserError(f"--threads {args.threads}: give a positive number of threads")
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    result = calibrate(dtype, quick=args.quick)
-    out = args.out or default_profile_path(dtype)
+    model = parse_shape(args.expert_shape) if args.expert_shape else None
+    result = calibrate(dtype, quick=args.quick, model=model)
+    out = args.out or default_profile_path(dtype, model)
     try:
         result.save(out)
     except OSError as e:
@@ -40,6 +44,16 @@ def run(args) -> int:
     print(report(result), file=sys.stderr)
     print(f"saved {out}")
     return 0
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        hidden, inter = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UserError(f"--expert-shape {text}: give hidden x intermediate, e.g. 576x48")
+    if hidden < 1 or inter < 1:
+        raise UserError(f"--expert-shape {text}: both sizes must be positive")
+    return hidden, inter
 
 
 def report(result) -> str:
@@ -50,7 +64,9 @@ def report(result) -> str:
     if p.has_gpu:
         lines.append(f"GPU: {p.bw_gpu / 1e9:.0f} GB/s, {p.f_gpu / 1e12:.1f} TFLOP/s, {p.c_gpu * 1e6:.0f} us; "
                      f"PCIe {p.bw_pcie / 1e9:.1f} GB/s + {p.c_copy * 1e6:.0f} us per copy")
-    lines.append("held-out checks (shapes and token counts not used for fitting):")
+    if result.model:
+        lines.append(f"fitted with this model's {result.model[0]}x{result.model[1]} experts among the standard shapes")
+    lines.append("held-out checks (shapes not used for fitting):")
     lines.append(f"  {'kind':5} {'expert':>10} {'tokens':>6} {'measured':>10} {'predicted':>10} {'error':>7}")
     for c in result.checks:
         shape = f"{c.hidden}x{c.intermediate}"

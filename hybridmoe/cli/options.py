@@ -78,7 +78,9 @@ def runtime_factory(args: argparse.Namespace):
         expert_stats_out=args.expert_stats_out, routing_trace=args.routing_trace, record_trace=args.record_trace)
 
     def make(shape, dtype):
-        return HybridRuntime(shape, dtype, config, load_or_calibrate(args.calibration, dtype))
+        # The cached profile is per expert shape: measured on this model's experts among others.
+        cost = load_or_calibrate(args.calibration, dtype, model=(shape.hidden, shape.intermediate))
+        return HybridRuntime(shape, dtype, config, cost)
 
     return make
 

@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,16 +24,18 @@ from hybridmoe.experts.cost_model import CostModel, Sample, fit
 from hybridmoe.experts.runtime import expert_ffn
 from hybridmoe.experts.store import ExpertWeights
 
-# (hidden, intermediate). 2048x768 is Qwen3-30B-A3B's expert, 4096x1536 a large one (75 MB fp32);
-# the held-out shapes lie between them. Fit shapes must be bigger than the last-level cache: a small
-# expert (1024x512, 6 MB) runs its batched kernel near cache speed and skews the fit (measured: held-out
-# error 46% with it, 19% without).
-FIT_SHAPES = ((2048, 768), (4096, 1536))
-CHECK_SHAPES = ((1536, 640), (2048, 1024))
+# (hidden, intermediate), from 0.2 MB to 75 MB in fp32: the per-call constant c_cpu is only
+# visible on small experts (a 576x48 one streams 0.33 MB in ~15 us) and the bandwidth only on large
+# ones, beyond the last-level cache (32 MB here). A fit on large shapes alone put c_cpu at 0.40 ms
+# and predicted the demo model's 576x48 experts 10x too slow. The held-out shapes lie between
+# them: a small, a medium and a beyond-L3 one. The model's own shape joins the fit when known.
+FIT_SHAPES = ((256, 64), (512, 128), (1024, 256), (2048, 768), (4096, 1536))
+CHECK_SHAPES = ((768, 96), (1536, 640), (3072, 1024))
+QUICK_CHECK_SHAPES = ((768, 96), (3072, 1024))
 FIT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CHECK_TOKENS = (1, 3, 12, 48, 192)
 QUICK_FIT_TOKENS = (1, 2, 4, 8, 32, 128)
-QUICK_CHECK_TOKENS = (3, 48)
+QUICK_CHECK_TOKENS = (1, 3, 48)
 # Decoding streams each expert from RAM once per use; rotating over copies whose total is beyond
 # the last-level cache (tens of MB on desktop and server CPUs) keeps the measurement honest.
 ROTATE_BYTES = 96e6
@@ -60,6 +62,7 @@ class Calibration:
     dtype: torch.dtype
     samples: list[Sample] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    model: tuple[int, int] | None = None  # the (hidden, intermediate) measured with the standard shapes
 
     def max_cpu_error(self) -> float:
         errs = [abs(c.error) for c in self.checks if c.kind == "cpu"]
@@ -70,6 +73,7 @@ class Calibration:
             **self.profile.to_json(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
+            "model_expert_shape": list(self.model) if self.model else None,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "checks": [{**c.__dict__, "error": round(c.error, 4)} for c in self.checks],
         }
@@ -94,9 +98,23 @@ def _experts(hidden: int, inter: int, dtype, device, total_bytes: float) -> list
     return out
 
 
+class ColdExperts:
+    """Copies of one expert handed out in turn, so that a copy comes back only after the others
+    (ROTATE_BYTES in all) have passed through the caches: each call streams its weights from RAM,
+    as a decode step does. (Restarting the rotation per measurement timed small experts hot.)"""
+
+    def __init__(self, hidden: int, inter: int, dtype, total_bytes: float = None):
+        self.copies = _experts(hidden, inter, dtype, "cpu", ROTATE_BYTES if total_bytes is None else total_bytes)
+        self.cursor = 0
+
+    def next(self) -> ExpertWeights:
+        self.cursor = (self.cursor + 1) % len(self.copies)
+        return self.copies[self.cursor]
+
+
 @torch.inference_mode()
-def time_cpu_expert(experts: list[ExpertWeights], n: int, reps: int) -> float:
-    """Seconds of one expert call on n tokens, each call on a different (cold) copy.
+def time_cpu_expert(experts: ColdExperts, n: int, reps: int) -> float:
+    """Seconds of one expert call on n tokens, each call on a cold copy.
 
     The minimum over `reps`, not the mean: other load on the machine only ever adds time (and a
     descheduled OpenMP thread stalls a whole call), so the fastest run is the machine's speed.
@@ -104,11 +122,11 @@ def time_cpu_expert(experts: list[ExpertWeights], n: int, reps: int) -> float:
     and does not count the time slices other processes take on a busy one.
     """
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
-    x = torch.randn(n, experts[0].down.shape[0]).to(experts[0].down.dtype)  # [n, H]
-    expert_ffn(x, experts[0])  # warm-up: thread pool, kernel selection
+    x = torch.randn(n, experts.copies[0].down.shape[0]).to(experts.copies[0].down.dtype)  # [n, H]
+    expert_ffn(x, experts.next())  # warm-up: thread pool, kernel selection for this n
     times = []
-    for i in range(reps):
-        w = experts[(i + 1) % len(experts)]
+    for _ in range(reps):
+        w = experts.next()
         t0 = clock()
         expert_ffn(x, w)
         times.append(clock() - t0)
@@ -151,18 +169,28 @@ def time_copy(nbytes: int, reps: int) -> float:
 # ---- the calibration run -----------------------------------------------------------------------
 
 
-def _jobs(quick: bool, cuda: bool) -> list[tuple]:
+def _shapes(quick: bool, model: tuple[int, int] | None) -> tuple[tuple, tuple]:
+    """(fit shapes, held-out shapes): the model's own expert shape joins the fit, never the check."""
+    fit_shapes = FIT_SHAPES + ((model,) if model and model not in FIT_SHAPES else ())
+    check_shapes = tuple(s for s in (QUICK_CHECK_SHAPES if quick else CHECK_SHAPES) if s != model)
+    return fit_shapes, check_shapes
+
+
+def _jobs(quick: bool, cuda: bool, model: tuple[int, int] | None = None) -> list[tuple]:
     """(kind, role, hidden, inter, n) for every measurement, fit ones first."""
     fit_n, check_n = (QUICK_FIT_TOKENS, QUICK_CHECK_TOKENS) if quick else (FIT_TOKENS, CHECK_TOKENS)
-    check_shapes = CHECK_SHAPES[:1] if quick else CHECK_SHAPES
+    fit_shapes, check_shapes = _shapes(quick, model)
     kinds = ("cpu", "gpu") if cuda else ("cpu",)
     jobs = []
     for kind in kinds:
-        jobs += [(kind, "fit", h, i, n) for h, i in FIT_SHAPES for n in fit_n]
-        jobs += [(kind, "fit", h, i, n) for h, i in FIT_SHAPES[:1] for n in check_n if n not in fit_n]
+        jobs += [(kind, "fit", h, i, n) for h, i in fit_shapes for n in fit_n]
+        # The held-out token counts are fitted on the smallest and the last shape (the model's when
+        # known): the check then tests other shapes only.
+        extra = dict.fromkeys((fit_shapes[0], fit_shapes[-1]))
+        jobs += [(kind, "fit", h, i, n) for h, i in extra for n in check_n if n not in fit_n]
         jobs += [(kind, "check", h, i, n) for h, i in check_shapes for n in check_n]
     if cuda:  # copies of the fit shapes' sizes and a few more
-        jobs += [("copy", "fit", h, i, 0) for h, i in FIT_SHAPES + ((512, 256), (4096, 1536))]
+        jobs += [("copy", "fit", h, i, 0) for h, i in fit_shapes + ((512, 256), (4096, 1536))]
         jobs += [("copy", "check", h, i, 0) for h, i in check_shapes]
     return jobs
 
@@ -178,13 +206,14 @@ def _measure_cpu(jobs: list[tuple], dtype, rounds: int, bar) -> list[float]:
     pools = {}
     for _, _, h, i, _ in jobs:
         if (h, i) not in pools:
-            pools[(h, i)] = _experts(h, i, dtype, "cpu", ROTATE_BYTES)
+            pools[(h, i)] = ColdExperts(h, i, dtype)
     best = [float("inf")] * len(jobs)
-    for r in range(rounds):
+    for _ in range(rounds):
         for j, (_, _, h, i, n) in enumerate(jobs):
             bar.set_postfix_str(f"cpu {h}x{i} n={n}")
-            experts = pools[(h, i)]
-            best[j] = min(best[j], time_cpu_expert(experts[r % len(experts) :] + experts[: r % len(experts)], n, 1))
+            # Small experts take microseconds, where one preemption is a large error: more tries.
+            reps = int(min(8, 1 + 2e6 // (3 * h * i * dtype.itemsize)))
+            best[j] = min(best[j], time_cpu_expert(pools[(h, i)], n, reps))
             bar.update()
     return best
 
@@ -197,11 +226,12 @@ def _measure_device(job: tuple, dtype, reps: int) -> float:
 
 
 def calibrate(dtype: torch.dtype = torch.float32, quick: bool = False, progress: bool = True,
-              cuda: bool | None = None) -> Calibration:
-    """Measure, fit on the fit set, check on the held-out set."""
+              cuda: bool | None = None, model: tuple[int, int] | None = None) -> Calibration:
+    """Measure, fit on the fit set, check on the held-out set. `model`: the (hidden, intermediate)
+    of the experts the profile is for, measured along with the standard shapes."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     rounds = 3 if quick else 7
-    jobs = _jobs(quick, cuda)
+    jobs = _jobs(quick, cuda, model)
     cpu_jobs = [j for j in jobs if j[0] == "cpu"]
     device_jobs = [j for j in jobs if j[0] != "cpu"]
     bar = tqdm(total=len(cpu_jobs) * rounds + len(device_jobs), desc="calibrating", unit="run",
@@ -219,31 +249,21 @@ def calibrate(dtype: torch.dtype = torch.float32, quick: bool = False, progress:
         if job[1] == "check":
             s = _sample(job[0], job[2], job[3], job[4], dtype, seconds[job])
             checks.append(Check(job[0], job[2], job[3], job[4], s.seconds, predict(profile, s)))
-    return Calibration(profile, dtype, fit_samples, checks)
+    return Calibration(profile, dtype, fit_samples, checks, model)
 
 
 def fit_profile(samples: list[Sample]) -> CostModel:
-    """The cost model's roofline fit on the batched CPU samples (n >= 2), GPU and copies; then the
-    single-token bandwidth (a matrix-vector kernel, faster than GEMM at small n) on the n = 1 ones."""
-    ones = [s for s in samples if s.kind == "cpu" and s.n_tokens == 1]
-    rest = [s for s in samples if not (s.kind == "cpu" and s.n_tokens == 1)]
-    profile = fit(rest if any(s.kind == "cpu" for s in rest) else samples, name="calibrated")
-    # t = b / bw + c in relative error: minimise sum(((b u - (t - c)) / t)^2) over u = 1 / bw.
-    num = sum(s.bytes * (s.seconds - profile.c_cpu) / s.seconds**2 for s in ones)
-    den = sum(s.bytes**2 / s.seconds**2 for s in ones)
-    if num > 0:
-        profile.bw_cpu_one = den / num
-    return profile
+    """The cost model's fit (experts/cost_model.py `fit`): CPU roofline, single-token bandwidth and
+    one per-call constant together; GPU and copies when measured."""
+    return fit(samples, name="calibrated")
 
 
 def predict(profile: CostModel, s: Sample) -> float:
-    """The profile's time for a measured sample (its own bytes and flops), as CostModel computes it."""
+    """The profile's time for a measured sample (its own bytes and flops): CostModel's own formulas."""
+    costed = replace(profile, expert_bytes=s.bytes, flops_per_token=s.flops / max(s.n_tokens, 1))
     if s.kind == "copy":
-        return s.bytes / profile.bw_pcie + profile.c_copy
-    if s.kind == "cpu":
-        bw = profile.bw_cpu_one if s.n_tokens == 1 and profile.bw_cpu_one else profile.bw_cpu
-        return max(s.bytes / bw, s.flops / profile.f_cpu) + profile.c_cpu
-    return max(s.bytes / profile.bw_gpu, s.flops / profile.f_gpu) + profile.c_gpu
+        return costed.t_copy()
+    return costed.t_cpu(s.n_tokens) if s.kind == "cpu" else costed.t_gpu(s.n_tokens)
 
 
 # ---- where profiles live -----------------------------------------------------------------------
@@ -254,17 +274,20 @@ def cache_dir() -> Path:
     return Path(base) / "hybridmoe"
 
 
-def default_profile_path(dtype: torch.dtype) -> Path:
-    """Per dtype and thread count: both change the CPU's speed."""
+def default_profile_path(dtype: torch.dtype, model: tuple[int, int] | None = None) -> Path:
+    """Per dtype, thread count and expert shape: all three change the CPU's time per expert."""
     name = str(dtype).removeprefix("torch.")
-    return cache_dir() / f"calibration-{name}-{torch.get_num_threads()}threads.json"
+    shape = f"{model[0]}x{model[1]}-" if model else ""
+    return cache_dir() / f"calibration-{shape}{name}-{torch.get_num_threads()}threads.json"
 
 
-def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: bool = True) -> CostModel:
-    """The profile at `path`; without one, the cached profile of this machine, measured on first use."""
+def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: bool = True,
+                      model: tuple[int, int] | None = None) -> CostModel:
+    """The profile at `path`; without one, the cached profile of this machine for experts of shape
+    `model` (hidden, intermediate), measured on first use."""
     if path is not None:
         return CostModel.load(path)
-    cached = default_profile_path(dtype)
+    cached = default_profile_path(dtype, model)
     if cached.exists():
         try:
             return CostModel.load(cached)
@@ -272,7 +295,7 @@ def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: boo
             pass  # a broken cache file is measured again below
     print(f"hybridmoe: measuring this machine's expert speed once (cached in {cached}); "
           "`hybridmoe calibrate` does a longer run", file=sys.stderr)
-    result = calibrate(dtype, quick=True, progress=progress)
+    result = calibrate(dtype, quick=True, progress=progress, model=model)
     try:
         result.save(cached)
     except OSError as e:
