@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary
+from hybridmoe.linear import Linear
 
 
 class KVContext(Protocol):

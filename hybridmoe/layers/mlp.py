@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.layers.linear import Linear
+from hybridmoe.linear import Linear
 
 
 class GatedMLP(nn.Module):

@@ -1,5 +1,8 @@
 """Dense projections for a few rows at a time: the batched-decode shape.
 
+At the package's top, as config.py and errors.py, because both layers/ (attention, MLPs, the LM
+head) and experts/ (expert_ffn) use it, and experts/ must not import layers/.
+
 A decode step of B sequences multiplies B rows by every dense weight. In fp32, torch's default
 kernel (MKL sgemm) is slow at 2 <= B <= 32 on this CPU when the weight comes from memory: on a
 2-core Zen 4 (one thread, weights not in cache) it took 193 us for [8, 576] x [576, 768] and
