@@ -131,3 +131,20 @@ def test_bad_runtime_options_are_one_line_errors(tiny_chat_model, capsys, args, 
                  "--device", "emulated", *args])
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_the_models_own_shape_is_fitted_closer_when_it_weighs_more():
+    """Effective bandwidth varies by shape; the profile made for a model leans to its experts."""
+    rng = np.random.default_rng()
+    own_bw, other_bw = rng.uniform(12e9, 16e9), rng.uniform(20e9, 24e9)
+    own_b, other = 3 * 576 * 48 * 4, (3 * 256 * 64 * 4, 3 * 2048 * 768 * 4, 3 * 4096 * 1536 * 4)
+
+    def samples(weight):
+        rows = [Sample("cpu", 1, own_b / own_bw + 1e-5, bytes=own_b, flops=own_b / 2, weight=weight)]
+        return rows + [Sample("cpu", 1, b / other_bw + 1e-5, bytes=b, flops=b / 2) for b in other]
+
+    def own_error(weight):
+        s = samples(weight)[0]
+        return abs(cal.predict(fit(samples(weight)), s) / s.seconds - 1)
+
+    assert own_error(len(other)) < own_error(1.0)

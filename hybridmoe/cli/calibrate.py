@@ -56,6 +56,16 @@ def parse_shape(text: str) -> tuple[int, int]:
     return hidden, inter
 
 
+def model_fit_line(result) -> str:
+    """How well the profile fits the model's own experts (fitted, so not a held-out figure)."""
+    from hybridmoe.experts.calibrate import predict
+
+    h, i = result.model
+    own = [s for s in result.samples if s.kind == "cpu" and s.bytes == 3 * h * i * result.dtype.itemsize]
+    errs = " ".join(f"n={s.n_tokens}: {100 * (predict(result.profile, s) / s.seconds - 1):+.0f}%" for s in own)
+    return f"fitted with this model's {h}x{i} experts (weighted); fit error on them: {errs}"
+
+
 def report(result) -> str:
     p = result.profile
     lines = [f"CPU: {p.bw_cpu / 1e9:.1f} GB/s ({(p.bw_cpu_one or p.bw_cpu) / 1e9:.1f} GB/s for one token), "
@@ -65,7 +75,7 @@ def report(result) -> str:
         lines.append(f"GPU: {p.bw_gpu / 1e9:.0f} GB/s, {p.f_gpu / 1e12:.1f} TFLOP/s, {p.c_gpu * 1e6:.0f} us; "
                      f"PCIe {p.bw_pcie / 1e9:.1f} GB/s + {p.c_copy * 1e6:.0f} us per copy")
     if result.model:
-        lines.append(f"fitted with this model's {result.model[0]}x{result.model[1]} experts among the standard shapes")
+        lines.append(model_fit_line(result))
     lines.append("held-out checks (shapes not used for fitting):")
     lines.append(f"  {'kind':5} {'expert':>10} {'tokens':>6} {'measured':>10} {'predicted':>10} {'error':>7}")
     for c in result.checks:

@@ -161,10 +161,11 @@ class Sample:
     seconds: float
     bytes: float = 0.0
     flops: float = 0.0  # total flops of the call (all n tokens); 0 = derive from the geometry
+    weight: float = 1.0  # its say in the fit: more for the shape the profile is for
 
 
-def _fit_roofline(b: np.ndarray, fl: np.ndarray, t: np.ndarray,
-                  one: np.ndarray | None = None) -> tuple[float, float, float, float, float]:
+def _fit_roofline(b: np.ndarray, fl: np.ndarray, t: np.ndarray, one: np.ndarray | None = None,
+                  weight: np.ndarray | None = None) -> tuple[float, float, float, float, float]:
     """Least squares for t = max(b/bw, fl/f) + c, in relative error (times span decades).
 
     Rows where `one` is set (single-token CPU calls) follow t = b/bw_one + c_one instead: one token
@@ -177,7 +178,7 @@ def _fit_roofline(b: np.ndarray, fl: np.ndarray, t: np.ndarray,
     """
     one = np.zeros_like(t, dtype=bool) if one is None else one
     many = ~one
-    w = 1.0 / t
+    w = (1.0 if weight is None else np.sqrt(weight)) / t  # squared in the sum: weight per sample
 
     def solve(r: float) -> tuple[float, float, np.ndarray]:
         x = np.where(many, np.maximum(b, fl * r), 0.0)
@@ -245,16 +246,16 @@ def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "b
         fl = np.array([s.flops or 2.0 * params * s.n_tokens for s in rows], dtype=float)
         if not b.all():
             raise UserError("calibration samples need their expert bytes, or pass the expert shape to fit()")
-        return b, fl, np.array([s.seconds for s in rows], dtype=float)
+        return b, fl, np.array([s.seconds for s in rows], dtype=float), np.array([s.weight for s in rows])
 
     cpu = arrays("cpu")
     if cpu is None:
         raise UserError("calibration has no CPU samples; every machine needs them, measure the CPU first")
     ones = np.array([s.n_tokens == 1 for s in samples if s.kind == "cpu"])
-    bw_cpu, f_cpu, c_cpu, bw_one, c_one = _fit_roofline(*cpu, one=ones if one_token else None)
+    bw_cpu, f_cpu, c_cpu, bw_one, c_one = _fit_roofline(*cpu[:3], one=ones if one_token else None, weight=cpu[3])
     model = CostModel(bw_cpu=bw_cpu, f_cpu=f_cpu, c_cpu=c_cpu, bw_cpu_one=bw_one, c_cpu_one=c_one, name=name)
     gpu, copy = arrays("gpu"), arrays("copy")
     if gpu is not None and copy is not None:
-        model.bw_gpu, model.f_gpu, model.c_gpu, _, _ = _fit_roofline(*gpu)
+        model.bw_gpu, model.f_gpu, model.c_gpu, _, _ = _fit_roofline(*gpu[:3], weight=gpu[3])
         model.bw_pcie, model.c_copy = _fit_linear(copy[0], copy[2])
     return model.for_expert(shape, quant) if shape else model
