@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridmoe.demo.build import build, is_complete
-from hybridmoe.demo.fit import MoESpec
+from hybridmoe.demo.spec import MoESpec
 from hybridmoe.errors import UserError
 
 SPECS = {

@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from hybridmoe.demo.build import build, is_complete
     from hybridmoe.demo.cache import demo_model_path
-    from hybridmoe.demo.fit import MoESpec
+    from hybridmoe.demo.spec import MoESpec
 
     spec = MoESpec(experts=args.experts, top_k=args.top_k, shared=args.shared).validate()
     out = args.out or demo_model_path(spec)

@@ -12,14 +12,14 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from hybridmoe.demo import source
-from hybridmoe.demo.fit import CALIBRATION_TOKENS, DEFAULT_SPEC, RECIPE_VERSION, LayerMoE, MoESpec, fit_model
+from hybridmoe.demo.fit import CALIBRATION_TOKENS, RECIPE_VERSION, fit_model
+from hybridmoe.demo.spec import DEFAULT_SPEC, LayerMoE, MoESpec
 from hybridmoe.errors import UserError
 
 WEIGHTS = "model.safetensors"

@@ -28,7 +28,7 @@ def ensure_demo_model(spec: MoESpec = DEFAULT_SPEC) -> Path:
     """The path of the built demo model, building it first (with a one-line notice) if needed."""
     path = demo_model_path(spec)
     if not is_complete(path):
-        print(f"hybridmoe: building the demo model into {path} (once, about a minute)...",
+        print(f"hybridmoe: building the demo model into {path} (once; a few minutes)...",
               file=sys.stderr)
         build(path, spec)
     return path

@@ -1,179 +1,33 @@
-"""The recipe that turns one dense SwiGLU FFN into a sparse MoE, fitted on the dense model's own
-activations (distillation: the target is always the dense FFN's output).
+"""The recipe that turns SmolLM2's dense SwiGLU FFNs into sparse MoEs, fitted on the dense
+model's own hidden states (distillation), layer after layer:
 
-Per layer:
-1. split — the neurons that matter for most tokens (largest mean squared contribution to the
-   output) form the shared expert; the rest are grouped into equal experts by balanced k-means on
-   their co-activation, so that a token's useful neurons sit in few experts;
-2. route — a linear router is trained to pick, per token, the experts whose outputs are largest
-   (the oracle), as a multi-label classifier on the FFN input;
-3. refit — with the routing fixed, the down projections are refitted by ridge least squares so
-   that shared + weighted routed experts reproduce the dense output (this recovers much of what
-   the unselected experts contributed on average).
+1. split (split.py) — a shared expert of the neurons that matter for most tokens, and equal
+   routed experts of neurons that fire together;
+2. route (router.py) — a linear router trained to pick each token's largest experts;
+3. refit (here) — with the routing fixed, the down projections are refitted by ridge least
+   squares so that the layer puts the MoE model's residual stream back on the dense model's.
+
+Layers are fitted in order on the calibration text as the MoE model built so far sees it, so each
+refit corrects what earlier layers got wrong instead of letting the errors compound. Figures and
+the variants that did not help: docs/benchmarks-demo.md. `python -m hybridmoe.demo.fit`
+reproduces the data shipped in hybridmoe/demo/data.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-
 import torch
-import torch.nn.functional as F
 
-from hybridmoe.errors import UserError
+from hybridmoe.demo.router import neuron_weights, train_router
+from hybridmoe.demo.spec import DEFAULT_SPEC, LayerMoE, MoESpec
+from hybridmoe.demo.split import activations, expert_outputs_norm, split
 
-RECIPE_VERSION = 1  # bump when the recipe changes: cached builds and shipped plans of the old one are not reused
+__all__ = ["DEFAULT_SPEC", "LayerMoE", "MoESpec", "fit_model", "RECIPE_VERSION"]
 
-
-@dataclass(frozen=True)
-class MoESpec:
-    """How each FFN is split: `experts` routed experts, `top_k` of them per token, and a shared
-    expert holding the fraction `shared` of the neurons (0: none)."""
-
-    experts: int = 16
-    top_k: int = 8
-    shared: float = 0.5
-    ffn: int = 1536
-
-    def shared_size(self) -> int:
-        return int(round(self.shared * self.ffn))
-
-    def expert_size(self) -> int:
-        return (self.ffn - self.shared_size()) // self.experts
-
-    def active_fraction(self) -> float:
-        """Fraction of each FFN's neurons that a token uses (the shared part counts)."""
-        return (self.shared_size() + self.top_k * self.expert_size()) / self.ffn
-
-    def tag(self) -> str:
-        return f"e{self.experts}k{self.top_k}s{self.shared_size()}"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def validate(self) -> "MoESpec":
-        if not 0.0 <= self.shared < 1.0:
-            raise UserError(f"--shared must be in [0, 1), got {self.shared}.")
-        if self.experts < 2:
-            raise UserError(f"--experts must be at least 2, got {self.experts}.")
-        if not 1 <= self.top_k <= self.experts:
-            raise UserError(f"--top-k must be between 1 and --experts ({self.experts}), "
-                            f"got {self.top_k}.")
-        rest = self.ffn - self.shared_size()
-        if rest % self.experts:
-            raise UserError(f"the {rest} routed neurons per layer do not split into "
-                            f"{self.experts} equal experts; pick --experts dividing {rest}.")
-        return self
+RECIPE_VERSION = 2  # bump when the recipe changes: cached builds and shipped plans of the old one are not reused
+RIDGE = 0.3  # relative to the activations' mean energy; chosen on held-out tokens
 
 
-DEFAULT_SPEC = MoESpec()
-
-
-@dataclass
-class LayerMoE:
-    """One layer's MoE, in the dense FFN's neuron numbering."""
-
-    shared: torch.Tensor   # [S] neuron ids of the shared expert (empty when none)
-    experts: torch.Tensor  # [E, n] neuron ids of each routed expert
-    router: torch.Tensor   # [E, H] router weight (logits = x @ router.T)
-    down: torch.Tensor     # [H, F] down projection; routed columns expect weights summing to 1
-
-
-def activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU hidden activations: x [T, H], gate/up [F, H] -> [T, F]."""
-    return F.silu(x @ gate.T) * (x @ up.T)
-
-
-def _balanced_assign(sim: torch.Tensor, cap: int) -> torch.Tensor:
-    """Assign each row of sim [N, K] to a column, at most `cap` rows per column, greedily by
-    similarity: every free row proposes to its best open column, which keeps the best."""
-    n, k = sim.shape
-    label = torch.full((n,), -1, dtype=torch.long)
-    count = torch.zeros(k, dtype=torch.long)
-    while (label < 0).any():
-        free = (label < 0).nonzero().squeeze(1)
-        open_sim = sim[free].masked_fill((count >= cap)[None, :], -math.inf)
-        best = open_sim.argmax(dim=1)
-        for c in best.unique().tolist():
-            cand = free[best == c]
-            take = cand[torch.argsort(sim[cand, c], descending=True)[: cap - int(count[c])]]
-            label[take] = c
-            count[c] += len(take)
-    return label
-
-
-def balanced_kmeans(feat: torch.Tensor, k: int, seed: int, iters: int = 12) -> torch.Tensor:
-    """Equal-size clusters of the unit rows of feat [N, D] (spherical k-means); labels [N]."""
-    g = torch.Generator().manual_seed(seed)
-    centres = feat[torch.randperm(feat.shape[0], generator=g)[:k]].clone()  # [k, D]
-    for _ in range(iters):
-        label = _balanced_assign(feat @ centres.T, feat.shape[0] // k)
-        for c in range(k):
-            centres[c] = F.normalize(feat[label == c].mean(0), dim=0)
-    return label
-
-
-def split(h: torch.Tensor, down: torch.Tensor, spec: MoESpec, seed: int,
-          sample: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared neuron ids [S] and routed experts [E, n] from activations h [T, F]."""
-    contrib = h.abs() * down.norm(dim=0)                       # [T, F] size of each neuron's output
-    order = torch.argsort(contrib.pow(2).mean(0), descending=True)
-    shared, rest = order[: spec.shared_size()], order[spec.shared_size():]
-    # neurons that fire on the same tokens belong together: cluster their contribution profiles
-    feat = F.normalize(contrib[:sample, rest].T, dim=1)        # [R, sample]
-    label = balanced_kmeans(feat, spec.experts, seed)
-    experts = torch.stack([rest[label == e].sort().values for e in range(spec.experts)])
-    return shared.sort().values, experts
-
-
-def expert_outputs_norm(h: torch.Tensor, down: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """[T, E]: the size of each routed expert's output per token (the oracle's score)."""
-    return torch.stack([(h[:, ids] @ down[:, ids].T).norm(dim=1) for ids in experts], dim=1)
-
-
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral / Qwen2-MoE routing (softmax, top-k, renormalise): ids [T, k] and weights [T, k]."""
-    logits = x @ router.T                                      # [T, E]
-    top, ids = logits.topk(top_k, dim=1)
-    return ids, torch.softmax(top, dim=1)
-
-
-def neuron_weights(x: torch.Tensor, plan_shared: torch.Tensor, experts: torch.Tensor,
-                   router: torch.Tensor, top_k: int, ffn: int) -> torch.Tensor:
-    """[T, F]: what each neuron's activation is multiplied by in the MoE — 1 in the shared
-    expert, the routing weight in a selected expert, 0 elsewhere."""
-    ids, w = route(x, router, top_k)
-    per_expert = torch.zeros(x.shape[0], experts.shape[0]).scatter(1, ids, w)   # [T, E]
-    coef = torch.zeros(x.shape[0], ffn)
-    coef[:, plan_shared] = 1.0
-    coef[:, experts.flatten()] = per_expert.repeat_interleave(experts.shape[1], dim=1)
-    return coef
-
-
-def train_router(x: torch.Tensor, score: torch.Tensor, top_k: int, steps: int = 200,
-                 lr: float = 1e-2, sample: int = 6000) -> torch.Tensor:
-    """Router [E, H] trained as a multi-label classifier of the oracle's top-k (score [T, E]),
-    full-batch Adam on up to `sample` tokens (more did not raise held-out recall)."""
-    x, score = x[:sample], score[:sample]
-    target = torch.zeros_like(score).scatter(1, score.topk(top_k, dim=1).indices, 1.0)
-    router = torch.zeros(score.shape[1], x.shape[1], requires_grad=True)
-    opt = torch.optim.Adam([router], lr=lr)
-    for _ in range(steps):
-        loss = F.binary_cross_entropy_with_logits(x @ router.T, target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    # The dense FFN adds its neurons with weight 1, so the routed experts should too: shrinking
-    # the logits keeps the top-k choice and makes the renormalised weights near-uniform (1/k).
-    # Held-out error after the refit, 16 experts top-8: scale 1 -> 0.28 / 0.42, 0.03 -> 0.105 /
-    # 0.040 (layers 3 / 20); uniform weights 0.105 / 0.040.
-    return router.detach() * ROUTER_SCALE
-
-
-ROUTER_SCALE = 0.03
-
-
-def refit_down(z: torch.Tensor, y: torch.Tensor, down: torch.Tensor, ridge: float = 1e-3):
+def refit_down(z: torch.Tensor, y: torch.Tensor, down: torch.Tensor, ridge: float = RIDGE):
     """Down projection [H, F] minimising |z @ D.T - y|² + λ|D - down|² (z: weighted
     activations [T, F], y: the dense output [T, H]); λ is relative to z's mean energy, and
     pulling toward the dense weights keeps rarely used neurons sane."""
@@ -195,7 +49,7 @@ def refit(x: torch.Tensor, h: torch.Tensor, target: torch.Tensor, down: torch.Te
 
 
 def fit_layer(x: torch.Tensor, target: torch.Tensor, gate, up, down, spec: MoESpec, seed: int,
-              given: LayerMoE | None = None, ridge: float = 0.3) -> LayerMoE:
+              given: LayerMoE | None = None, ridge: float | None = None) -> LayerMoE:
     """Split, route and refit one FFN on its inputs x [T, H] toward target [T, H] (what the dense
     model's residual stream needs from this FFN); `given` supplies a shipped split and router,
     leaving only the refit to do. The ridge (relative to the activations' mean energy) was
@@ -206,7 +60,7 @@ def fit_layer(x: torch.Tensor, target: torch.Tensor, gate, up, down, spec: MoESp
         router = train_router(x, expert_outputs_norm(h, down, experts), spec.top_k)
     else:
         shared, experts, router = given.shared, given.experts, given.router
-    return refit(x, h, target, down, shared, experts, router, spec, ridge)
+    return refit(x, h, target, down, shared, experts, router, spec, ridge or RIDGE)
 
 
 def dense_llama(dense: dict, config: dict):
@@ -282,8 +136,8 @@ def corpus(name: str, model):
 
 
 GENERATED_TOKENS = 128                               # per answer
-CALIBRATION_PROMPTS = 128                            # ~20k tokens
-CALIBRATION_TOKENS = 12000                           # used per build: fits the time budget
+CALIBRATION_PROMPTS = 256                            # ~39k tokens
+CALIBRATION_TOKENS = 20000                           # per build (more is better, and slower; see docs)
 EVALUATION_PROMPTS, EVALUATION_SEED = 32, 1000        # ~3.5k scored tokens, other topics
 
 
@@ -340,7 +194,7 @@ def _through_attention(layer, dense_h: list, moe_h: list, inputs: list, batches:
 def _rows_for(mask: torch.Tensor, tokens: int) -> int:
     """How many corpus rows hold about `tokens` real tokens."""
     total = mask.sum(dim=1).cumsum(0)
-    return int((total < tokens).sum()) + 1
+    return min(int((total < tokens).sum()) + 1, mask.shape[0])
 
 
 def regenerate_corpus() -> None:
