@@ -90,3 +90,17 @@ def test_bad_split_is_a_user_error():
         MoESpec(experts=7, top_k=2, shared=0.5).validate()
     with pytest.raises(UserError, match="--top-k"):
         MoESpec(experts=8, top_k=9, shared=0.5).validate()
+
+
+def test_a_build_that_fails_halfway_leaves_nothing_behind(tmp_path, monkeypatch):
+    from hybridmoe.demo import build as build_module
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C while the experts were fitted
+
+    monkeypatch.setattr(build_module, "fit_model", broken)
+    out = tmp_path / "model"
+    with pytest.raises(KeyboardInterrupt):
+        build(out, SPECS["mixtral"], progress=False, layers=1)
+    assert not out.exists() and not is_complete(out)
+    assert list(tmp_path.iterdir()) == []  # the temporary directory went too
