@@ -1,4 +1,4 @@
-"""Fixtures shared across test files."""
+"""Fixtures shared across test files; the models behind them live in tests/served_model.py."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
 
-SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tests import served_model
+
+SMOL_GGUF = served_model.GGUF
 
 
 def smollm2_gguf() -> Path:
@@ -19,28 +20,18 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer_dir(tmp_path_factory) -> Path:
+def smol_tokenizer_dir() -> Path:
     """SmolLM2's tokenizer and chat template, saved as Hugging Face tokenizer files."""
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("smol_tokenizer")
-    gguf = smollm2_gguf()
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-    return out
+    return served_model.smollm2_tokenizer_dir()
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory, smol_tokenizer_dir) -> Path:
+def tiny_chat_model() -> Path:
     """A tiny random Mixtral with SmolLM2's vocabulary and tokenizer: a chat-capable model in seconds."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    return served_model.tiny_chat_model()
 
-    out = tmp_path_factory.mktemp("tiny_chat")
-    torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=49152, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                        num_experts_per_tok=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                        max_position_embeddings=2048)
-    MixtralForCausalLM(cfg).save_pretrained(out)
-    for f in smol_tokenizer_dir.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    return out
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """The built-in demo model, built on first use (minutes, once per machine) and cached."""
+    return served_model.demo_model()

@@ -57,15 +57,11 @@ def tiny_chat_model() -> Path:
     return out
 
 
-def demo_model() -> Path | None:
-    """The demo model's directory if it has been built (tests do not build it: that takes minutes)."""
-    try:
-        from hybridmoe.demo.build import is_complete
-        from hybridmoe.demo.cache import demo_model_path
-    except ImportError:
-        return None
-    path = demo_model_path()
-    return path if is_complete(path) else None
+def demo_model() -> Path:
+    """The demo model's directory, built on first use like every command does (minutes, once)."""
+    from hybridmoe.demo.cache import ensure_demo_model
+
+    return Path(ensure_demo_model())
 
 
 class ServerThread:

@@ -75,15 +75,8 @@ def test_placement_never_changes_the_output(arch, tiny_dir):
             runtime.close()
 
 
-def test_the_demo_model_too(tmp_path):
-    try:
-        from hybridmoe.demo.build import is_complete
-        from hybridmoe.demo.cache import demo_model_path
-    except ImportError:
-        pytest.skip("hybridmoe.demo is not importable yet")
-    path = demo_model_path()
-    if not is_complete(path):
-        pytest.skip("the demo model is not built on this machine (hybridmoe builds it on first use)")
+def test_the_demo_model_too(demo_model):
+    path = demo_model
     prompt = list(range(100, 112))
     reference = list(generate_ids(load_model(path, progress=False), prompt, GREEDY))
     for policy, budget in (("static", "0.1"), ("hybrimoe", "0.1"), ("lru", "0.5"), ("value", "0.1"), ("value", "0.5")):
