@@ -35,3 +35,15 @@ def tiny_chat_model() -> Path:
 def demo_model() -> Path:
     """The built-in demo model, built on first use (minutes, once per machine) and cached."""
     return served_model.demo_model()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: a second intra-op thread only adds synchronisation, and on the shared 2-core
+    machine OpenMP barriers stalled (parity tests: 75 s with default threads, 10 s with one)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

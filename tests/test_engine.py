@@ -12,13 +12,7 @@ from tests.tiny import build_tiny
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: a second thread only adds synchronisation (and much more on a shared machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["mixtral", "llama"])

@@ -21,12 +21,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 HI = [{"role": "user", "content": "Hello there, who are you?"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices; and the machine is shared
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def start(path, name, **config):

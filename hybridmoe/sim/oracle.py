@@ -55,20 +55,12 @@ class Future:
                 yield key
 
 
-class OraclePolicy(Policy):
+class OraclePolicy(BeladyPolicy):
+    """Belady's keep/evict rule, plus background copies of the missing experts used soonest."""
+
     name = "oracle"
     background_slack = 0.0  # its best setting: the yardstick should be as strong as it can be
     lookahead = 256  # upcoming keys offered per layer; the copy stream runs out long before
-
-    def __init__(self, future: Future):
-        self.future = future
-
-    def keep_score(self, key, now):
-        return -self.future.next_use(key, self.planner.position)
-
-    def worth(self, key, victim, now):
-        pos = self.planner.position
-        return victim is None or self.future.next_use(key, pos) < self.future.next_use(victim, pos)
 
     def background(self, layer, now, plan):
         count = 0
