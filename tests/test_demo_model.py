@@ -104,3 +104,41 @@ def test_a_build_that_fails_halfway_leaves_nothing_behind(tmp_path, monkeypatch)
         build(out, SPECS["mixtral"], progress=False, layers=1)
     assert not out.exists() and not is_complete(out)
     assert list(tmp_path.iterdir()) == []  # the temporary directory went too
+
+
+def test_fit_sees_the_residual_stream_that_transformers_llama_computes():
+    """The fit's FFN inputs and post-attention residuals, from hybridmoe's Llama over flat
+    unpadded sequences, equal transformers' (the reference) on a left-padded batch of 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridmoe.demo import stream
+
+    config = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    reference = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    for p in reference.parameters():  # norms start at 1: make them matter too
+        p.data.add_(0.1 * torch.randn_like(p))
+    lengths = [11, 6]
+    ids = torch.randint(3, 97, (2, max(lengths)))
+    mask = torch.arange(max(lengths))[None, :] >= torch.tensor([max(lengths) - n for n in lengths])[:, None]
+    seen = []   # per layer: (residual after attention, FFN input), both [B, L, H]
+    hooks = [layer.post_attention_layernorm.register_forward_hook(
+        lambda _m, args, out: seen.append((args[0], out))) for layer in reference.model.layers]
+    with torch.no_grad():
+        reference(input_ids=ids, attention_mask=mask.long())
+    for h in hooks:
+        h.remove()
+
+    ours = stream.dense_model(reference.state_dict(), config)
+    hidden, cos_sin, seq_lens = stream.embed(ours, stream.real_tokens(ids, mask))
+    assert seq_lens == lengths
+    for layer, (want_resid, want_x) in zip(ours.layers, seen):
+        resid, x = stream.attention_half(layer, hidden, cos_sin, seq_lens)   # [T, H]
+        for got, want in ((resid, want_resid[mask]), (x, want_x[mask])):
+            err = float((got - want).norm() / want.norm())
+            assert err <= 1e-5, err
+        with torch.no_grad():
+            hidden = resid + layer.mlp(x)
+    assert len(seen) == 3

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridmoe.demo import stream
 from hybridmoe.demo.router import neuron_weights, train_router
 from hybridmoe.demo.spec import DEFAULT_SPEC, LayerMoE, MoESpec
 from hybridmoe.demo.split import activations, expert_outputs_norm, split
@@ -64,8 +65,8 @@ def fit_layer(x: torch.Tensor, target: torch.Tensor, gate, up, down, spec: MoESp
 
 
 def dense_llama(dense: dict, config: dict):
-    """transformers' Llama on the dense weights, to run the calibration text through (the
-    reference implementation; hybridmoe's own Llama can take over once it exists)."""
+    """transformers' Llama on the dense weights, only to sample the corpus (its `generate`) and as
+    the evaluation's reference (quality.py); the fit runs hybridmoe's own Llama (stream.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     known = LlamaConfig(**{k: v for k, v in config.items()
@@ -80,39 +81,6 @@ def dense_llama(dense: dict, config: dict):
     return model.eval()
 
 
-class _Stop(Exception):
-    pass
-
-
-@torch.no_grad()
-def layer_inputs(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The first decoder layer's input [B, L, H] and keyword arguments (causal mask, rotary
-    embeddings) for a batch, as transformers' Llama prepares them; the forward stops there."""
-    seen = {}
-
-    def grab(_module, args, kwargs):
-        seen["hidden"] = args[0] if args else kwargs.pop("hidden_states")
-        seen["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
-
-    hook = model.model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        model.model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
-    except _Stop:
-        pass
-    finally:
-        hook.remove()
-    return seen["hidden"], seen["kwargs"]
-
-
-@torch.no_grad()
-def attention_half(layer, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Llama decoder layer up to its FFN: (residual after attention, FFN input), both [B, L, H]."""
-    attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kwargs)
-    residual = hidden + attn
-    return residual, layer.post_attention_layernorm(residual)
-
-
 def moe_ffn(x: torch.Tensor, gate, up, plan: LayerMoE, spec: MoESpec) -> torch.Tensor:
     """The MoE FFN that the checkpoint will compute, on x [..., H]."""
     flat = x.reshape(-1, x.shape[-1])
@@ -120,14 +88,16 @@ def moe_ffn(x: torch.Tensor, gate, up, plan: LayerMoE, spec: MoESpec) -> torch.T
     return ((activations(flat, gate, up) * coef) @ plan.down.T).reshape(x.shape)
 
 
-def corpus(name: str, model):
+def corpus(name: str, model=None):
     """The shipped "calibration" or "evaluation" text, or (when the package lacks it) the same
-    recipe generated now by the dense `model`."""
+    recipe generated now by the dense `model` (transformers' Llama, see dense_llama; by default
+    the whole dense SmolLM2)."""
     from hybridmoe.demo import calibration, shipped, source
 
     found = shipped.load_corpus(name)
     if found is not None:
         return found
+    model = model if model is not None else dense_llama(*source.read_dense())
     if name == "calibration":
         texts = calibration.prompts(calibration.CALIBRATION_TOPICS, CALIBRATION_PROMPTS, seed=0)
         return calibration.generate(model, source.tokenizer(), texts, GENERATED_TOKENS, seed=0)
@@ -152,20 +122,22 @@ def fit_model(dense: dict, config: dict, spec: MoESpec, tokens: int = CALIBRATIO
 
     from hybridmoe.demo import shipped
 
-    model = dense_llama(dense, config)
-    calib = corpus("calibration", model)
+    model = stream.dense_model(dense, config)
+    calib = corpus("calibration")
     given = shipped.load_plan(shipped.plan_path(spec.tag()), spec.as_dict(), RECIPE_VERSION)
     rows = _rows_for(calib.mask, tokens)
-    batches = [(calib.ids[s:s + 16], calib.mask[s:s + 16]) for s in range(0, rows, 16)]
-    inputs = [layer_inputs(model, ids, mask) for ids, mask in batches]
-    dense_h = [h for h, _ in inputs]                          # per batch [B, L, H]
+    # 16 sequences a batch, laid end to end without their padding
+    batches = [stream.real_tokens(calib.ids[s:s + 16], calib.mask[s:s + 16])
+               for s in range(0, rows, 16)]
+    inputs = [stream.embed(model, seqs) for seqs in batches]  # (hidden, cos_sin, seq_lens)
+    dense_h = [h for h, _, _ in inputs]                       # per batch [T_b, H]
     moe_h = [h.clone() for h in dense_h]
     plans = []
-    for i, layer in enumerate(tqdm(model.model.layers, desc="demo model: fitting experts",
+    for i, layer in enumerate(tqdm(model.layers, desc="demo model: fitting experts",
                                    unit="layer", disable=not progress)):
         p = f"model.layers.{i}.mlp"
         gate, up, down = (dense[f"{p}.{n}_proj.weight"] for n in ("gate", "up", "down"))
-        halves, x, target = _through_attention(layer, dense_h, moe_h, inputs, batches)
+        halves, x, target = _through_attention(layer, dense_h, moe_h, inputs)
         g = None if given is None else LayerMoE(**given[i], down=None)
         plan = fit_layer(x, target, gate, up, down, spec, i, g)
         with torch.no_grad():
@@ -175,19 +147,18 @@ def fit_model(dense: dict, config: dict, spec: MoESpec, tokens: int = CALIBRATIO
 
 
 @torch.no_grad()
-def _through_attention(layer, dense_h: list, moe_h: list, inputs: list, batches: list):
+def _through_attention(layer, dense_h: list, moe_h: list, inputs: list):
     """Advance the dense stream through the whole layer (in place) and the MoE stream up to its
-    FFN: the MoE stream's (residual, FFN input) per batch, and at the real tokens the FFN inputs
+    FFN: the MoE stream's (residual, FFN input) per batch, and over all tokens the FFN inputs
     [T, H] and the targets [T, H] that would put the MoE stream back on the dense one."""
     halves, xs, targets = [], [], []
-    for b, (_, mask) in enumerate(batches):
-        kwargs = inputs[b][1]
-        resid_d, x_d = attention_half(layer, dense_h[b], kwargs)
+    for b, (_, cos_sin, seq_lens) in enumerate(inputs):
+        resid_d, x_d = stream.attention_half(layer, dense_h[b], cos_sin, seq_lens)
         dense_h[b] = resid_d + layer.mlp(x_d)
-        resid_m, x_m = attention_half(layer, moe_h[b], kwargs)
+        resid_m, x_m = stream.attention_half(layer, moe_h[b], cos_sin, seq_lens)
         halves.append((resid_m, x_m))
-        xs.append(x_m[mask])
-        targets.append((dense_h[b] - resid_m)[mask])
+        xs.append(x_m)
+        targets.append(dense_h[b] - resid_m)
     return halves, torch.cat(xs), torch.cat(targets)
 
 
