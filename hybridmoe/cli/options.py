@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from hybridmoe.errors import UserError
+
+# Below this hidden size one torch thread decodes faster than two on the 2-core machine, at batch 1
+# and batch 8 (demo model, hidden 576: 23.7 vs 20.2 tok/s, batch-8 step 77 vs 213 ms); at hidden
+# 2048 two threads win (36.1 vs 28.2 tok/s). docs/benchmarks.md, 2026-11-21.
+WIDE_MODEL = 1024
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -18,7 +24,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face directory or .gguf file (default: the built-in demo model, built on first use)")
     g.add_argument("--tokenizer", metavar="DIR", help="take the tokenizer and chat template from this directory")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: 1 for models narrower than "
+                   f"{WIDE_MODEL} hidden units, else all cores)")
     add_runtime_options(p)
 
 
@@ -106,15 +113,23 @@ def load_from_args(args: argparse.Namespace):
     """(model, tokenizer) for the model options in `args`."""
     from hybridmoe.loader import load_model, load_tokenizer
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads}: give a positive number of threads")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads {args.threads}: give a positive number of threads")
     path = model_path(args)
+    torch.set_num_threads(args.threads or default_threads(path))
     tokenizer = load_tokenizer(path, args.tokenizer)
     model = load_model(path, dtype=DTYPES[args.dtype], runtime_factory=runtime_factory(args),
                        progress=True)
     return model, tokenizer
+
+
+def default_threads(path: str) -> int:
+    """All cores, except for narrow models whose per-op work is too small to split."""
+    from hybridmoe.loader import model_config
+
+    hidden = model_config(path).get("hidden_size", default=WIDE_MODEL)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 if hidden < WIDE_MODEL else cores
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
