@@ -72,8 +72,8 @@ def test_routing_picks_exactly_top_k_distinct_experts_and_varies(reference):
 
 
 def test_hybridmoe_loader_matches_transformers_at_fp32(reference):
-    from hybridmoe.engine.generate import forward_step
-    from hybridmoe.engine.kv_cache import SequenceKV
+    from tests.contiguous_kv import forward_step
+    from tests.contiguous_kv import SequenceKV
     from hybridmoe.loader import load_model
 
     _, out, model, _ = reference

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybridmoe.config import HFConfig
-from hybridmoe.engine.generate import forward_step
-from hybridmoe.engine.kv_cache import SequenceKV
+from tests.contiguous_kv import forward_step
+from tests.contiguous_kv import SequenceKV
 from hybridmoe.loader import gguf_file, load_model, model_config
 from tests.conftest import smollm2_gguf
 from tests.gguf_writer import GGUF_ARCH, Q, permute_rows, write_gguf

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.engine.generate import forward_step, generate_ids
-from hybridmoe.engine.kv_cache import SequenceKV
+from hybridmoe.engine.generate import generate_ids
+from tests.contiguous_kv import forward_step
+from tests.contiguous_kv import SequenceKV
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.experts.profiles import PROFILES

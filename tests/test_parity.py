@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from hybridmoe.engine.generate import forward_step, generate_ids
-from hybridmoe.engine.kv_cache import SequenceKV
+from hybridmoe.engine.generate import generate_ids
+from tests.contiguous_kv import forward_step
+from tests.contiguous_kv import SequenceKV
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader import load_model
 from tests.tiny import BUILDERS, build_tiny, hf_logits
@@ -65,6 +66,6 @@ def test_incremental_decoding_equals_full_recomputation(pair):
 
 
 def _ctx(cache, n):
-    from hybridmoe.engine.kv_cache import BatchKVContext
+    from tests.contiguous_kv import BatchKVContext
 
     return BatchKVContext([cache], [n])

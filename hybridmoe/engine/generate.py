@@ -1,15 +1,11 @@
-"""Generation for one prompt (the `generate` and `chat` commands): the batching engine with a batch of one.
-
-`forward_step` over a contiguous `SequenceKV` stays as the simplest possible forward, for tests."""
+"""Generation for one prompt (the `generate` and `chat` commands): the batching engine with a batch of one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-import torch
 
-from hybridmoe.engine.kv_cache import BatchKVContext, SequenceKV
 from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader.tokenizer import Tokenizer
@@ -32,15 +28,6 @@ class GenerationStats:
         # The first completion token comes from the prefill step; decode steps make the rest.
         steps = max(self.completion_tokens - 1, 0)
         return steps / self.decode_s if self.decode_s else 0.0
-
-
-@torch.inference_mode()
-def forward_step(model, cache: SequenceKV, ids: list[int], start: int) -> torch.Tensor:
-    """Run `ids` at positions start.. through the model; fp32 logits of the last position [V]."""
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    positions = torch.arange(start, start + len(ids))
-    hidden = model(input_ids, positions, BatchKVContext([cache], [len(ids)]))  # [n, H]
-    return model.logits(hidden[-1:])[0]
 
 
 def single_engine(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids=None) -> LLMEngine:

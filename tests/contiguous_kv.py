@@ -1,4 +1,7 @@
-"""A contiguous KV cache: each sequence owns growing per-layer tensors. (The server uses paging.)"""
+"""The simplest forward for tests: a contiguous KV cache per sequence and one model call per chunk.
+
+An independent reference for the engine's paged cache: parity, GGUF and runtime tests drive the
+model through it, so that a bug in paging or scheduling cannot hide a bug in a model (or the reverse)."""
 
 from __future__ import annotations
 
@@ -45,3 +48,12 @@ class BatchKVContext:
             out.append(cache.append(layer, tuple(e[start : start + n] for e in entries)))
             start += n
         return out
+
+
+@torch.inference_mode()
+def forward_step(model, cache: SequenceKV, ids: list[int], start: int) -> torch.Tensor:
+    """Run `ids` at positions start.. through the model; fp32 logits of the last position [V]."""
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    positions = torch.arange(start, start + len(ids))
+    hidden = model(input_ids, positions, BatchKVContext([cache], [len(ids)]))  # [n, H]
+    return model.logits(hidden[-1:])[0]
