@@ -7,9 +7,18 @@ ids (exact lengths, and no two requests share a prefix, so the prefix cache does
 
 Per request: time to first token (TTFT), prefill tok/s = prompt tokens / TTFT, decode tok/s =
 (completion tokens - 1) / (last chunk - first chunk), inter-token latencies (gaps between chunks).
-Aggregated per level: decode tok/s = all requests' decode tokens / the span from the first request's
-first token to the last request's last token; prefill tok/s = all prompt tokens / the span from
-sending to the last first token.
+Aggregated per level, two ways:
+
+- over the window (the stricter): decode tok/s = all requests' decode tokens / the span from the first
+  request's first token to the last request's last token, so it includes the prefill steps of requests
+  that started decoding later; prefill tok/s = all prompt tokens / the span from sending to the last
+  first token.
+- summed, as KTransformers' test_speed.py reports "total decode speed": the sum over the concurrent
+  requests of each one's decode tok/s (and likewise prefill tok/s). Each request's speeds come from the
+  phase times the server reports in `usage` when asked (`return_speed`, KTransformers' extension:
+  prefill_time from being scheduled to the first token, decode_time from the first token to the last),
+  else from the client's clock as above. test_speed.py divides all completion tokens by decode_time;
+  the first token comes from prefill, so here it is (completion tokens - 1) / decode_time.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ class RequestTiming:
     completion_tokens: int = 0
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)  # arrival time of each chunk with new text
+    server_prefill_s: float | None = None  # usage.prefill_time and usage.decode_time, when the server sends them
+    server_decode_s: float | None = None
 
     @property
     def ttft(self) -> float:
@@ -62,6 +73,19 @@ class RequestTiming:
     @property
     def decode_tps(self) -> float:
         return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def reported_prefill_tps(self) -> float:
+        """Prompt tokens / prefill time, the server's time when it reports one."""
+        seconds = self.server_prefill_s if self.server_prefill_s is not None else self.ttft
+        return self.prompt_tokens / seconds if seconds > 0 else 0.0
+
+    @property
+    def reported_decode_tps(self) -> float:
+        """Decode tokens / decode time, the server's time when it reports one."""
+        if self.server_decode_s is None:
+            return self.decode_tps
+        return (self.completion_tokens - 1) / self.server_decode_s if self.server_decode_s > 0 else 0.0
 
     @property
     def itl(self) -> list[float]:
@@ -80,7 +104,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 async def _one(client, model: str, prompt: list[int], max_tokens: int) -> RequestTiming:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_speed": True}
     t = RequestTiming(sent=time.perf_counter())
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -92,7 +116,9 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Reques
             if event.get("choices") and event["choices"][0].get("text"):
                 t.chunks.append(time.perf_counter())
             if event.get("usage"):
-                t.prompt_tokens, t.completion_tokens = event["usage"]["prompt_tokens"], event["usage"]["completion_tokens"]
+                u = event["usage"]
+                t.prompt_tokens, t.completion_tokens = u["prompt_tokens"], u["completion_tokens"]
+                t.server_prefill_s, t.server_decode_s = u.get("prefill_time"), u.get("decode_time")
     if not t.chunks:
         raise UserError("the server streamed no text; is --max-tokens at least 1?")
     return t
@@ -119,6 +145,10 @@ def summarise(prompt_len: int, concurrency: int, timings: list[RequestTiming]) -
         "decode_tps_per_request": statistics.mean(t.decode_tps for t in timings),
         "prefill_tps_aggregate": sum(t.prompt_tokens for t in timings) / prefill_span,
         "decode_tps_aggregate": sum(t.completion_tokens - 1 for t in timings) / decode_span if decode_span else 0.0,
+        # KTransformers' "total prefill/decode speed": the sum of the requests' own speeds
+        "prefill_tps_sum": sum(t.reported_prefill_tps for t in timings),
+        "decode_tps_sum": sum(t.reported_decode_tps for t in timings),
+        "speed_times": "server" if all(t.server_decode_s is not None for t in timings) else "client",
         "ttft_s": {"mean": statistics.mean(ttft), "p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
         "itl_ms": {"mean": 1e3 * statistics.mean(itl) if itl else 0.0, "p50": 1e3 * _pct(itl, 50),
                    "p90": 1e3 * _pct(itl, 90), "p99": 1e3 * _pct(itl, 99)},
@@ -151,13 +181,17 @@ def _model_name(args) -> str:
 
 
 def _print_table(results: list[dict]) -> None:
-    print(f"{'prompt':>6} {'conc':>4} | {'prefill tok/s':>13} {'(agg)':>8} | {'decode tok/s':>12} {'(agg)':>8} | "
-          f"{'TTFT p50 s':>10} {'p90':>7} | {'ITL p50 ms':>10} {'p90':>7} {'p99':>7}")
+    print(f"{'prompt':>6} {'conc':>4} | {'prefill tok/s':>13} {'(window)':>8} {'(sum)':>8} | {'decode tok/s':>12} "
+          f"{'(window)':>8} {'(sum)':>8} | {'TTFT p50 s':>10} {'p90':>7} | {'ITL p50 ms':>10} {'p90':>7} {'p99':>7}")
     for r in results:
         print(f"{r['prompt_len']:>6} {r['concurrency']:>4} | {r['prefill_tps_per_request']:>13.1f} "
-              f"{r['prefill_tps_aggregate']:>8.1f} | {r['decode_tps_per_request']:>12.2f} {r['decode_tps_aggregate']:>8.2f} | "
+              f"{r['prefill_tps_aggregate']:>8.1f} {r['prefill_tps_sum']:>8.1f} | {r['decode_tps_per_request']:>12.2f} "
+              f"{r['decode_tps_aggregate']:>8.2f} {r['decode_tps_sum']:>8.2f} | "
               f"{r['ttft_s']['p50']:>10.3f} {r['ttft_s']['p90']:>7.3f} | {r['itl_ms']['p50']:>10.1f} "
               f"{r['itl_ms']['p90']:>7.1f} {r['itl_ms']['p99']:>7.1f}")
+    times = {r["speed_times"] for r in results}
+    print("window: all tokens / the span they took (the first token to the last, across requests); "
+          f"sum: each request's own tok/s added up, as KTransformers' test_speed.py (times from the {'/'.join(times)})")
 
 
 def run(args) -> int:
