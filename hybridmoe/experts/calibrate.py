@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybridmoe.experts.cost_model import CostModel, Sample, fit
+from hybridmoe.experts.cost_model import PROFILE_VERSION, CostModel, Sample, fit
 from hybridmoe.experts.runtime import expert_ffn
 from hybridmoe.experts.store import ExpertWeights
 
@@ -33,9 +33,11 @@ from hybridmoe.experts.store import ExpertWeights
 FIT_SHAPES = ((256, 64), (512, 128), (1024, 256), (2048, 768), (4096, 1536))
 CHECK_SHAPES = ((768, 96), (1536, 640), (3072, 1024))
 QUICK_CHECK_SHAPES = ((768, 96), (3072, 1024))
-FIT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# 2 and 3 tokens on every shape: on MKL they run row by row, re-reading the weights per token
+# (cost_model.py, cpu_gemm_from), and the fit finds where that regime ends from them.
+FIT_TOKENS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512)
 CHECK_TOKENS = (1, 3, 12, 48, 192)
-QUICK_FIT_TOKENS = (1, 2, 4, 8, 32, 128)
+QUICK_FIT_TOKENS = (1, 2, 3, 4, 8, 32, 128)
 QUICK_CHECK_TOKENS = (1, 3, 48)
 # Decoding streams each expert from RAM once per use; rotating over copies whose total is beyond
 # the last-level cache (tens of MB on desktop and server CPUs) keeps the measurement honest.
@@ -262,9 +264,41 @@ def calibrate(dtype: torch.dtype = torch.float32, quick: bool = False, progress:
 
 
 def fit_profile(samples: list[Sample]) -> CostModel:
-    """The cost model's fit (experts/cost_model.py `fit`): CPU roofline, single-token bandwidth and
-    one per-call constant together; GPU and copies when measured."""
-    return fit(samples, name="calibrated")
+    """The cost model's fit (experts/cost_model.py `fit`): the CPU's batched and row-by-row
+    regimes with this machine's cache sizes; GPU and copies when measured."""
+    return fit(samples, name="calibrated", caches=cpu_caches(torch.get_num_threads()))
+
+
+def cpu_caches(threads: int, root: str | Path = "/sys/devices/system/cpu/cpu0/cache") -> tuple[float, ...]:
+    """Bytes of each data cache level from L2 out, as `threads` threads see them: a private
+    level counts once per thread (up to its instances), a shared one once. () where Linux's sysfs
+    does not say (re-reads are then costed as from RAM). L1 is left out: an expert never fits it."""
+    sizes = {}
+    for index in sorted(Path(root).glob("index[0-9]*")):
+        try:
+            level, kind = int((index / "level").read_text()), (index / "type").read_text().strip()
+            size = _parse_bytes((index / "size").read_text().strip())
+            sharing = _count_cpus((index / "shared_cpu_list").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if level >= 2 and kind in ("Data", "Unified"):
+            instances = max(1, (os.cpu_count() or 1) // sharing)
+            sizes[level] = size * max(1, min(threads, instances))
+    return tuple(float(sizes[k]) for k in sorted(sizes))
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
+
+
+def _count_cpus(cpu_list: str) -> int:
+    """'0-3,8' -> 5."""
+    count = 0
+    for part in cpu_list.split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
 
 
 def predict(profile: CostModel, s: Sample) -> float:
@@ -299,9 +333,10 @@ def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: boo
     cached = default_profile_path(dtype, model)
     if cached.exists():
         try:
-            return CostModel.load(cached)
+            if json.loads(cached.read_text()).get("version") == PROFILE_VERSION:
+                return CostModel.load(cached)
         except Exception:
-            pass  # a broken cache file is measured again below
+            pass  # a broken cache file, or one of an older format, is measured again below
     print(f"hybridmoe: measuring this machine's expert speed once (cached in {cached}); "
           "`hybridmoe calibrate` does a longer run", file=sys.stderr)
     result = calibrate(dtype, quick=True, progress=progress, model=model)

@@ -7,6 +7,11 @@ The formulas are those of shared/DESIGN.md ("cost model"):
     t_copy   = bytes / bw_pcie + c_copy
     t_act(n) = 2 * (hidden * n * act_bytes / bw_pcie + c_act)   # activations GPU->CPU and back
 
+The CPU's kernels refine t_cpu (measured, fitted by `fit()`; named profiles keep the plain form):
+below `cpu_gemm_from` tokens the weights are streamed once per token, the first pass from RAM and the
+others from the caches (`t_rows`); from it on, streaming and arithmetic overlap only in part
+(`cpu_overlap`, 1 = the max above, 0 = their sum).
+
 A `CostModel` is the hardware constants plus the geometry of one expert (its bytes in the chosen
 quantisation, its flops per token). Constants come from `fit()` over measured samples (the
 calibration run, experts/calibrate.py) or from a named profile (experts/profiles.py); a profile is
@@ -47,6 +52,10 @@ def quant_bytes(quant: str) -> float:
     return QUANT_BYTES[quant]
 
 
+# 2: the CPU's row-by-row regime, cache re-reads and overlap (cpu_gemm_from, cpu_caches, cpu_overlap).
+PROFILE_VERSION = 2
+
+
 @dataclass
 class CostModel:
     """Hardware constants (bytes/s, flop/s, s) plus the geometry of the expert being costed."""
@@ -70,6 +79,20 @@ class CostModel:
     # That kernel's fixed seconds per call (it skips the GEMM's set-up); used with bw_cpu_one.
     # None (profiles written before it existed) = c_cpu.
     c_cpu_one: float | None = None
+    # Below this many tokens the CPU works row by row, one matrix-vector pass per token (measured,
+    # MKL 2024.2 on AMD EPYC, fp32, 1 thread: 3072x1024 takes 1.9, 3.9, 5.4 ms at n = 1, 2, 3 and
+    # 3.2 ms at n = 4; a 768x96 expert, which stays in L2, 61, 81, 88 and 83 us). 2 = only n = 1.
+    cpu_gemm_from: int = 2
+    # Where the passes after the first re-read the weights from: [capacity bytes, bytes/s] per cache
+    # level, innermost first (bandwidth 0 = not measured, as the next level out), then RAM at
+    # bw_cpu_reread (0 = bw_cpu_one); plus a fixed cost per pass.
+    cpu_caches: list[list[float]] = field(default_factory=list)
+    bw_cpu_reread: float = 0.0
+    c_cpu_reread: float = 0.0
+    # Share of the smaller of (streaming, arithmetic) that the batched kernel hides behind the larger:
+    # 1 = the roofline's max, 0 = their sum (measured, fp32, 1 thread: 3072x1024 at n = 4..256 is
+    # 2.51 ms + 0.170 ms per token within 2%, where the max is off by up to 30%).
+    cpu_overlap: float = 1.0
     # Geometry, filled in by for_expert():
     expert_bytes: float = 0.0
     flops_per_token: float = 0.0
@@ -95,10 +118,24 @@ class CostModel:
         )
 
     def t_cpu(self, n: int) -> float:
-        if n == 1 and self.bw_cpu_one:
-            c = self.c_cpu if self.c_cpu_one is None else self.c_cpu_one
-            return self.expert_bytes / self.bw_cpu_one + c
-        return max(self.expert_bytes / self.bw_cpu, n * self.flops_per_token / self.f_cpu) + self.c_cpu
+        if self.bw_cpu_one and n < self.cpu_gemm_from:
+            return self.t_rows(n)
+        stream, compute = self.expert_bytes / self.bw_cpu, n * self.flops_per_token / self.f_cpu
+        return stream + compute - self.cpu_overlap * min(stream, compute) + self.c_cpu
+
+    def t_rows(self, n: int) -> float:
+        """n matrix-vector passes: the first streams the expert from RAM, the others re-read it."""
+        c = self.c_cpu if self.c_cpu_one is None else self.c_cpu_one
+        first = self.expert_bytes / self.bw_cpu_one + c
+        return first + (n - 1) * (self.t_reread(self.expert_bytes) + self.c_cpu_reread) if n > 1 else first
+
+    def t_reread(self, nbytes: float) -> float:
+        """Seconds to stream `nbytes` again, from the innermost cache level that holds them all, else
+        from RAM: a stream larger than a cache evicts itself before it comes round again (measured:
+        3072x1024 fp32, 37.7 MB, re-reads at 21 GB/s next to 19 GB/s from RAM, with a 32 MB L3)."""
+        fits = [bw for capacity, bw in self.cpu_caches if nbytes <= capacity]
+        bw = next((bw for bw in fits if bw > 0), 0.0) or self.bw_cpu_reread or self.bw_cpu_one
+        return nbytes / bw
 
     def t_gpu(self, n: int) -> float:
         if not self.has_gpu:
@@ -125,13 +162,14 @@ class CostModel:
 
     # ---- persistence -------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"format": "hybridmoe-cost-profile", "version": 1, **asdict(self)}
+        return {"format": "hybridmoe-cost-profile", "version": PROFILE_VERSION, **asdict(self)}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
+        """Version 1 profiles load too: the fields they lack default to the formulas they were fitted for."""
         known = {f for f in cls.__dataclass_fields__}
         missing = [k for k in ("bw_cpu", "f_cpu", "c_cpu") if k not in data]
         if data.get("format") != "hybridmoe-cost-profile" or missing:
@@ -164,49 +202,120 @@ class Sample:
     weight: float = 1.0  # its say in the fit: more for the shape the profile is for
 
 
-def _fit_roofline(b: np.ndarray, fl: np.ndarray, t: np.ndarray, one: np.ndarray | None = None,
-                  weight: np.ndarray | None = None) -> tuple[float, float, float, float, float]:
-    """Least squares for t = max(b/bw, fl/f) + c, in relative error (times span decades).
+# Token counts up to which the fit looks for the row-by-row regime's end: those kernels serve a few rows.
+ROWS_UP_TO = 16
 
-    Rows where `one` is set (single-token CPU calls) follow t = b/bw_one + c_one instead: one token
-    runs a matrix-vector kernel that streams weights faster than the batched (GEMM) kernel and
-    starts ~30 us sooner (measured: 256x64 fp32, 21 us at n = 1, 53 us at n = 2). One fit over every
-    shape: the constants are set by the small experts, where bytes do not hide them, and the
-    bandwidths by the large ones. Given r = bw/f the model is linear in (1/bw, c, 1/bw_one, c_one),
-    so r is found by a grid search and the rest by non-negative least squares.
-    Returns (bw, f, c, bw_one, c_one); bw_one = c_one = 0 without single-token rows.
+
+def _fit_cpu(b: np.ndarray, fl: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray,
+             caches: tuple[float, ...], rows: bool = True) -> dict:
+    """CostModel's CPU fields fitted to calls of `b` bytes, `fl` flops and `n` tokens taking `t` s.
+
+    Each candidate end of the row-by-row regime (a measured token count up to ROWS_UP_TO) splits
+    the samples in two, fitted apart: rows (`_fit_rows`) and batched (`_fit_batched`). The best
+    split by Akaike's criterion wins: a row regime with re-reads costs its extra constants, which
+    could otherwise bend to the noise of a few points. The constants of each regime are set by the
+    small experts, where bytes do not hide them, and the bandwidths by the large ones.
     """
-    one = np.zeros_like(t, dtype=bool) if one is None else one
-    many = ~one
-    w = (1.0 if weight is None else np.sqrt(weight)) / t  # squared in the sum: weight per sample
+    ones = n == 1
+    ends = [1] if not (rows and ones.any()) else \
+        [2] + [int(v) for v in np.unique(n) if 2 < v <= ROWS_UP_TO and len(np.unique(n[n >= v])) >= 3]
+    best = None
+    for end in ends:
+        few = n < end
+        fields, err = _fit_batched(b[~few], fl[~few], t[~few], w[~few], overlaps=np.linspace(0.0, 1.0, 11))
+        constants = 4 if (~few).any() else 0  # bw, f, c, overlap
+        if few.any():
+            more, rows_err = _fit_rows(b[few], n[few], t[few], w[few], caches)
+            if more is None and end > 2:
+                continue  # its passes cannot be told apart (one expert shape): not a regime of its own
+            if more is None:
+                raise UserError("the single-token calibration samples do not grow with the expert size; measure again")
+            fields, err = {**fields, **more}, err + rows_err
+            constants += 2 + (len(more["cpu_caches"]) + 2 if end > 2 else 0)
+        aic = len(t) * np.log(max(err, 1e-300) / len(t)) + 2 * constants
+        if best is None or aic < best[1]:
+            best = ({**fields, "cpu_gemm_from": end}, aic)
+    if "bw_cpu" not in best[0]:  # single-token samples only: one bandwidth for every n
+        one = best[0]
+        best = ({**one, "bw_cpu": one["bw_cpu_one"], "f_cpu": one["bw_cpu_one"], "c_cpu": one["c_cpu_one"]}, 0)
+    return best[0]
 
-    def solve(r: float) -> tuple[float, float, np.ndarray]:
-        x = np.where(many, np.maximum(b, fl * r), 0.0)
-        cols = [x, many * 1.0] + ([np.where(one, b, 0.0), one * 1.0] if one.any() else [])
-        a = np.stack(cols, axis=1)
-        coef = _nnls(a * w[:, None], t * w)
-        return float(np.sum((a @ coef - t) ** 2 * w**2)), r, coef
 
-    if not many.any():
-        best = solve(1.0)
-    else:  # a coarse grid over eight decades, then a fine one around its best (0.3% steps)
-        best = min((solve(r) for r in np.logspace(-4, 4, 161)), key=lambda e: e[0])
-        best = min((solve(r) for r in best[1] * np.logspace(-0.05, 0.05, 41)), key=lambda e: e[0])
-    coef = best[2]
-    if (many.any() and coef[0] <= 0) or (one.any() and coef[2] <= 0):
+def _fit_batched(b: np.ndarray, fl: np.ndarray, t: np.ndarray, w: np.ndarray,
+                 overlaps: np.ndarray) -> tuple[dict, float]:
+    """t = s + a - overlap * min(s, a) + c, s = b/bw, a = fl/f: least squares in relative error.
+
+    Given r = bw/f and the overlap, t is linear in (1/bw, c): a grid over r (eight decades, then
+    0.3% steps around the best) and the overlaps, each point solved in closed form.
+    Returns ({bw_cpu, f_cpu, c_cpu, cpu_overlap}, weighted squared error)."""
+    if not len(t):
+        return {}, 0.0
+
+    def solve(rs: np.ndarray, overlap: float):
+        s, a = b[None, :], fl[None, :] * rs[:, None]  # [R, samples] each, in bytes
+        x = s + a - overlap * np.minimum(s, a)
+        inv_bw, c, err = _line_fit(x, t, w)
+        i = int(np.argmin(err))
+        return err[i], rs[i], overlap, inv_bw[i], c[i]
+
+    best = min((solve(np.logspace(-4, 4, 161), o) for o in overlaps), key=lambda e: e[0])
+    best = min((solve(best[1] * np.logspace(-0.05, 0.05, 41), o) for o in {best[2]}), key=lambda e: e[0])
+    err, r, overlap, inv_bw, c = best
+    if inv_bw <= 0:
         raise UserError("the calibration samples do not grow with the expert size; measure again with more tokens")
-    bw = 1.0 / coef[0] if many.any() else 1.0 / coef[2]  # only single-token rows: one bandwidth for all
-    bw_one, c_one = (1.0 / coef[2], float(coef[3])) if one.any() else (0.0, 0.0)
-    return bw, bw / best[1], float(coef[1]) if many.any() else c_one, bw_one, c_one
+    fields = {"bw_cpu": 1.0 / inv_bw, "f_cpu": 1.0 / (inv_bw * r), "c_cpu": c, "cpu_overlap": overlap}
+    return {k: float(v) for k, v in fields.items()}, float(err)
+
+
+def _line_fit(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each row of x [R, samples]: the k, c >= 0 minimising sum((w * (k x + c - t))^2).
+    Returns k, c and that error, each [R]."""
+    u, v, y = x * w, w, t * w  # [R, S], [S], [S]
+    uu, uv, vv = (u * u).sum(1), u @ v, float(v @ v)
+    uy, vy = u @ y, float(v @ y)
+    det = uu * vv - uv * uv
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(det > 0, (vv * uy - uv * vy) / det, 0.0)
+        c = np.where(det > 0, (uu * vy - uv * uy) / det, vy / vv)
+        k_alone = np.where(uu > 0, uy / uu, 0.0)
+    k, c = np.where(c < 0, k_alone, k), np.maximum(c, 0.0)  # a negative constant is pinned at 0
+    err = ((k[:, None] * u + c[:, None] * v - y) ** 2).sum(1)
+    return k, c, err
+
+
+def _fit_rows(b: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray,
+              caches: tuple[float, ...]) -> tuple[dict | None, float]:
+    """t = b/bw_one + c_one + (n - 1) * (re-read of b + c_reread), by non-negative least squares.
+
+    Each re-read comes from the innermost cache level that holds the whole expert, else from RAM,
+    as CostModel.t_reread has it; the RAM re-reads get their own bandwidth (the first pass also
+    carries the call's start-up). All of it is linear in the inverse bandwidths and the constants. Returns (CostModel fields, weighted squared error);
+    no fields when the samples do not show a bandwidth (the first pass's time does not grow with b)."""
+    extra = (n - 1).astype(float)
+    bounds = [0.0, *sorted(caches)] if extra.any() else [0.0]  # one pass each: nothing is re-read
+    rereads = [extra * b * ((b > lo) & (b <= hi)) for lo, hi in zip(bounds, bounds[1:])]
+    rereads += [extra * b * (b > bounds[-1])] if extra.any() else []  # from RAM
+    a = np.stack([b, np.ones_like(b), *rereads] + ([extra] if extra.any() else []), axis=1)
+    coef = _nnls(a * w[:, None], t * w)
+    if coef[0] <= 0:
+        return None, 0.0
+    # Per level: not measured (no expert re-read from it) = 0; measured at no cost = 1 PB/s.
+    bws = [float(1.0 / max(k, 1e-15)) if col.any() else 0.0 for k, col in zip(coef[2:-1], rereads)]
+    fields = {"bw_cpu_one": float(1.0 / coef[0]), "c_cpu_one": float(coef[1]),
+              "cpu_caches": [[float(cap), bw] for cap, bw in zip(bounds[1:], bws)],
+              "bw_cpu_reread": bws[-1] if bws else 0.0, "c_cpu_reread": float(coef[-1]) if extra.any() else 0.0}
+    return fields, float(np.sum((a @ coef - t) ** 2 * w**2))
 
 
 def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares a @ coef = y with every coefficient >= 0 (seconds per byte, seconds per call):
     the best unconstrained solution over each subset of free columns, the others held at 0. Exact,
-    and cheap for the four columns of the cost model."""
+    and cheap for the few columns of the cost model. Larger subsets first, so that a tie (columns
+    that one expert shape cannot tell apart) keeps every column's share, as plain least squares does."""
     k = a.shape[1]
     best, best_err = np.zeros(k), float(np.sum(y**2))
-    for mask in range(1, 2**k):
+    tie = 1e-9 * best_err
+    for mask in range(2**k - 1, 0, -1):
         free = [j for j in range(k) if mask >> j & 1]
         sol, *_ = np.linalg.lstsq(a[:, free], y, rcond=None)
         if (sol < 0).any():
@@ -214,7 +323,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
         coef = np.zeros(k)
         coef[free] = sol
         err = float(np.sum((a @ coef - y) ** 2))
-        if err < best_err:
+        if err < best_err - tie:
             best, best_err = coef, err
     return best
 
@@ -229,10 +338,12 @@ def _fit_linear(b: np.ndarray, t: np.ndarray) -> tuple[float, float]:
 
 
 def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "bf16", name: str = "calibrated",
-        one_token: bool = True) -> CostModel:
+        one_token: bool = True, caches: tuple[float, ...] = ()) -> CostModel:
     """Turn measured samples into a CostModel. Samples without bytes/flops take them from `shape`.
 
-    With `one_token`, single-token CPU samples get their own bandwidth (`bw_cpu_one`) in the same fit.
+    With `one_token`, single-token CPU samples get their own bandwidth (`bw_cpu_one`) in the same
+    fit, and so do the few-token ones when they run row by row. `caches`: the capacities in bytes
+    of the CPU's cache levels (experts/calibrate.py reads them), where re-read passes find weights.
     """
     if not samples:
         raise UserError("no calibration samples were given; run `hybridmoe calibrate` to measure them")
@@ -246,16 +357,18 @@ def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "b
         fl = np.array([s.flops or 2.0 * params * s.n_tokens for s in rows], dtype=float)
         if not b.all():
             raise UserError("calibration samples need their expert bytes, or pass the expert shape to fit()")
-        return b, fl, np.array([s.seconds for s in rows], dtype=float), np.array([s.weight for s in rows])
+        t = np.array([s.seconds for s in rows], dtype=float)
+        w = np.sqrt(np.array([s.weight for s in rows], dtype=float)) / t  # squared in the sum: relative error
+        return b, fl, np.array([s.n_tokens for s in rows]), t, w
 
     cpu = arrays("cpu")
     if cpu is None:
         raise UserError("calibration has no CPU samples; every machine needs them, measure the CPU first")
-    ones = np.array([s.n_tokens == 1 for s in samples if s.kind == "cpu"])
-    bw_cpu, f_cpu, c_cpu, bw_one, c_one = _fit_roofline(*cpu[:3], one=ones if one_token else None, weight=cpu[3])
-    model = CostModel(bw_cpu=bw_cpu, f_cpu=f_cpu, c_cpu=c_cpu, bw_cpu_one=bw_one, c_cpu_one=c_one, name=name)
+    model = CostModel(name=name, **_fit_cpu(*cpu, caches=caches, rows=one_token))
     gpu, copy = arrays("gpu"), arrays("copy")
     if gpu is not None and copy is not None:
-        model.bw_gpu, model.f_gpu, model.c_gpu, _, _ = _fit_roofline(*gpu[:3], weight=gpu[3])
-        model.bw_pcie, model.c_copy = _fit_linear(copy[0], copy[2])
+        b, fl, _, t, w = gpu
+        g, _ = _fit_batched(b, fl, t, w, overlaps=np.array([1.0]))  # t_gpu is the roofline's max
+        model.bw_gpu, model.f_gpu, model.c_gpu = g["bw_cpu"], g["f_cpu"], g["c_cpu"]
+        model.bw_pcie, model.c_copy = _fit_linear(copy[0], copy[3])
     return model.for_expert(shape, quant) if shape else model
