@@ -10,6 +10,9 @@ kernel (MKL sgemm) is slow at 2 <= B <= 32 on this CPU when the weight comes fro
 oneDNN's linear on the same unpacked weights (3 rows: 198 vs 120 us, 25.8 vs 6.9 ms). One row stays
 on F.linear, so single-sequence decode keeps its exact arithmetic; prefill chunks (many rows) and
 other dtypes (bf16 already goes to oneDNN) are unchanged.
+
+One bf16 row (bf16 decode) goes to the native kernel where it runs (hybridmoe/native: about twice
+oneDNN's matrix-vector speed on this CPU), accumulated in fp32 and rounded to bf16 as F.linear does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe import native
+
 # Rows up to which oneDNN's fp32 linear is used (measured faster at 2, 3, 8 and 16 rows, see above).
 FEW_ROWS = 32
 
@@ -25,7 +30,13 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with x: [M, K], weight: [N, K] -> [M, N] on oneDNN for a few fp32 rows."""
+    """F.linear, with x: [M, K], weight: [N, K] -> [M, N] on oneDNN for a few fp32 rows, on the native
+    kernel for one bf16 row."""
+    if native.applies(x, weight) and not torch.is_grad_enabled():
+        y = native.gemv(x, weight)  # [N] fp32
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
     if (_ONEDNN and x.dim() == 2 and 1 < x.shape[0] <= FEW_ROWS and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")  # [M, N]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridmoe import native
 from hybridmoe.experts.store import ExpertShape, ExpertStore, ExpertWeights
 from hybridmoe.experts.expert_workers import ExpertWorkers
 
@@ -18,7 +19,11 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """SwiGLU expert: down(silu(gate x) * up x). x: [n, H] -> [n, H].
 
     F.linear, not hybridmoe.linear's oneDNN path: on worker threads oneDNN gave results 7e-6 apart
-    from the calling thread's (test_expert_workers), and an expert must not depend on where it runs."""
+    from the calling thread's (test_expert_workers), and an expert must not depend on where it runs.
+    One bf16 token goes to the native kernel wherever it runs (CPU runtime, pool, calibration), so that
+    holds there too: gate and up stay fp32 and silu(gate) * up is rounded to bf16 once."""
+    if x.shape[0] == 1 and native.applies(x, w.gate_up, w.down):
+        return native.expert(x, w.gate_up, w.down).to(torch.bfloat16).view(1, -1)  # [1, H]
     gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(2, dim=-1)  # [n, I] each, views of [n, 2I]
     return F.linear(F.silu(gate) * up, w.down)  # [n, H]
 
