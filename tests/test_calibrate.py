@@ -101,6 +101,39 @@ def test_first_start_measures_once_then_reads_the_cache(monkeypatch, tmp_path):
     assert cal.default_profile_path(torch.float32, (576, 48)) != cal.default_profile_path(torch.float32)
 
 
+def test_first_start_measures_again_over_a_profile_of_an_older_format(monkeypatch, tmp_path):
+    """Profiles before version 2 lack the CPU's row regime: the cache is measured again, not read."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake(dtype, quick=False, progress=True, cuda=None, model=None):
+        calls.append(model)
+        return cal.Calibration(CostModel(bw_cpu=2e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype)
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    path = cal.default_profile_path(torch.float32, (576, 48))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=1e-5).to_json(), "version": 1}))
+    assert cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48)).bw_cpu == 2e10
+    assert cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48)).bw_cpu == 2e10
+    assert calls == [(576, 48)] and json.loads(path.read_text())["version"] == 2
+
+
+def test_cache_sizes_are_read_from_sysfs(tmp_path, monkeypatch):
+    """L1 is left out; a private L2 counts once per thread, the shared L3 once."""
+    for index, (level, kind, size, cpus) in enumerate([(1, "Data", "48K", "0"), (1, "Instruction", "32K", "0"),
+                                                       (2, "Unified", "1024K", "0"), (3, "Unified", "32768K", "0-3")]):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", cpus)):
+            (d / name).write_text(f"{value}\n")
+    monkeypatch.setattr(cal.os, "cpu_count", lambda: 4)
+    assert cal.cpu_caches(1, tmp_path) == (2**20, 32 * 2**20)
+    assert cal.cpu_caches(2, tmp_path) == (2 * 2**20, 32 * 2**20)
+    assert cal.cpu_caches(8, tmp_path) == (4 * 2**20, 32 * 2**20)  # no more L2s than cores
+    assert cal.cpu_caches(1, tmp_path / "missing") == ()
+
+
 def test_calibrate_command(small_shapes, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "p.json"

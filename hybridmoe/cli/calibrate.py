@@ -66,11 +66,26 @@ def model_fit_line(result) -> str:
     return f"fitted with this model's {h}x{i} experts (weighted); fit error on them: {errs}"
 
 
+def cpu_line(p) -> str:
+    """The fitted CPU constants: the batched kernel's, then the row-by-row regime's."""
+    overlap = {1.0: "the max of", 0.0: "the sum of"}.get(p.cpu_overlap, f"{p.cpu_overlap:.0%} overlap of")
+    batched = (f"{f'n >= {p.cpu_gemm_from}' if p.bw_cpu_one else 'every n'}: {overlap} streaming at "
+               f"{p.bw_cpu / 1e9:.1f} GB/s and arithmetic at {p.f_cpu / 1e9:.0f} GFLOP/s, + {p.c_cpu * 1e6:.0f} us")
+    if not p.bw_cpu_one:
+        return batched
+    rows = "n = 1" if p.cpu_gemm_from <= 2 else f"n < {p.cpu_gemm_from}, one pass per token"
+    c_one = p.c_cpu if p.c_cpu_one is None else p.c_cpu_one
+    line = f"{rows}: {p.bw_cpu_one / 1e9:.1f} GB/s + {c_one * 1e6:.0f} us"
+    if p.cpu_gemm_from > 2:
+        levels = [f"{bw / 1e9:.0f} GB/s within {cap / 2**20:.0f} MiB" for cap, bw in p.cpu_caches if bw]
+        ram = p.bw_cpu_reread or p.bw_cpu_one
+        line += f"; re-reads {', '.join(levels + [f'{ram / 1e9:.0f} GB/s beyond'])} + {p.c_cpu_reread * 1e6:.0f} us"
+    return f"{batched}; {line}"
+
+
 def report(result) -> str:
     p = result.profile
-    lines = [f"CPU: {p.bw_cpu / 1e9:.1f} GB/s ({(p.bw_cpu_one or p.bw_cpu) / 1e9:.1f} GB/s for one token), "
-             f"{p.f_cpu / 1e9:.0f} GFLOP/s, {p.c_cpu * 1e6:.0f} us per call "
-             f"({str(result.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"]
+    lines = [f"CPU ({str(result.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads): " + cpu_line(p)]
     if p.has_gpu:
         lines.append(f"GPU: {p.bw_gpu / 1e9:.0f} GB/s, {p.f_gpu / 1e12:.1f} TFLOP/s, {p.c_gpu * 1e6:.0f} us; "
                      f"PCIe {p.bw_pcie / 1e9:.1f} GB/s + {p.c_copy * 1e6:.0f} us per copy")
