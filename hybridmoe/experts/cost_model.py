@@ -275,7 +275,7 @@ def _fit_batched(b: np.ndarray, fl: np.ndarray, t: np.ndarray, w: np.ndarray, ov
     err, r, overlap, inv_bw, c = best
     if inv_bw <= 0:
         return None
-    fields = {"bw_cpu": 1.0 / inv_bw, "f_cpu": 1.0 / (inv_bw * r), "c_cpu": c, "cpu_overlap": overlap}
+    fields = {"bw_cpu": 1.0 / inv_bw, "f_cpu": 1.0 / (inv_bw * r), "c_cpu": c, "cpu_overlap": round(overlap, 4)}
     return {k: float(v) for k, v in fields.items()}
 
 
