@@ -142,3 +142,43 @@ def test_fit_sees_the_residual_stream_that_transformers_llama_computes():
         with torch.no_grad():
             hidden = resid + layer.mlp(x)
     assert len(seen) == 3
+
+
+def test_fit_layer_returns_what_the_moe_it_builds_computes():
+    """The output fit_layer hands to the next layer equals the MoE FFN written out the way
+    Qwen2-MoE runs it: shared expert plus softmax-renormalised top-k experts, one by one."""
+    from hybridmoe.demo.fit import fit_layer
+
+    spec = MoESpec(experts=4, top_k=2, shared=0.5, ffn=64)
+    torch.manual_seed(2)
+    x, target = torch.randn(400, 16), torch.randn(400, 16)              # [T, H]
+    gate, up, down = torch.randn(64, 16), torch.randn(64, 16), torch.randn(16, 64)
+    plan, out = fit_layer(x, target, gate, up, down, spec, seed=0)
+
+    def expert(ids):                                                    # [T, H]
+        return (torch.nn.functional.silu(x @ gate[ids].T) * (x @ up[ids].T)) @ plan.down[:, ids].T
+
+    top, picked = (x @ plan.router.T).topk(spec.top_k, dim=1)           # [T, k]
+    weights = torch.softmax(top, dim=1)
+    want = expert(plan.shared) + torch.stack([
+        sum(w * expert(plan.experts[e])[t] for w, e in zip(weights[t], picked[t]))
+        for t in range(x.shape[0])])
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert sorted(torch.cat([plan.shared, plan.experts.flatten()]).tolist()) == list(range(64))
+
+
+def test_refine_split_moves_neurons_to_the_expert_whose_tokens_they_fire_on():
+    """Tokens 0-19 go to expert 0 and 20-39 to expert 1; neurons that fire only on the first
+    half start in expert 1 and the others in expert 0, so every neuron must change sides."""
+    from hybridmoe.demo.split import refine_split
+
+    torch.manual_seed(3)
+    h = torch.zeros(40, 8)                                              # [T, F], 8 routed neurons
+    first, second = [1, 4, 6, 7], [0, 2, 3, 5]
+    h[:20, first] = torch.rand(20, 4) + 0.1
+    h[20:, second] = torch.rand(20, 4) + 0.1
+    down = torch.randn(5, 8)
+    experts = torch.tensor([second, first])                            # the wrong way round
+    picked = torch.tensor([[0]] * 20 + [[1]] * 20)                      # [T, k=1]
+    got = refine_split(h, down, experts, picked)
+    assert got.tolist() == [sorted(first), sorted(second)]
