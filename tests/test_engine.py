@@ -125,3 +125,20 @@ def test_a_prompt_that_cannot_fit_is_refused_and_max_tokens_is_clipped_to_the_co
     eng.add_request(list(range(28)), SamplingParams(max_tokens=100, temperature=0))
     outs = [o for _ in range(20) for o in eng.step()]
     assert len(outs) == 4 and outs[-1].finish_reason == "length"
+
+
+def test_prefill_chunks_run_on_prefill_threads_and_decode_steps_keep_the_callers(pair):
+    ref, model = pair
+    prompts = random_prompts(4, seed=5, lo=20, hi=40)
+    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    eng = engine(model, max_batch_size=4, max_tokens_per_step=48, prefill_threads=2, threads_from_tokens=16)
+    seen = []  # (new tokens, torch threads) of every forward pass
+    forward = model.forward
+    model.forward = lambda ids, *a, **kw: seen.append((len(ids), torch.get_num_threads())) or forward(ids, *a, **kw)
+    try:
+        got = eng.generate(prompts, GREEDY, max_steps=500)
+    finally:
+        del model.forward
+    assert got == want
+    assert {t for n, t in seen if n >= 16} == {2} and {t for n, t in seen if n < 16} == {1}
+    assert torch.get_num_threads() == 1  # restored after each big step

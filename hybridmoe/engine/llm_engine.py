@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,11 @@ class EngineConfig:
     kv_cache_tokens: int = 16384  # KV cache capacity, in tokens, shared by all sequences
     block_size: int = 16  # tokens per KV block, and the granularity of prefix sharing
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # Torch threads for steps of at least `threads_from_tokens` new tokens (prefill chunks), which are
+    # compute-bound and split well; smaller steps (decode) keep the thread count torch has. None: one
+    # count for every step.
+    prefill_threads: int | None = None
+    threads_from_tokens: int = 64
 
 
 @dataclass
@@ -160,10 +166,25 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             req.scheduled = req.scheduled or t0
         decode_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1)
-        logits, done = self._forward(batch)
+        with self._threads(sum(batch.num_tokens)):
+            logits, done = self._forward(batch)
         outputs = [self._postprocess(seq, row) for seq, row in zip(done, logits)]
         self._account(time.perf_counter() - t0, sum(batch.num_tokens) - decode_tokens, decode_tokens)
         return outputs
+
+    @contextmanager
+    def _threads(self, num_tokens: int):
+        """Run a step of `num_tokens` new tokens with the thread count configured for its size."""
+        want = self.config.prefill_threads
+        before = torch.get_num_threads()
+        if want is None or num_tokens < self.config.threads_from_tokens or want == before:
+            yield
+            return
+        torch.set_num_threads(want)  # per-thread OpenMP setting, ~1 us: cheap to change every step
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     @torch.inference_mode()
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[Sequence]]:
