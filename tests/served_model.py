@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import shutil
 import socket
 import tempfile
@@ -15,17 +14,14 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.paths import user_cache_dir
+
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "hybridmoe" / "tests"
 
 
 def smollm2_tokenizer_dir() -> Path:
     """The SmolLM2 tokenizer saved as tokenizer files (reading it from the GGUF takes ~10 s; done once)."""
-    out = _cache_dir() / "smollm2-tokenizer"
+    out = user_cache_dir() / "tests" / "smollm2-tokenizer"
     if not (out / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 

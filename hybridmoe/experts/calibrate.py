@@ -24,6 +24,7 @@ from tqdm import tqdm
 from hybridmoe.experts.cost_model import PROFILE_VERSION, CostModel, Sample, fit
 from hybridmoe.experts.runtime import expert_ffn
 from hybridmoe.experts.store import ExpertWeights
+from hybridmoe.paths import user_cache_dir
 
 # (hidden, intermediate), from 0.2 MB to 75 MB in fp32: the per-call constant c_cpu is only
 # visible on small experts (a 576x48 one streams 0.33 MB in ~15 us) and the bandwidth only on large
@@ -82,8 +83,12 @@ class Calibration:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        """Written to a temporary file beside `path`, then renamed: a killed run leaves no half profile."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 # ---- measurements ------------------------------------------------------------------------------
@@ -312,16 +317,11 @@ def predict(profile: CostModel, s: Sample) -> float:
 # ---- where profiles live -----------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hybridmoe"
-
-
 def default_profile_path(dtype: torch.dtype, model: tuple[int, int] | None = None) -> Path:
     """Per dtype, thread count and expert shape: all three change the CPU's time per expert."""
     name = str(dtype).removeprefix("torch.")
     shape = f"{model[0]}x{model[1]}-" if model else ""
-    return cache_dir() / f"calibration-{shape}{name}-{torch.get_num_threads()}threads.json"
+    return user_cache_dir() / f"calibration-{shape}{name}-{torch.get_num_threads()}threads.json"
 
 
 def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: bool = True,
