@@ -6,22 +6,16 @@ option like `--experts 32` never picks up a stale build.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from hybridmoe.demo.build import DEFAULT_SPEC, RECIPE_VERSION, MoESpec, build, is_complete
-
-
-def cache_root() -> Path:
-    """$XDG_CACHE_HOME/hybridmoe, or ~/.cache/hybridmoe."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "hybridmoe"
+from hybridmoe.paths import user_cache_dir
 
 
 def demo_model_path(spec: MoESpec = DEFAULT_SPEC) -> Path:
     """The cache directory of the demo model built with `spec` (it may not exist yet)."""
-    return cache_root() / f"demo-smollm2-{spec.tag()}-v{RECIPE_VERSION}"
+    return user_cache_dir() / f"demo-smollm2-{spec.tag()}-v{RECIPE_VERSION}"
 
 
 def ensure_demo_model(spec: MoESpec = DEFAULT_SPEC) -> Path:
