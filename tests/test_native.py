@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hybridmoe import native
 from hybridmoe.experts.runtime import expert_ffn
 from hybridmoe.experts.store import ExpertWeights
-from hybridmoe.linear import linear
+from hybridmoe.layers.linear import linear
 
 needs_kernels = pytest.mark.skipif(not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16")
 

@@ -8,7 +8,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
 from hybridmoe.loader import load_model, load_tokenizer

@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from datetime import date
 

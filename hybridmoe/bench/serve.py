@@ -53,6 +53,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 @dataclass
 class RequestTiming:
     prompt_tokens: int = 0
@@ -72,20 +76,17 @@ class RequestTiming:
 
     @property
     def decode_tps(self) -> float:
-        return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+        return _rate(self.completion_tokens - 1, self.decode_s)
 
     @property
     def reported_prefill_tps(self) -> float:
         """Prompt tokens / prefill time, the server's time when it reports one."""
-        seconds = self.server_prefill_s if self.server_prefill_s is not None else self.ttft
-        return self.prompt_tokens / seconds if seconds > 0 else 0.0
+        return _rate(self.prompt_tokens, self.ttft if self.server_prefill_s is None else self.server_prefill_s)
 
     @property
     def reported_decode_tps(self) -> float:
         """Decode tokens / decode time, the server's time when it reports one."""
-        if self.server_decode_s is None:
-            return self.decode_tps
-        return (self.completion_tokens - 1) / self.server_decode_s if self.server_decode_s > 0 else 0.0
+        return _rate(self.completion_tokens - 1, self.decode_s if self.server_decode_s is None else self.server_decode_s)
 
     @property
     def itl(self) -> list[float]:

@@ -83,7 +83,6 @@ def run(args) -> int:
     from hybridmoe.sim.shapes import get_shape
 
     torch.set_num_threads(args.threads)
-    args.tokenizer = None
     path = Path(model_path(args))
     experts = get_shape(str(path / "config.json")).experts
     cost = load_or_calibrate(args.calibration, torch.float32, model=(experts.hidden, experts.intermediate))

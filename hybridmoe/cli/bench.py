@@ -19,10 +19,4 @@ def add_parser(sub) -> None:
     benches = p.add_subparsers(dest="bench", metavar="SUB")
     benches.required = True
     for module in BENCHMARKS.values():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        mod.add_parser(benches)
+        importlib.import_module(module).add_parser(benches)

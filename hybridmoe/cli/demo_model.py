@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hybridmoe.demo.spec import DEFAULT_SPEC
 from hybridmoe.errors import UserError
 
 
@@ -16,10 +17,11 @@ def add_parser(subparsers) -> None:
                     "directory (Mixtral, or Qwen2-MoE with a shared expert).")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: the user cache, reused by every command)")
-    p.add_argument("--experts", type=int, default=16, help="routed experts per layer (16)")
-    p.add_argument("--top-k", type=int, default=8, help="routed experts per token (8)")
-    p.add_argument("--shared", type=float, default=0.5,
-                   help="fraction of each FFN's neurons in an always-active shared expert (0.5; 0: none)")
+    p.add_argument("--experts", type=int, default=DEFAULT_SPEC.experts,
+                   help=f"routed experts per layer ({DEFAULT_SPEC.experts})")
+    p.add_argument("--top-k", type=int, default=DEFAULT_SPEC.top_k, help=f"routed experts per token ({DEFAULT_SPEC.top_k})")
+    p.add_argument("--shared", type=float, default=DEFAULT_SPEC.shared,
+                   help=f"fraction of each FFN's neurons in an always-active shared expert ({DEFAULT_SPEC.shared}; 0: none)")
     p.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     p.add_argument("--evaluate", action="store_true",
                    help="measure perplexity, agreement with the dense model and routing statistics")

@@ -45,10 +45,8 @@ def _layer_tensors(i: int, dense: dict, plan: LayerMoE, spec: MoESpec) -> dict:
     out = {}
     if spec.shared_size() == 0:
         moe, names = f"{p}.block_sparse_moe", ("w1", "w3", "w2")
-        out[f"{moe}.gate.weight"] = plan.router
     else:
         moe, names = f"{p}.mlp", ("gate_proj", "up_proj", "down_proj")
-        out[f"{moe}.gate.weight"] = plan.router
         sh = plan.shared
         # Qwen2-MoE scales the shared expert by sigmoid(gate · x); a zero gate gives exactly 1/2,
         # so the shared down projection is doubled to keep the shared expert exact.
@@ -58,6 +56,7 @@ def _layer_tensors(i: int, dense: dict, plan: LayerMoE, spec: MoESpec) -> dict:
         for proj in ("q", "k", "v"):  # Qwen2-MoE has q/k/v biases; Llama has none
             w = dense[f"{p}.self_attn.{proj}_proj.weight"]
             out[f"{p}.self_attn.{proj}_proj.bias"] = torch.zeros(w.shape[0])
+    out[f"{moe}.gate.weight"] = plan.router
     for e, ids in enumerate(plan.experts):
         out.update(_expert_tensors(f"{moe}.experts.{e}", names, gate[ids], up[ids],
                                    plan.down[:, ids]))

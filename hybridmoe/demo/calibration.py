@@ -69,7 +69,7 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def generate(model, tokenizer, texts: list[str], new_tokens: int, seed: int,
-             batch: int = 32, progress=None) -> Corpus:
+             batch: int = 32) -> Corpus:
     """Sample the dense model's answers (temperature 0.9, top-p 0.95) to chat prompts."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows, masks, scored = [], [], []
@@ -88,8 +88,6 @@ def generate(model, tokenizer, texts: list[str], new_tokens: int, seed: int,
         rows.append(out)
         masks.append(torch.cat([att.bool(), alive], dim=1))
         scored.append(torch.cat([torch.zeros_like(att, dtype=torch.bool), alive], dim=1))
-        if progress:
-            progress(len(chunk))
     L = max(r.shape[1] for r in rows)
     pad_to = lambda t, v: torch.nn.functional.pad(t, (L - t.shape[1], 0), value=v)
     return Corpus(torch.cat([pad_to(r, pad) for r in rows]),

@@ -31,32 +31,31 @@ RIDGE = 0.15
 REFINE_ROUNDS = 3  # split and router fitted (shipped plans, other specs): experts regrouped around the router
 
 
-def refit_down(z: torch.Tensor, y: torch.Tensor, down: torch.Tensor, ridge: float = RIDGE):
+def refit_down(z: torch.Tensor, y: torch.Tensor, down: torch.Tensor):
     """Down projection [H, F] minimising |z @ D.T - y|² + λ|D - down|² (z: weighted
     activations [T, F], y: the dense output [T, H]); λ is relative to z's mean energy, and
     pulling toward the dense weights keeps rarely used neurons sane."""
     gram = z.T @ z                                             # [F, F]
-    lam = ridge * gram.diagonal().mean()
+    lam = RIDGE * gram.diagonal().mean()
     a = gram + lam * torch.eye(gram.shape[0])
     return torch.linalg.solve(a, z.T @ y + lam * down.T).T
 
 
 def refit(x: torch.Tensor, h: torch.Tensor, target: torch.Tensor, down: torch.Tensor,
-          shared: torch.Tensor, experts: torch.Tensor, router: torch.Tensor, spec: MoESpec,
-          ridge: float) -> tuple[LayerMoE, torch.Tensor]:
+          shared: torch.Tensor, experts: torch.Tensor, router: torch.Tensor, spec: MoESpec
+          ) -> tuple[LayerMoE, torch.Tensor]:
     """With the split and router fixed, refit the down projections to `target` [T, H]; the
     layer and the MoE FFN's output on x with them [T, H]."""
     start = down.clone()
     # routed weights sum to 1, so a routed expert's down carries a factor top_k to start from
     start[:, experts.flatten()] *= spec.top_k
     z = h * neuron_weights(x, shared, experts, router, spec.top_k, spec.ffn)  # [T, F]
-    plan = LayerMoE(shared, experts, router, refit_down(z, target, start, ridge))
+    plan = LayerMoE(shared, experts, router, refit_down(z, target, start))
     return plan, z @ plan.down.T
 
 
 def fit_layer(x: torch.Tensor, target: torch.Tensor, gate, up, down, spec: MoESpec, seed: int,
-              given: LayerMoE | None = None,
-              ridge: float | None = None) -> tuple[LayerMoE, torch.Tensor]:
+              given: LayerMoE | None = None) -> tuple[LayerMoE, torch.Tensor]:
     """Split, route and refit one FFN on its inputs x [T, H] toward target [T, H] (what the dense
     model's residual stream needs from this FFN): the layer's MoE, and its output on x [T, H].
     `given` supplies a shipped split and router, leaving only the refit to do. The ridge
@@ -72,7 +71,7 @@ def fit_layer(x: torch.Tensor, target: torch.Tensor, gate, up, down, spec: MoESp
                               sample=x.shape[0])
     else:
         shared, experts, router = given.shared, given.experts, given.router
-    return refit(x, h, target, down, shared, experts, router, spec, ridge or RIDGE)
+    return refit(x, h, target, down, shared, experts, router, spec)
 
 
 def dense_llama(dense: dict, config: dict):

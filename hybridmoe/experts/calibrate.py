@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -111,8 +111,8 @@ class ColdExperts:
     (ROTATE_BYTES in all) have passed through the caches: each call streams its weights from RAM,
     as a decode step does. (Restarting the rotation per measurement timed small experts hot.)"""
 
-    def __init__(self, hidden: int, inter: int, dtype, total_bytes: float = None):
-        self.copies = _experts(hidden, inter, dtype, "cpu", ROTATE_BYTES if total_bytes is None else total_bytes)
+    def __init__(self, hidden: int, inter: int, dtype):
+        self.copies = _experts(hidden, inter, dtype, "cpu", ROTATE_BYTES)
         self.cursor = 0
 
     def next(self) -> ExpertWeights:
@@ -308,7 +308,7 @@ def _count_cpus(cpu_list: str) -> int:
 
 def predict(profile: CostModel, s: Sample) -> float:
     """The profile's time for a measured sample (its own bytes and flops): CostModel's own formulas."""
-    costed = replace(profile, expert_bytes=s.bytes, flops_per_token=s.flops / max(s.n_tokens, 1))
+    costed = profile.sized(s.bytes, s.flops, s.n_tokens)
     if s.kind == "copy":
         return costed.t_copy()
     return costed.t_cpu(s.n_tokens) if s.kind == "cpu" else costed.t_gpu(s.n_tokens)

@@ -157,6 +157,10 @@ class CostModel:
         """Seconds a GPU hit saves over running the expert on the CPU."""
         return max(0.0, self.t_cpu(n) - self.t_gpu(n)) if self.has_gpu else 0.0
 
+    def sized(self, expert_bytes: float, flops: float, n_tokens: int) -> "CostModel":
+        """This model for one call of `n_tokens` on an expert of `expert_bytes` costing `flops`."""
+        return replace(self, expert_bytes=expert_bytes, flops_per_token=flops / max(n_tokens, 1))
+
     def without_gpu(self) -> "CostModel":
         return replace(self, bw_gpu=0.0, f_gpu=0.0, c_gpu=0.0, bw_pcie=0.0, c_copy=0.0, c_act=0.0)
 
@@ -207,7 +211,7 @@ ROWS_UP_TO = 16
 
 
 def _fit_cpu(b: np.ndarray, fl: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray,
-             caches: tuple[float, ...], rows: bool = True) -> dict:
+             caches: tuple[float, ...]) -> dict:
     """CostModel's CPU fields fitted to calls of `b` bytes, `fl` flops and `n` tokens taking `t` s.
 
     Each candidate end of the row-by-row regime (a measured token count up to ROWS_UP_TO) splits
@@ -217,7 +221,7 @@ def _fit_cpu(b: np.ndarray, fl: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.
     tests/test_cost_model_regimes.py with 3% noise, it found the true end 399 times in 400). The constants of each regime are
     set by the small experts, where bytes do not hide them, and the bandwidths by the large ones.
     """
-    ends = [1] if not (rows and (n == 1).any()) else \
+    ends = [1] if not (n == 1).any() else \
         [2] + [int(v) for v in np.unique(n) if 2 < v <= ROWS_UP_TO and len(np.unique(n[n >= v])) >= 3]
     best = None
     for end in ends:
@@ -225,7 +229,7 @@ def _fit_cpu(b: np.ndarray, fl: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.
         if fields is None:
             continue
         m = CostModel(**fields)
-        err = sum((wi * (replace(m, expert_bytes=bi, flops_per_token=fi / ni).t_cpu(int(ni)) - ti)) ** 2
+        err = sum((wi * (m.sized(bi, fi, ni).t_cpu(int(ni)) - ti)) ** 2
                   for bi, fi, ni, ti, wi in zip(b, fl, n, t, w))
         constants = 4 + 2 * (end > 1) + (len(m.cpu_caches) + 2) * (end > 2)  # batched; first pass; re-reads
         bic = len(t) * math.log(max(err, 1e-300) / len(t)) + constants * math.log(len(t))
@@ -349,10 +353,10 @@ def _fit_linear(b: np.ndarray, t: np.ndarray) -> tuple[float, float]:
 
 
 def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "bf16", name: str = "calibrated",
-        one_token: bool = True, caches: tuple[float, ...] = ()) -> CostModel:
+        caches: tuple[float, ...] = ()) -> CostModel:
     """Turn measured samples into a CostModel. Samples without bytes/flops take them from `shape`.
 
-    With `one_token`, single-token CPU samples get their own bandwidth (`bw_cpu_one`) in the same
+    Single-token CPU samples get their own bandwidth (`bw_cpu_one`) in the same
     fit, and so do the few-token ones when they run row by row. `caches`: the capacities in bytes
     of the CPU's cache levels (experts/calibrate.py reads them), where re-read passes find weights.
     """
@@ -375,7 +379,7 @@ def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "b
     cpu = arrays("cpu")
     if cpu is None:
         raise UserError("calibration has no CPU samples; every machine needs them, measure the CPU first")
-    model = CostModel(name=name, **_fit_cpu(*cpu, caches=caches, rows=one_token))
+    model = CostModel(name=name, **_fit_cpu(*cpu, caches=caches))
     gpu, copy = arrays("gpu"), arrays("copy")
     if gpu is not None and copy is not None:
         b, fl, _, t, w = gpu

@@ -27,7 +27,7 @@ from hybridmoe.experts.executors import CPUPool, make_accelerator
 from hybridmoe.experts.planner import Routed, make_planner
 from hybridmoe.experts.policies import make_policy
 from hybridmoe.experts.profiles import PROFILES
-from hybridmoe.experts.runtime import ExpertRuntime, expert_ffn, group_by_expert
+from hybridmoe.experts.runtime import ExpertRuntime, combine_grouped, combine_token, expert_ffn, group_by_expert
 from hybridmoe.experts.runtime_stats import RuntimeStats
 from hybridmoe.experts.store import ExpertShape
 from hybridmoe.experts.trace_io import RoutingReplay, TraceRecorder
@@ -70,14 +70,10 @@ def device_cost(cost: CostModel, device: str) -> CostModel:
 
 def combine(outputs: dict[int, torch.Tensor], groups, x, topk_ids, topk_weights) -> torch.Tensor:
     """The weighted sum of expert outputs [T, H], with CPURuntime's arithmetic to the bit (fp32): one
-    token as a [1, K] @ [K, H] product in top-k order, more tokens by index_add_ in expert order."""
+    token as a [1, K] @ [K, H] product in top-k order, more tokens added in expert order."""
     if x.shape[0] == 1:
-        ys = torch.cat([outputs[e] for e in topk_ids[0].tolist()])  # [K, H]
-        return (topk_weights.float() @ ys.float()).to(x.dtype)  # [1, H]
-    out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
-    for expert, rows, cols in groups:
-        out.index_add_(0, rows, outputs[expert].float() * topk_weights[rows, cols, None].float())
-    return out.to(x.dtype)
+        return combine_token(x, [outputs[e] for e in topk_ids[0].tolist()], topk_weights)
+    return combine_grouped(x, groups, [outputs[expert] for expert, _, _ in groups], topk_weights)
 
 
 class HybridRuntime(ExpertRuntime):

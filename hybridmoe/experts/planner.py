@@ -41,7 +41,7 @@ while it is idle, or its backlog ends `policy.background_slack` copies before th
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from hybridmoe.experts.cache import ExpertCache, Key
 from hybridmoe.experts.cost_model import CostModel
@@ -111,10 +111,6 @@ class PlannerStats:
     @property
     def prefetch_precision(self) -> float:
         return self.prefetches_used / self.prefetches_issued if self.prefetches_issued else 0.0
-
-    def summary(self) -> dict:
-        """Every counter plus the derived rates, for `--stats` and /metrics."""
-        return {**asdict(self), "hit_rate": self.hit_rate, "prefetch_precision": self.prefetch_precision}
 
 
 @dataclass

@@ -191,11 +191,6 @@ class Predictor:
         """Probability that expert key[1] is used at the next visit of layer key[0]."""
         return self.p_layer(key[0])[key[1]]
 
-    def rate(self, key: Key) -> float:
-        """The expert's long-run share of its layer's visits (discounted frequency), at most 1."""
-        i = self.ordinal[key[0]]
-        return min(1.0, self._rate(i, key[1]))
-
     def p_layer(self, layer: int) -> list[float]:
         """p_next of every expert of `layer`; cached until that layer is observed again."""
         i = self.ordinal[layer]

@@ -18,7 +18,7 @@ from hybridmoe.experts.expert_workers import ExpertWorkers
 def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """SwiGLU expert: down(silu(gate x) * up x). x: [n, H] -> [n, H].
 
-    F.linear, not hybridmoe.linear's oneDNN path: on worker threads oneDNN gave results 7e-6 apart
+    F.linear, not layers/linear.py's oneDNN path: on worker threads oneDNN gave results 7e-6 apart
     from the calling thread's (test_expert_workers), and an expert must not depend on where it runs.
     One bf16 token goes to the native kernel wherever it runs (CPU runtime, pool, calibration), so that
     holds there too: gate and up stay fp32 and silu(gate) * up is rounded to bf16 once."""
@@ -72,6 +72,12 @@ def combine_grouped(x: torch.Tensor, groups, ys: list[torch.Tensor], topk_weight
     return out.index_add_(0, rows, terms).to(x.dtype)
 
 
+def combine_token(x: torch.Tensor, ys: list[torch.Tensor], topk_weights: torch.Tensor) -> torch.Tensor:
+    """One token's weighted sum [1, H] of its K experts' outputs ys ([1, H] each, in top-k order), as
+    one [1, K] @ [K, H] product accumulated in fp32."""
+    return (topk_weights.float() @ torch.cat(ys).float()).to(x.dtype)
+
+
 class ExpertRuntime:
     """Base class: holds the store; subclasses decide where each expert runs."""
 
@@ -117,17 +123,16 @@ class CPURuntime(ExpertRuntime):
         [1, K] @ [K, H] product. This halves the ops per expert (16 -> 8), which measured about
         3 ms of a 37 ms decode step (Qwen3-30B-A3B shapes, 4 layers, 1 thread)."""
         weights = [self.store.get(layer, e) for e in topk_ids[0].tolist()]
-        ys = self._map(lambda w: expert_ffn(x, w), weights)  # [1, H] each
-        return (topk_weights.float() @ torch.cat(ys).float()).to(x.dtype)  # [1, H], accumulated in fp32
+        return combine_token(x, self._map(lambda w: expert_ffn(x, w), weights), topk_weights)
 
     def _map(self, fn, items: list) -> list:
         """[fn(item) for item in items] over experts, on the workers when torch has more than one
         thread and the experts are big enough to pay for the hand-off."""
-        count = min(torch.get_num_threads(), len(items))
-        if count <= 1 or len(items) * self.store.expert_nbytes() < WORKERS_MIN_BYTES:
+        threads = torch.get_num_threads()
+        if min(threads, len(items)) <= 1 or len(items) * self.store.expert_nbytes() < WORKERS_MIN_BYTES:
             return [fn(item) for item in items]
-        if self._workers is None or self._workers.workers != count:
+        if self._workers is None or self._workers.workers != threads:  # map() uses at most len(items)
             if self._workers is not None:
                 self._workers.close()
-            self._workers = ExpertWorkers(count)
+            self._workers = ExpertWorkers(threads)
         return self._workers.map(fn, items)

@@ -65,7 +65,7 @@ class ExpertStore:
 
     def expert_nbytes(self) -> int:
         """Bytes of one expert in this store's format."""
-        return self.shape.params_per_expert() * torch.empty((), dtype=self.dtype).element_size()
+        return self.shape.params_per_expert() * self.dtype.itemsize
 
     def total_nbytes(self) -> int:
         return self.expert_nbytes() * len(self.shape.moe_layers) * self.shape.num_experts

@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary
-from hybridmoe.linear import Linear
+from hybridmoe.layers.linear import Linear
 
 
 class KVContext(Protocol):

@@ -14,7 +14,7 @@ from torch import nn
 from hybridmoe.layers.attention import KVContext, causal_attention
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary, yarn_mscale
-from hybridmoe.linear import Linear
+from hybridmoe.layers.linear import Linear
 
 
 def softmax_scale(qk_head_dim: int, rope: dict) -> float:

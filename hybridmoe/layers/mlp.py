@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.linear import Linear
+from hybridmoe.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):

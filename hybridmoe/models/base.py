@@ -13,7 +13,7 @@ from hybridmoe.errors import ModelFileError
 from hybridmoe.experts.runtime import ExpertRuntime
 from hybridmoe.experts.store import ExpertShape
 from hybridmoe.layers.norm import RMSNorm
-from hybridmoe.linear import Linear, linear
+from hybridmoe.layers.linear import Linear, linear
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")

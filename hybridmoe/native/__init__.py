@@ -6,7 +6,7 @@ stream from RAM; oneDNN's bf16 matrix-vector path reads them at about half of wh
 with HYBRIDMOE_NATIVE=0, `available()` is False and callers keep torch's path. The shared library
 is cached per source and compiler flags in the user cache directory, written atomically.
 
-At the package's top, beside linear.py: layers/ (dense projections) and experts/ (expert FFNs)
+At the package's top: layers/ (dense projections, layers/linear.py) and experts/ (expert FFNs)
 both use it.
 """
 

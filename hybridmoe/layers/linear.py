@@ -1,7 +1,7 @@
 """Dense projections for a few rows at a time: the batched-decode shape.
 
-At the package's top, as config.py and errors.py, because both layers/ (attention, MLPs, the LM
-head) and experts/ (expert_ffn) use it, and experts/ must not import layers/.
+Used by the attention, MLP and MLA layers and by the models' LM head; experts/ keeps F.linear
+(runtime.expert_ffn says why).
 
 A decode step of B sequences multiplies B rows by every dense weight. In fp32, torch's default
 kernel (MKL sgemm) is slow at 2 <= B <= 32 on this CPU when the weight comes from memory: on a
