@@ -33,19 +33,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     The query heads that share a KV head are stacked as rows of one [g*n, d] matrix per KV head, so K
     and V are never repeated: repeating them copied the whole history every layer and step, and
     measured 574 us against 115 us for this (bf16 decode, 32/4 heads of 128, 192 positions, 1 thread).
+    The leading batch dimension matters: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
+    fall back to the unfused math path (a 512-token chunk over 1024 positions, 9/3 heads of 64, fp32,
+    1 thread: 17.8 ms against 49.3 ms; decode at 1100 positions 118 against 203 us).
     """
     n, heads, d = q.shape
     length, kv_heads = k.shape[0], k.shape[1]
     groups = heads // kv_heads
     # query head h uses KV head h // groups (as transformers' repeat_kv); row order is (group, position)
-    qg = q.view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, d)  # [kvh, g*n, d]
+    qg = q.view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * n, d)  # [1, kvh, g*n, d]
     mask = None
     if n > 1:
         rows = torch.arange(n)[:, None] + (length - n)
         mask = (torch.arange(length)[None, :] <= rows).repeat(groups, 1)  # [g*n, L]
     out = F.scaled_dot_product_attention(
-        qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )  # [kvh, g*n, dv]
+        qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale
+    )  # [1, kvh, g*n, dv]
     return out.view(kv_heads, groups, n, -1).permute(2, 0, 1, 3).reshape(n, heads, -1)
 
 
