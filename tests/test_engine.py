@@ -1,6 +1,8 @@
 """The batching engine: whatever the batch, the chunking, the cache hits or the preemptions, each
 request gets the tokens it would get alone (transformers' greedy output is the reference)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -39,21 +41,27 @@ def engine(model, **kw):
     return LLMEngine(model, None, EngineConfig(**{"block_size": 4, **kw}), eos_ids=())
 
 
-def test_batched_chunked_greedy_equals_transformers_one_by_one(pair):
+@pytest.fixture(params=[False, True], ids=["one-pass", "overlap-prefill"])
+def overlap(request):
+    """Every pass in one thread, or prefill passes on the engine's second thread beside decode."""
+    return request.param
+
+
+def test_batched_chunked_greedy_equals_transformers_one_by_one(pair, overlap):
     ref, model = pair
     prompts = random_prompts(6, seed=1)
     want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    eng = engine(model, max_batch_size=4, max_tokens_per_step=24)  # prompts up to 39 tokens: chunked
+    eng = engine(model, max_batch_size=4, max_tokens_per_step=24, overlap_prefill=overlap)  # chunked prompts
     assert eng.generate(prompts, GREEDY, max_steps=500) == want
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
-def test_a_repeated_system_prompt_is_not_recomputed_and_outputs_do_not_change(pair):
+def test_a_repeated_system_prompt_is_not_recomputed_and_outputs_do_not_change(pair, overlap):
     ref, model = pair
     system = random_prompts(1, seed=2, lo=30, hi=31)[0]
     prompts = [system + tail for tail in ([5, 6], [7], [8, 9, 10])]
     want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    eng = engine(model)
+    eng = engine(model, overlap_prefill=overlap)
     got = [eng.generate([prompts[0]], GREEDY)[0]]
     computed = eng.metrics.prefill_tokens
     got += eng.generate(prompts[1:], GREEDY)
@@ -63,11 +71,11 @@ def test_a_repeated_system_prompt_is_not_recomputed_and_outputs_do_not_change(pa
     assert eng.blocks.hit_tokens == 2 * 28
 
 
-def test_preemption_under_a_tiny_kv_budget_completes_every_request_correctly(pair):
+def test_preemption_under_a_tiny_kv_budget_completes_every_request_correctly(pair, overlap):
     ref, model = pair
     prompts = random_prompts(5, seed=4, lo=10, hi=30)
     want = [hf_greedy(ref, p, 20) for p in prompts]
-    eng = engine(model, kv_cache_tokens=64, max_batch_size=5, max_tokens_per_step=64)
+    eng = engine(model, kv_cache_tokens=64, max_batch_size=5, max_tokens_per_step=64, overlap_prefill=overlap)
     got = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0), max_steps=2000)
     assert eng.scheduler.num_preemptions > 0
     assert got == want
@@ -94,12 +102,12 @@ def test_abort_frees_the_blocks_and_the_others_go_on(pair):
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
-def test_a_seeded_sample_does_not_depend_on_the_batch(pair):
+def test_a_seeded_sample_does_not_depend_on_the_batch(pair, overlap):
     _, model = pair
     prompts = random_prompts(4, seed=6)
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=123)
     alone = engine(model).generate([prompts[0]], params)[0]
-    together = engine(model, max_tokens_per_step=16).generate(prompts, params)[0]
+    together = engine(model, max_tokens_per_step=16, overlap_prefill=overlap).generate(prompts, params)[0]
     assert alone == together
 
 
@@ -142,3 +150,93 @@ def test_prefill_chunks_run_on_prefill_threads_and_decode_steps_keep_the_callers
     assert got == want
     assert {t for n, t in seen if n >= 16} == {2} and {t for n, t in seen if n < 16} == {1}
     assert torch.get_num_threads() == 1  # restored after each big step
+
+
+class HeldPrefill:
+    """Wraps model.forward: a prefill pass (more than one new token) with `hold` set waits until the
+    test lets it go. With the passes in one thread that wait would never end (hence the timeout)."""
+
+    def __init__(self, model):
+        self.model, self.forward = model, model.forward
+        self.hold, self.release, self.held = False, threading.Event(), threading.Event()
+        self.threads = set()  # names of the threads that ran passes
+        model.forward = self
+
+    def __call__(self, ids, *a, **kw):
+        self.threads.add(threading.current_thread().name)
+        if self.hold and len(ids) > 1:
+            self.held.set()
+            assert self.release.wait(timeout=30), "the prefill pass was never released"
+        return self.forward(ids, *a, **kw)
+
+    def restore(self):
+        del self.model.forward
+
+
+def collect(outs, step_outputs):
+    for o in step_outputs:
+        outs.setdefault(o.request_id, []).extend(o.token_ids)
+
+
+def test_decode_goes_on_while_a_prefill_pass_is_in_flight(pair):
+    ref, model = pair
+    short, long = random_prompts(2, seed=7, lo=8, hi=30)
+    eng = engine(model, overlap_prefill=True)
+    held = HeldPrefill(model)
+    try:
+        outs = {}
+        a = eng.add_request(short, GREEDY)
+        collect(outs, eng.step())  # short's prefill: started and, with nothing to decode, waited for
+        assert outs == {a: outs[a]} and len(outs[a]) == 1
+        held.hold = True
+        b = eng.add_request(long, GREEDY)
+        for _ in range(5):  # long's prefill is held on the other thread; short decodes meanwhile
+            collect(outs, eng.step())
+        assert held.held.is_set() and b not in outs and len(outs[a]) == 6
+        held.release.set()
+        for _ in range(100):
+            collect(outs, eng.step())
+            if not eng.has_unfinished():
+                break
+    finally:
+        held.restore()
+    assert outs == {a: hf_greedy(ref, short, 12), b: hf_greedy(ref, long, 12)}
+    assert held.threads == {threading.current_thread().name, "hybridmoe-prefill_0"}
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_request_aborted_while_its_prefill_is_in_flight_frees_its_blocks_after_the_pass(pair):
+    ref, model = pair
+    short, long = random_prompts(2, seed=8, lo=8, hi=30)
+    eng = engine(model, overlap_prefill=True)
+    held = HeldPrefill(model)
+    try:
+        outs = {}
+        a = eng.add_request(short, GREEDY)
+        collect(outs, eng.step())
+        held.hold = True
+        b = eng.add_request(long, GREEDY)
+        collect(outs, eng.step())
+        assert held.held.is_set()
+        used = eng.blocks.num_used
+        assert eng.abort(b) and not eng.abort(b)
+        assert eng.blocks.num_used == used  # still being written by the pass in flight
+        held.release.set()
+        for _ in range(100):
+            collect(outs, eng.step())
+            if not eng.has_unfinished():
+                break
+    finally:
+        held.restore()
+    assert set(outs) == {a} and outs[a] == hf_greedy(ref, short, 12)
+    assert eng.blocks.num_free == eng.blocks.num_blocks and eng.metrics.requests_aborted == 1
+
+
+def test_overlap_prefill_is_refused_where_two_passes_cannot_run_at_once(pair):
+    _, model = pair
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="threads to 1"):
+            engine(model, overlap_prefill=True)
+    finally:
+        torch.set_num_threads(1)

@@ -31,8 +31,9 @@ def start(path, name, **config):
 
 @pytest.fixture(scope="module")
 def served():
+    # prefill beside decode, as `hybridmoe serve` runs the CPU runtime on a machine of two cores or more
     server, engine, tok = start(tiny_chat_model(), "tiny", max_batch_size=8, max_tokens_per_step=256,
-                                kv_cache_tokens=4096)
+                                kv_cache_tokens=4096, overlap_prefill=True)
     with server:
         server.engine, server.tok = engine, tok
         yield server
@@ -233,7 +234,8 @@ def test_a_client_that_disconnects_cancels_its_request_and_frees_its_blocks(serv
 @pytest.fixture(scope="module")
 def load_served(demo_model):
     """The load test runs on the demo model, as the issue asks."""
-    server, engine, tok = start(demo_model, "tiny", max_batch_size=8, max_tokens_per_step=256, kv_cache_tokens=2048)
+    server, engine, tok = start(demo_model, "tiny", max_batch_size=8, max_tokens_per_step=256, kv_cache_tokens=2048,
+                                overlap_prefill=True)
     with server:
         server.engine, server.tok = engine, tok
         yield server

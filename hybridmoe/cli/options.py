@@ -128,8 +128,11 @@ def default_threads(path: str) -> int:
     from hybridmoe.loader import model_config
 
     hidden = model_config(path).get("hidden_size", default=WIDE_MODEL)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 1 if hidden < WIDE_MODEL else cores
+    return 1 if hidden < WIDE_MODEL else available_cores()
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:

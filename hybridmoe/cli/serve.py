@@ -6,7 +6,9 @@ import socket
 import sys
 from pathlib import Path
 
-from hybridmoe.cli.options import add_model_options, finish_runtime, load_from_args, model_path
+import torch
+
+from hybridmoe.cli.options import add_model_options, available_cores, finish_runtime, load_from_args, model_path
 from hybridmoe.errors import UserError
 
 
@@ -30,6 +32,9 @@ def add_parser(sub) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context, at most the KV cache)")
+    g.add_argument("--overlap-prefill", choices=("auto", "on", "off"), default="auto",
+                   help="prefill prompts on a second core while the first decodes (auto: on with the CPU expert "
+                        "runtime, one torch thread and at least two cores)")
     p.set_defaults(func=run)
 
 
@@ -45,6 +50,18 @@ def engine_config(args):
     return EngineConfig(max_batch_size=args.max_batch_size, max_tokens_per_step=args.max_tokens_per_step,
                         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
                         max_model_len=args.max_model_len)
+
+
+def overlap_prefill(args, model) -> bool:
+    """Whether to run prefill passes beside decode passes (EngineConfig.overlap_prefill)."""
+    if args.overlap_prefill == "off":
+        return False
+    fits = (getattr(getattr(model, "runtime", None), "reentrant", True) and torch.get_num_threads() == 1
+            and available_cores() >= 2)
+    if args.overlap_prefill == "on" and not fits:
+        raise UserError("--overlap-prefill on needs the CPU expert runtime (no GPU options), --threads 1 and at "
+                        "least two cores; leave it at auto")
+    return fits
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -66,11 +83,13 @@ def run(args) -> int:
     config = engine_config(args)
     sock = listen(args.host, args.port)
     model, tokenizer = load_from_args(args)
+    config.overlap_prefill = overlap_prefill(args, model)
     name = args.served_model_name or Path(model_path(args)).name
     engine = LLMEngine(model, tokenizer, config)
     app = create_app(AsyncEngine(engine), tokenizer, name, args.api_key)
     print(f"hybridmoe: serving '{name}' at http://{args.host}:{args.port}/v1 "
-          f"(context {engine.max_model_len} tokens, batch {config.max_batch_size})", file=sys.stderr)
+          f"(context {engine.max_model_len} tokens, batch {config.max_batch_size}"
+          f"{', prefill beside decode' if config.overlap_prefill else ''})", file=sys.stderr)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finish_runtime(model, args)
     return 0

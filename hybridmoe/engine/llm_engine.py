@@ -6,13 +6,16 @@
         for out in engine.step():      # schedule, one forward pass over the batch, sample, detokenize
             print(out.request_id, out.text, out.finished)
 
-Single-threaded by design; the server drives it from one background thread.
+Single-threaded by design; the server drives it from one background thread. With `overlap_prefill`
+the engine runs prefill chunks on a thread of its own, on another core, while its caller's thread
+keeps decoding: a long prompt then no longer stalls the requests already streaming (see step()).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -39,6 +42,9 @@ class EngineConfig:
     # count for every step.
     prefill_threads: int | None = None
     threads_from_tokens: int = 64
+    # Prefill chunks on a second thread (one torch thread each) while this one decodes. Needs a model
+    # whose forward may run twice at once (the plain CPU expert runtime) and one torch thread.
+    overlap_prefill: bool = False
 
 
 @dataclass
@@ -91,6 +97,16 @@ class _Request:
     last_token: float | None = None
 
 
+@dataclass
+class _Pass:
+    """A forward pass in flight on the prefill thread."""
+
+    batch: Batch
+    future: Future
+    started: float
+    pinned: frozenset
+
+
 def decode_rows(batch: Batch, starts: list[int]) -> list[tuple[int, str]]:
     """(row of the forward pass, request id) of each decode token in `batch`: a sequence's one new
     token past its prompt. Prompt chunks, even one token long, are not decode tokens."""
@@ -116,6 +132,17 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
+        self._prefill_pool: ThreadPoolExecutor | None = None
+        self._in_flight: _Pass | None = None
+        if config.overlap_prefill:
+            if not getattr(getattr(model, "runtime", None), "reentrant", True):
+                raise ValueError("overlap_prefill needs the plain CPU expert runtime: this model's runtime "
+                                 "cannot run two forward passes at once")
+            if torch.get_num_threads() != 1:
+                raise ValueError("overlap_prefill runs decode and prefill on one core each: set torch's "
+                                 f"threads to 1 (it is {torch.get_num_threads()})")
+            self._prefill_pool = ThreadPoolExecutor(1, "hybridmoe-prefill", initializer=torch.set_num_threads,
+                                                    initargs=(1,))
 
     # ---- requests ----
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -141,12 +168,14 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.finish(req.seq)
+        if self._in_flight is None or req.seq not in self._in_flight.pinned:
+            self.scheduler.finish(req.seq)
+        # else: its blocks are being written; _finish_prefill frees them when the pass ends
         self.metrics.requests_aborted += 1
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -158,19 +187,71 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        if self._prefill_pool is not None:
+            return self._step_overlapped()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         t0 = time.perf_counter()
-        for seq in batch.seqs:
-            req = self.requests[seq.request_id]
-            req.scheduled = req.scheduled or t0
+        self._mark_scheduled(batch, t0)
         decode_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1)
         with self._threads(sum(batch.num_tokens)):
             logits, done = self._forward(batch)
         outputs = [self._postprocess(seq, row) for seq, row in zip(done, logits)]
         self._account(time.perf_counter() - t0, sum(batch.num_tokens) - decode_tokens, decode_tokens)
         return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """One decode pass on this thread while a prefill pass runs on the other.
+
+        The decode tokens are scheduled first (their blocks reserved), then, if the prefill thread is
+        free, a pass of prefill chunks and admissions starts there; neither may preempt a sequence of
+        the other. The prefill pass's results are taken when it has finished: after this step's
+        decode pass, or at once when there is nothing to decode (then this step waits for it).
+        """
+        flying = self._in_flight.pinned if self._in_flight else frozenset()
+        decode = self.scheduler.schedule(prefill=False, pinned=flying)
+        if self._in_flight is None:
+            batch = self.scheduler.schedule(decode=False, pinned=frozenset(decode.seqs))
+            if batch:
+                self._start_prefill(batch)
+        outputs = []
+        if decode:
+            t0 = time.perf_counter()
+            self._mark_scheduled(decode, t0)
+            logits, done = self._forward(decode)
+            outputs = [self._postprocess(seq, row) for seq, row in zip(done, logits)]
+            self._account(time.perf_counter() - t0, 0, len(decode))
+        if self._in_flight is not None and (self._in_flight.future.done() or not decode):
+            outputs += self._finish_prefill()
+        return outputs
+
+    def _start_prefill(self, batch: Batch) -> None:
+        t0 = time.perf_counter()
+        self._mark_scheduled(batch, t0)
+        ids, positions, ctx, rows = self._inputs(batch)
+        future = self._prefill_pool.submit(self._run, ids, positions, ctx, rows)
+        self._in_flight = _Pass(batch, future, t0, frozenset(batch.seqs))
+        
+    def _finish_prefill(self) -> list[RequestOutput]:
+        flight, self._in_flight = self._in_flight, None
+        logits = flight.future.result()  # waits; an exception in the pass is raised here
+        done = self._advance(flight.batch)
+        outputs = []
+        for seq, row in zip(done, logits):
+            if seq.request_id in self.requests and self.requests[seq.request_id].seq is seq:
+                outputs.append(self._postprocess(seq, row))
+        for seq in flight.batch.seqs:  # aborted while in flight: free its blocks now
+            req = self.requests.get(seq.request_id)
+            if req is None or req.seq is not seq:
+                self.scheduler.finish(seq)
+        self._account(time.perf_counter() - flight.started, sum(flight.batch.num_tokens), 0)
+        return outputs
+
+    def _mark_scheduled(self, batch: Batch, now: float) -> None:
+        for seq in batch.seqs:
+            req = self.requests[seq.request_id]
+            req.scheduled = req.scheduled or now
 
     @contextmanager
     def _threads(self, num_tokens: int):
@@ -186,29 +267,45 @@ class LLMEngine:
         finally:
             torch.set_num_threads(before)
 
-    @torch.inference_mode()
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run every scheduled token through the model; logits [n, V] of the sequences that may sample."""
-        ids, positions, starts = [], [], []
+        ids, positions, ctx, rows = self._inputs(batch)
+        tell = getattr(self.model, "set_batch", None)  # optional: lets the model attribute rows (traces)
+        if tell is not None:
+            tell(decode_rows(batch, ctx.starts))
+        logits = self._run(ids, positions, ctx, rows)
+        return logits, self._advance(batch)
+
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedKVContext, list[int]]:
+        """The pass's token ids and positions [T], its KV context, and the rows whose logits it needs:
+        the last row of each sequence whose every token will then be in the cache."""
+        ids, positions, starts, rows, end = [], [], [], [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed
             ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             starts.append(start)
-        ctx = PagedKVContext(self.kv, [s.block_table for s in batch.seqs], starts, batch.num_tokens)
-        tell = getattr(self.model, "set_batch", None)  # optional: lets the model attribute rows (traces)
-        if tell is not None:
-            tell(decode_rows(batch, starts))
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)  # [T, H]
-        rows, done, end = [], [], 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
             end += n
+            if seq.num_uncomputed == n:
+                rows.append(end - 1)
+        ctx = PagedKVContext(self.kv, [s.block_table for s in batch.seqs], starts, batch.num_tokens)
+        return torch.tensor(ids), torch.tensor(positions), ctx, rows
+
+    @torch.inference_mode()
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext, rows: list[int]) -> torch.Tensor:
+        """The forward pass itself (on the prefill thread too): logits [len(rows), V]."""
+        hidden = self.model(ids, positions, ctx)  # [T, H]
+        return self.model.logits(hidden[rows])  # [n, V]
+
+    def _advance(self, batch: Batch) -> list[Sequence]:
+        """After a pass: its tokens are in the cache; the sequences that may now sample, in row order."""
+        done = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             self.blocks.commit(seq)
-            if seq.num_uncomputed == 0:  # the whole sequence is in the cache: its last row gives the next token
-                rows.append(end - 1)
+            if seq.num_uncomputed == 0:
                 done.append(seq)
-        return self.model.logits(hidden[rows]), done  # [n, V]
+        return done
 
     def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
         req, params = self.requests[seq.request_id], seq.params

@@ -6,6 +6,8 @@ standard attention, (compressed kv, rope key) for MLA; the engine never needs to
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -13,16 +15,21 @@ class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pools: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> flat views [num_blocks * block_size, ...]
+        self._lock = threading.Lock()  # two passes (decode, prefill) may meet a layer's first update together
 
     def layer_pools(self, layer: int, entries: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         pools = self.pools.get(layer)
-        if pools is None:
-            pools = tuple(
-                torch.zeros((self.num_blocks, self.block_size, *e.shape[1:]), dtype=e.dtype, device=e.device)
-                .view(self.num_blocks * self.block_size, *e.shape[1:])  # [num_blocks * block_size, ...]
-                for e in entries
-            )
-            self.pools[layer] = pools
+        if pools is not None:
+            return pools
+        with self._lock:
+            pools = self.pools.get(layer)
+            if pools is None:
+                pools = tuple(
+                    torch.zeros((self.num_blocks, self.block_size, *e.shape[1:]), dtype=e.dtype, device=e.device)
+                    .view(self.num_blocks * self.block_size, *e.shape[1:])  # [num_blocks * block_size, ...]
+                    for e in entries
+                )
+                self.pools[layer] = pools
         return pools
 
     @property
@@ -43,7 +50,7 @@ class PagedKVContext:
     """The KVContext of one step: sequence i brings seq_lens[i] new tokens at positions starts[i].."""
 
     def __init__(self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], seq_lens: list[int]):
-        self.cache, self.seq_lens = cache, seq_lens
+        self.cache, self.seq_lens, self.starts = cache, seq_lens, starts
         bs = cache.block_size
         self.history = [history_index(t, s + n, bs) for t, s, n in zip(block_tables, starts, seq_lens)]
         writes = []

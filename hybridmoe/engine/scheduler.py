@@ -5,6 +5,10 @@ what the budget leaves, then waiting sequences are admitted in arrival order (th
 first) while the batch size, the budget and the free blocks allow. All of it is one forward pass.
 When a running sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it waits, in front, to be recomputed (prompt and output so far).
+
+The engine can also ask for the two halves apart (decode tokens only, or prefill chunks only) to run
+them at the same time on two cores; then the sequences of a pass still in flight are `pinned`: not
+scheduled again, and never preempted, since their blocks are being written.
 """
 
 from __future__ import annotations
@@ -62,19 +66,20 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self) -> Batch:
+    def schedule(self, decode: bool = True, prefill: bool = True, pinned: frozenset = frozenset()) -> Batch:
+        """The next forward pass: decode tokens, prefill chunks (admitting waiting sequences), or both."""
         batch, budget = Batch(), self.max_tokens_per_step
-        decoding = [s for s in self.running if not s.is_prefilling]
-        prefilling = [s for s in self.running if s.is_prefilling]
-        for seq in decoding + prefilling:
+        chosen = [s for s in self.running if s not in pinned and (decode if not s.is_prefilling else prefill)]
+        chosen.sort(key=lambda s: s.is_prefilling)  # decode first (stable: arrival order within each)
+        for seq in chosen:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left
             n = min(seq.num_uncomputed, budget)
-            if self._reserve(seq, seq.num_computed + n, batch):
+            if self._reserve(seq, seq.num_computed + n, batch, pinned):
                 batch.add(seq, n)
                 budget -= n
         # budget returned by preempted sequences is not reused this step: admitting would undo it
-        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+        while prefill and self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
@@ -88,10 +93,10 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _reserve(self, seq: Sequence, num_tokens: int, batch: Batch) -> bool:
-        """Blocks for `seq` to hold `num_tokens`, preempting the newest sequences as needed."""
+    def _reserve(self, seq: Sequence, num_tokens: int, batch: Batch, pinned: frozenset) -> bool:
+        """Blocks for `seq` to hold `num_tokens`, preempting the newest unpinned sequences as needed."""
         while not self.blocks.grow(seq, num_tokens):
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if s not in pinned)  # `seq` itself at the latest
             self._preempt(victim)
             if victim in batch.seqs:
                 batch.remove(victim)

@@ -81,6 +81,8 @@ def combine_token(x: torch.Tensor, ys: list[torch.Tensor], topk_weights: torch.T
 class ExpertRuntime:
     """Base class: holds the store; subclasses decide where each expert runs."""
 
+    reentrant = False  # whether two forward passes may run at once (the engine's overlap_prefill)
+
     def __init__(self, shape: ExpertShape, dtype: torch.dtype = torch.float32):
         self.shape = shape
         self.store = ExpertStore(shape, dtype)
@@ -106,6 +108,8 @@ WORKERS_MIN_BYTES = 32 << 20
 class CPURuntime(ExpertRuntime):
     """Every routed expert runs on the CPU: in the calling thread with one torch thread, else split
     over single-threaded workers, whole experts each (expert_workers.py says why)."""
+
+    reentrant = True  # with one torch thread it keeps no state between calls (the workers are not used)
 
     def __init__(self, shape: ExpertShape, dtype: torch.dtype = torch.float32):
         super().__init__(shape, dtype)
