@@ -232,7 +232,7 @@ class LLMEngine:
         ids, positions, ctx, rows = self._inputs(batch)
         future = self._prefill_pool.submit(self._run, ids, positions, ctx, rows)
         self._in_flight = _Pass(batch, future, t0, frozenset(batch.seqs))
-        
+
     def _finish_prefill(self) -> list[RequestOutput]:
         flight, self._in_flight = self._in_flight, None
         logits = flight.future.result()  # waits; an exception in the pass is raised here
