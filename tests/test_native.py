@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hybridmoe import native
 from hybridmoe.experts.runtime import expert_ffn
 from hybridmoe.experts.store import ExpertWeights
-from hybridmoe.layers.linear import linear
+from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
 
 needs_kernels = pytest.mark.skipif(not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16")
 
@@ -22,51 +22,134 @@ def bf16(*shape, gen):
     return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
 
-@needs_kernels
-@pytest.mark.parametrize("rows, cols", [(1536, 2048), (7, 100), (4, 32), (5, 31), (3, 1)])
-def test_gemv_matches_a_float64_product(rows, cols):
-    # Odd shapes exercise the masked tail of a row and the rows left over after groups of four.
-    gen = torch.Generator().manual_seed(rows * 1000 + cols)
-    w, x = bf16(rows, cols, gen=gen), bf16(1, cols, gen=gen)
-    ref = w.double() @ x[0].double()  # [rows]: bf16 products are exact, only the sums round
-    got = native.gemv(x, w)
-    assert got.dtype == torch.float32 and got.shape == (rows,)
-    scale = w.double().abs() @ x[0].double().abs()  # [rows]: the bound the fp32 sums' rounding scales with
+def assert_close_to_float64(got, w, x):
+    """got: [M, N] fp32 against x @ w^T in float64; bf16 products are exact, only the fp32 sums round."""
+    ref = x.double() @ w.double().t()  # [M, N]
+    scale = x.double().abs() @ w.double().abs().t()  # [M, N]: the bound the fp32 sums' rounding scales with
+    assert got.dtype == torch.float32 and got.shape == ref.shape
     assert torch.all((got.double() - ref).abs() <= 1e-6 * scale + 1e-30)
 
 
+# Odd shapes exercise the masked tail of a row and the weight rows left after blocks of four; every
+# row count the x rows left after blocks of four. The large shape at a few row counts.
+GEMM_CASES = ([(rows, cols, m) for rows, cols in [(7, 100), (4, 32), (5, 31), (3, 1), (6, 48)]
+               for m in range(1, native.MAX_ROWS + 1)]
+              + [(1536, 2048, m) for m in (1, 3, 4, 5, 8, 16, native.MAX_ROWS)])
+
+
 @needs_kernels
-def test_expert_matches_swiglu_with_one_bf16_rounding():
-    gen = torch.Generator().manual_seed(1)
-    hidden, inter = 256, 96
-    gate_up, down, x = bf16(2 * inter, hidden, gen=gen) / 8, bf16(hidden, inter, gen=gen) / 8, bf16(1, hidden, gen=gen)
-    g, u = (gate_up.double() @ x[0].double()).chunk(2)  # [I] each
-    h = (F.silu(g) * u).to(torch.bfloat16)  # [I]: the kernel rounds its down projection's input once
-    ref = down.double() @ h.double()  # [H]
+@pytest.mark.parametrize("rows, cols, m", GEMM_CASES)
+def test_gemm_matches_a_float64_product(rows, cols, m):
+    gen = torch.Generator().manual_seed(rows * 1000 + cols + m)
+    w, x = bf16(rows, cols, gen=gen), bf16(m, cols, gen=gen)
+    assert_close_to_float64(native.gemm(x, w), w, x)
+
+
+@needs_kernels
+def test_gemm_takes_strided_rows_and_leading_dimensions():
+    gen = torch.Generator().manual_seed(3)
+    w, x = bf16(37, 70, gen=gen), bf16(2, 5, 140, gen=gen)
+    rows = x[:, :, ::2]  # [2, 5, 70], every other column: not unit stride
+    assert_close_to_float64(native.gemm(rows, w), w, rows.reshape(10, 70))
+    picked = x.view(10, 140)[::3, :70]  # [4, 70], rows 140 apart
+    assert_close_to_float64(native.gemm(picked, w), w, picked)
+
+
+@needs_kernels
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    gen = torch.Generator().manual_seed(4)
+    w, x = bf16(9, 200, gen=gen), bf16(native.MAX_ROWS, 200, gen=gen)
+    alone = torch.cat([native.gemm(x[i : i + 1], w) for i in range(len(x))])  # [M, 9]
+    for m in range(2, native.MAX_ROWS + 1):
+        assert torch.equal(native.gemm(x[:m], w), alone[:m])
+
+
+def swiglu_reference(x, gate_up, down):
+    """[M, H] in float64 with the kernel's one bf16 rounding of silu(g) * u."""
+    g, u = (x.double() @ gate_up.double().t()).chunk(2, dim=-1)  # [M, I] each
+    h = (F.silu(g) * u).to(torch.bfloat16)  # [M, I]: the kernel rounds its down projection's input once
+    return h.double() @ down.double().t()  # [M, H]
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 16, native.MAX_ROWS])
+@pytest.mark.parametrize("hidden, inter", [(256, 96), (100, 48), (64, 5)])
+def test_expert_matches_swiglu_with_one_bf16_rounding(m, hidden, inter):
+    gen = torch.Generator().manual_seed(m * 7 + hidden + inter)
+    gate_up, down, x = bf16(2 * inter, hidden, gen=gen) / 8, bf16(hidden, inter, gen=gen) / 8, bf16(m, hidden, gen=gen)
+    ref = swiglu_reference(x, gate_up, down)
     got = native.expert(x, gate_up, down)
+    assert got.dtype == torch.float32 and got.shape == (m, hidden)
     # A few entries of h may round the other way (g, u differ from float64 by fp32 rounding): a loose bound.
     assert torch.allclose(got.double(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
     # ... and it is much closer than torch's own bf16 path is to the same reference
-    torch_path = F.linear(F.silu((x @ gate_up.t())[:, :inter]) * (x @ gate_up.t())[:, inter:], down)[0]
+    gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
+    torch_path = F.linear(F.silu(gate) * up, down)
     assert (got.double() - ref).norm() <= (torch_path.double() - ref).norm()
+    # each token as if it came alone
+    assert torch.equal(got[-1:], native.expert(x[-1:], gate_up, down))
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Within the test, the native path switched off as HYBRIDMOE_NATIVE=0 does (available() False)."""
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(native, "available", lambda: False)
+            return fn(*args)
+    return run
 
 
 @needs_kernels
-def test_linear_and_expert_ffn_take_the_kernels_for_one_bf16_row():
-    gen = torch.Generator().manual_seed(2)
-    w, b, x = bf16(64, 128, gen=gen), bf16(64, gen=gen), bf16(1, 128, gen=gen)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16, native.MAX_ROWS])
+def test_linear_takes_the_kernel_for_a_few_bf16_rows(m, torch_only):
+    gen = torch.Generator().manual_seed(2 + m)
+    w, b, x = bf16(67, 130, gen=gen), bf16(67, gen=gen), bf16(m, 130, gen=gen)
     with torch.inference_mode():
         got = linear(x, w, b)
-    ref = (native.gemv(x, w) + b.float()).to(torch.bfloat16).view(1, 64)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
-    # within one bf16 rounding of torch's F.linear
-    assert torch.allclose(got.float(), F.linear(x, w, b).float(), rtol=2 ** -7, atol=1e-2)
-    weights = ExpertWeights(bf16(2 * 32, 128, gen=gen), bf16(128, 32, gen=gen))
+        off = torch_only(linear, x, w, b)
+    ref = (native.gemm(x, w) + b.float()).to(torch.bfloat16)  # [M, 67]
+    assert got.dtype == torch.bfloat16 and got.shape == (m, 67) and torch.equal(got, ref)
+    # within one bf16 rounding of torch's path
+    assert torch.equal(off, F.linear(x, w, b))
+    assert torch.allclose(got.float(), off.float(), rtol=2 ** -7, atol=1e-2)
+    # leading dimensions are kept
+    assert torch.equal(linear(x.view(1, m, 130), w, b), got.view(1, m, 67))
+
+
+def test_linear_leaves_more_rows_and_other_dtypes_to_torch():
+    gen = torch.Generator().manual_seed(5)
+    w, x = bf16(64, 128, gen=gen), bf16(native.MAX_ROWS + 1, 128, gen=gen)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    assert torch.equal(linear(x[:3].float(), w.float()), F.linear(x[:3].float(), w.float()))
+
+
+@needs_kernels
+def test_linear_with_more_threads_keeps_onednn_above_its_threshold(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    w = bf16(64, 128, gen=gen)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    few, more = bf16(THREADED_NATIVE_ROWS, 128, gen=gen), bf16(THREADED_NATIVE_ROWS + 1, 128, gen=gen)
+    with torch.inference_mode():
+        assert torch.equal(linear(few, w), native.gemm(few, w).to(torch.bfloat16))
+        assert torch.equal(linear(more, w), F.linear(more, w))
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 8, native.MAX_ROWS])
+def test_expert_ffn_takes_the_kernel_for_a_few_bf16_tokens(m, torch_only):
+    gen = torch.Generator().manual_seed(10 + m)
+    weights = ExpertWeights(bf16(2 * 48, 130, gen=gen) / 8, bf16(130, 48, gen=gen) / 8)
+    x = bf16(m, 130, gen=gen)
     y = expert_ffn(x, weights)
-    assert y.shape == (1, 128) and torch.equal(y, native.expert(x, weights.gate_up, weights.down).to(torch.bfloat16)[None])
-    # two rows, or fp32, stay on torch: the same as F.linear bit for bit
-    x2 = bf16(2, 128, gen=gen)
-    assert torch.equal(linear(x2, w), F.linear(x2, w))
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 130)
+    assert torch.equal(y, native.expert(x, weights.gate_up, weights.down).to(torch.bfloat16))
+    # torch's path rounds gate and up to bf16 too: the two agree to a few bf16 roundings
+    off = torch_only(expert_ffn, x, weights)
+    assert torch.allclose(y.float(), off.float(), rtol=2 ** -6, atol=2e-2 * off.abs().max().item())
+    # more tokens stay on torch's path
+    many = bf16(native.MAX_ROWS + 1, 130, gen=gen)
+    assert torch.equal(expert_ffn(many, weights), torch_only(expert_ffn, many, weights))
 
 
 def _available_in_subprocess(env: dict) -> str:

@@ -20,10 +20,11 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 
     F.linear, not layers/linear.py's oneDNN path: on worker threads oneDNN gave results 7e-6 apart
     from the calling thread's (test_expert_workers), and an expert must not depend on where it runs.
-    One bf16 token goes to the native kernel wherever it runs (CPU runtime, pool, calibration), so that
-    holds there too: gate and up stay fp32 and silu(gate) * up is rounded to bf16 once."""
-    if x.shape[0] == 1 and native.applies(x, w.gate_up, w.down):
-        return native.expert(x, w.gate_up, w.down).to(torch.bfloat16).view(1, -1)  # [1, H]
+    Up to native.MAX_ROWS bf16 tokens (decode) go to the native kernel wherever it runs (CPU runtime,
+    pool, calibration), so that holds there too: gate and up stay fp32 and silu(gate) * up is rounded
+    to bf16 once; a token's result does not depend on how many came with it."""
+    if native.applies(x, w.gate_up, w.down):
+        return native.expert(x, w.gate_up, w.down).to(torch.bfloat16)  # [n, H]
     gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(2, dim=-1)  # [n, I] each, views of [n, 2I]
     return F.linear(F.silu(gate) * up, w.down)  # [n, H]
 

@@ -11,8 +11,9 @@ oneDNN's linear on the same unpacked weights (3 rows: 198 vs 120 us, 25.8 vs 6.9
 on F.linear, so single-sequence decode keeps its exact arithmetic; prefill chunks (many rows) and
 other dtypes (bf16 already goes to oneDNN) are unchanged.
 
-One bf16 row (bf16 decode) goes to the native kernel where it runs (hybridmoe/native: about twice
-oneDNN's matrix-vector speed on this CPU), accumulated in fp32 and rounded to bf16 as F.linear does.
+Up to native.MAX_ROWS bf16 rows (bf16 decode, one row per sequence) go to the native kernel where it
+runs (hybridmoe/native: it streams the weight once for all rows, at about twice oneDNN's speed on
+this CPU), accumulated in fp32 and rounded to bf16 as F.linear does.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ from hybridmoe import native
 # Rows up to which oneDNN's fp32 linear is used (measured faster at 2, 3, 8 and 16 rows, see above).
 FEW_ROWS = 32
 
+# Rows up to which the native kernel (one thread) takes a call when torch has more: oneDNN splits the
+# work over its threads and overtakes it from about 16 rows (2 threads, weights from RAM:
+# [16, 576] x [49152, 576]^T 3.3 vs 2.6 ms, [16, 2048] x [1536, 2048]^T 0.42 vs 0.32 ms; at 8 rows
+# 1.8 vs 2.3 ms and 0.29 vs 0.29 ms).
+THREADED_NATIVE_ROWS = 8
+
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with x: [M, K], weight: [N, K] -> [M, N] on oneDNN for a few fp32 rows, on the native
-    kernel for one bf16 row."""
-    if native.applies(x, weight) and not torch.is_grad_enabled():
-        y = native.gemv(x, weight)  # [N] fp32
+    kernel for a few bf16 rows."""
+    rows = native.MAX_ROWS if torch.get_num_threads() == 1 else THREADED_NATIVE_ROWS
+    if native.applies(x, weight, max_rows=rows) and not torch.is_grad_enabled():
+        y = native.gemm(x, weight)  # [M, N] fp32
         if bias is not None:
             y += bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

@@ -1,45 +1,83 @@
-/* Single-token bf16 kernels for CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later).
+/* Decode bf16 kernels for CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later).
 
-   Decode multiplies one activation row by every weight, so its speed is the speed at which the
-   weights stream from RAM. oneDNN's bf16 matrix-vector path reached about 16 GB/s on one core of
-   the 2-core Zen 4 this was written on; this loop, four weight rows at a time with vdpbf16ps
-   (32 bf16 products per instruction, accumulated in fp32), reached about 30 GB/s, close to what one
-   core can read (docs/benchmarks.md, issue 2). Built at first use by hybridmoe/native/__init__.py. */
+   Decode multiplies a few activation rows (one per sequence of the batch) by every weight, so its
+   speed is the speed at which the weights stream from RAM. oneDNN's bf16 matrix-vector path reached
+   about 16 GB/s on one core of the 2-core Zen 4 this was written on; a loop over four weight rows at
+   a time with vdpbf16ps (32 bf16 products per instruction, accumulated in fp32) reached about 30 GB/s,
+   close to what one core can read (docs/benchmarks.md, issue 2). For M rows the four weight rows are
+   multiplied by up to four x rows at once (16 accumulators) and stay in L1 while the other x rows
+   pass, so the weights stream once for the whole batch. Built at first use by
+   hybridmoe/native/__init__.py. */
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Elements i..i+31 of a bf16 row, zeros past `n`. */
-static inline __m512bh load32(const uint16_t *p, long i, long n) {
-    if (i + 32 <= n) return (__m512bh)_mm512_loadu_si512(p + i);
-    __mmask32 m = (__mmask32)((1ULL << (n - i)) - 1);
-    return (__m512bh)_mm512_maskz_loadu_epi16(m, p + i);
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* [sum a, sum b, sum c, sum d] of four 16-lane vectors. */
+ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALVES(v) _mm256_add_ps(_mm512_castps512_ps256(v), \
+                                _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(v), 1)))
+    __m256 ab = _mm256_hadd_ps(HALVES(a), HALVES(b));  /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    __m256 cd = _mm256_hadd_ps(HALVES(c), HALVES(d));
+#undef HALVES
+    __m256 s = _mm256_hadd_ps(ab, cd);  /* a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567 */
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* y[o] = sum_i W[o, i] x[i] for o < O.  W: [O, I] bf16 row-major, x: [I] bf16, y: [O] fp32. */
-static void gemv(const uint16_t *W, const uint16_t *x, float *y, long O, long I) {
-    long o = 0;
-    for (; o + 4 <= O; o += 4) {
-        const uint16_t *w0 = W + o * I, *w1 = w0 + I, *w2 = w1 + I, *w3 = w2 + I;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (long i = 0; i < I; i += 32) {
-            __m512bh xv = load32(x, i, I);
-            a0 = _mm512_dpbf16_ps(a0, load32(w0, i, I), xv);
-            a1 = _mm512_dpbf16_ps(a1, load32(w1, i, I), xv);
-            a2 = _mm512_dpbf16_ps(a2, load32(w2, i, I), xv);
-            a3 = _mm512_dpbf16_ps(a3, load32(w3, i, I), xv);
+/* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
+   Every x row is computed the same way whatever R is, so a row's result does not depend on the
+   batch it came in. Missing weight rows (j >= c) re-read row o and are not stored. */
+ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16_t *X, long ldx, long m,
+                         const int R, const int PF, float *Y, long ldy) {
+    const uint16_t *w[4], *x[4];
+    for (int j = 0; j < 4; j++) w[j] = W + (o + (j < c ? j : 0)) * I;
+    for (int r = 0; r < R; r++) x[r] = X + (m + r) * ldx;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    long i = 0;
+    for (; i + 32 <= I; i += 32) {
+        __m512bh wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + i);
+        if (PF)  /* the same columns two blocks on (prefetching past W's end is harmless) */
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w[j] + 8 * I + i), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x[r] + i);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
         }
-        y[o] = _mm512_reduce_add_ps(a0);
-        y[o + 1] = _mm512_reduce_add_ps(a1);
-        y[o + 2] = _mm512_reduce_add_ps(a2);
-        y[o + 3] = _mm512_reduce_add_ps(a3);
     }
-    for (; o < O; o++) {
-        __m512 a = _mm512_setzero_ps();
-        for (long i = 0; i < I; i += 32) a = _mm512_dpbf16_ps(a, load32(W + o * I, i, I), load32(x, i, I));
-        y[o] = _mm512_reduce_add_ps(a);
+    if (i < I) {  /* the row's last I % 32 elements, zeros past the end */
+        __mmask32 k = (__mmask32)((1ULL << (I - i)) - 1);
+        __m512bh wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(k, w[j] + i);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(k, x[r] + i);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m128 s = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+        _mm_mask_storeu_ps(Y + (m + r) * ldy + o, (__mmask8)((1u << c) - 1), s);
+    }
+}
+
+/* Y[m, o] = sum_i W[o, i] X[m, i] for m < M, o < O.  W: [O, I] bf16 row-major; X: [M, I] bf16 with
+   rows ldx apart; Y: [M, O] fp32 with rows ldy apart. */
+static void gemm(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M) {
+    for (long o = 0; o < O; o += 4) {
+        long c = O - o < 4 ? O - o : 4, m = 0;
+        if (M >= 4) {
+            block(W, I, o, c, X, ldx, 0, 4, 1, Y, ldy);
+            for (m = 4; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, 0, Y, ldy);
+        }
+        switch (M - m) {
+        case 3: block(W, I, o, c, X, ldx, m, 3, m == 0, Y, ldy); break;
+        case 2: block(W, I, o, c, X, ldx, m, 2, m == 0, Y, ldy); break;
+        case 1: block(W, I, o, c, X, ldx, m, 1, m == 0, Y, ldy); break;
+        }
     }
 }
 
@@ -52,17 +90,20 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-void hm_gemv_bf16(const uint16_t *W, const uint16_t *x, float *y, long O, long I) { gemv(W, x, y, O, I); }
+void hm_gemm_bf16(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M) {
+    gemm(W, X, ldx, Y, ldy, O, I, M);
+}
 
-/* One token through one SwiGLU expert: y = down (silu(g) * u), [g; u] = gate_up x.
-   gate_up: [2I, H], down: [H, I], x: [H] bf16; y: [H] fp32; scratch: 2I floats, h: I bf16.
-   g and u stay fp32; silu(g) * u is rounded to bf16 once, as the input of the down projection. */
-void hm_expert_bf16(const uint16_t *gate_up, const uint16_t *down, const uint16_t *x, float *y,
-                    long H, long I, float *scratch, uint16_t *h) {
-    gemv(gate_up, x, scratch, 2 * I, H);
-    for (long i = 0; i < I; i++) {
-        float g = scratch[i], u = scratch[I + i];
-        h[i] = to_bf16(g / (1.0f + expf(-g)) * u);
+/* M tokens through one SwiGLU expert: Y = down (silu(G) * U), [G U] = X gate_up^T.
+   gate_up: [2I, H], down: [H, I], X: [M, H] bf16 with rows ldx apart; Y: [M, H] fp32 with rows ldy
+   apart; scratch: M * 2I floats, h: M * I bf16. G and U stay fp32; silu(G) * U is rounded to bf16
+   once, as the input of the down projection. */
+void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const uint16_t *X, long ldx, float *Y,
+                         long ldy, long M, long H, long I, float *scratch, uint16_t *h) {
+    gemm(gate_up, X, ldx, scratch, 2 * I, 2 * I, H, M);  /* [M, 2I] */
+    for (long m = 0; m < M; m++) {
+        const float *g = scratch + m * 2 * I, *u = g + I;
+        for (long i = 0; i < I; i++) h[m * I + i] = to_bf16(g[i] / (1.0f + expf(-g[i])) * u[i]);
     }
-    gemv(down, h, y, H, I);
+    gemm(down, h, I, Y, ldy, H, I, M);  /* [M, H] */
 }
