@@ -192,7 +192,7 @@ def test_decode_goes_on_while_a_prefill_pass_is_in_flight(pair):
         b = eng.add_request(long, GREEDY)
         for _ in range(5):  # long's prefill is held on the other thread; short decodes meanwhile
             collect(outs, eng.step())
-        assert held.held.is_set() and b not in outs and len(outs[a]) == 6
+        assert held.held.wait(timeout=30) and b not in outs and len(outs[a]) == 6
         held.release.set()
         for _ in range(100):
             collect(outs, eng.step())
@@ -217,7 +217,7 @@ def test_a_request_aborted_while_its_prefill_is_in_flight_frees_its_blocks_after
         held.hold = True
         b = eng.add_request(long, GREEDY)
         collect(outs, eng.step())
-        assert held.held.is_set()
+        assert held.held.wait(timeout=30)
         used = eng.blocks.num_used
         assert eng.abort(b) and not eng.abort(b)
         assert eng.blocks.num_used == used  # still being written by the pass in flight

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from hybridmoe.cli.options import DTYPES
+from hybridmoe.cli.options import DTYPES, compute_dtype
 from hybridmoe.errors import UserError
 
 
@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
                                    "not used for fitting, and save the profile as JSON.")
     p.add_argument("--out", metavar="FILE", default=None,
                    help="where to save the profile (default: the cache the engine reads on start)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="expert weights' dtype")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="expert weights' dtype (auto: as the model commands choose, bfloat16 on CPUs with native bf16)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--expert-shape", metavar="HxI", default=None,
                    help="also fit on experts of this hidden x intermediate size (e.g. 576x48); the default "
@@ -33,7 +34,7 @@ def run(args) -> int:
         if args.threads < 1:
             raise UserError(f"--threads {args.threads}: give a positive number of threads")
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = compute_dtype(args.dtype)
     model = parse_shape(args.expert_shape) if args.expert_shape else None
     result = calibrate(dtype, quick=args.quick, model=model)
     out = args.out or default_profile_path(dtype, model)

@@ -37,13 +37,24 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-share
 MAX_ROWS = 32
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """From /proc/cpuinfo (Linux); elsewhere False, which keeps torch's path."""
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux); elsewhere none."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
-        return False
+        return set()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """What these kernels need; without it torch's path runs."""
+    return "avx512_bf16" in _cpu_flags()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), so oneDNN's bf16 matrix
+    products beat fp32 ones; without it torch emulates bf16, slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
 def _compile(out: Path) -> None:
@@ -79,6 +90,9 @@ def library() -> ctypes.CDLL | None:
     lib.hm_gemm_bf16.argtypes = [p, p, n, p, n, n, n, n]
     lib.hm_expert_rows_bf16.argtypes = [p, p, p, n, p, n, n, n, n, p, p]
     lib.hm_gemm_bf16.restype = lib.hm_expert_rows_bf16.restype = None
+    lib.hm_decode_attention_bf16.argtypes = [p, n, p, n, p, n, p, p, p, p, n, n, n, n, n, n, ctypes.c_float, p, n,
+                                             ctypes.c_int]
+    lib.hm_decode_attention_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -120,3 +134,33 @@ def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     library().hm_expert_rows_bf16(gate_up.data_ptr(), down.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
                                   hidden, m, hidden, inter, scratch.data_ptr(), h.data_ptr())
     return y
+
+
+def attention_applies(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether decode_attention takes these: bf16 queries and pools on the CPU, the pools' rows contiguous."""
+    return (q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and k_pool.device.type == "cpu" and v_pool.device.type == "cpu"
+            and k_pool.is_contiguous() and v_pool.is_contiguous() and available())
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     table_starts: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, block_size: int,
+                     scale: float, out: torch.Tensor) -> None:
+    """Attention of one query token per sequence over its paged history, into out's rows.
+
+    q: [T, h, d] bf16; k_pool: [slots, kvh, d], v_pool: [slots, kvh, dv] bf16; out: [T, h, dv] bf16 or
+    fp32, rows contiguous. Sequence s (int32 tensors [S]): query and output row rows[s], positions
+    0..lengths[s]-1, position l at slot table[l // block_size] * block_size + l % block_size where
+    table = tables[table_starts[s]:]. Scores and sums in fp32; query head i uses KV head i // (h // kvh).
+    """
+    if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+        q = q.contiguous()
+    heads, d = q.shape[1:]
+    kv_heads, dv = v_pool.shape[1:]
+    assert out.stride(-1) == 1 and out.stride(-2) == dv and heads % kv_heads == 0
+    status = library().hm_decode_attention_bf16(
+        q.data_ptr(), q.stride(0), k_pool.data_ptr(), k_pool.stride(0), v_pool.data_ptr(), v_pool.stride(0),
+        tables.data_ptr(), table_starts.data_ptr(), lengths.data_ptr(), rows.data_ptr(), len(rows), block_size,
+        heads, kv_heads, d, dv, scale, out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16)
+    if status != 0:
+        raise MemoryError("decode attention: no memory for its scratch")
