@@ -178,26 +178,37 @@ def collect(outs, step_outputs):
         outs.setdefault(o.request_id, []).extend(o.token_ids)
 
 
+def run_to_end(eng, outs):
+    for _ in range(100):
+        collect(outs, eng.step())
+        if not eng.has_unfinished():
+            break
+
+
+def decoding_and_held(eng, held, short, long, steps):
+    """`short` decoding while `long`'s prefill pass is held on the prefill thread, after `steps` steps."""
+    outs = {}
+    a = eng.add_request(short, GREEDY)
+    collect(outs, eng.step())  # short's prefill: started and, with nothing to decode, waited for
+    assert outs == {a: outs[a]} and len(outs[a]) == 1
+    held.hold = True
+    b = eng.add_request(long, GREEDY)
+    for _ in range(steps):
+        collect(outs, eng.step())
+    assert held.held.wait(timeout=30)
+    return outs, a, b
+
+
 def test_decode_goes_on_while_a_prefill_pass_is_in_flight(pair):
     ref, model = pair
     short, long = random_prompts(2, seed=7, lo=8, hi=30)
     eng = engine(model, overlap_prefill=True)
     held = HeldPrefill(model)
     try:
-        outs = {}
-        a = eng.add_request(short, GREEDY)
-        collect(outs, eng.step())  # short's prefill: started and, with nothing to decode, waited for
-        assert outs == {a: outs[a]} and len(outs[a]) == 1
-        held.hold = True
-        b = eng.add_request(long, GREEDY)
-        for _ in range(5):  # long's prefill is held on the other thread; short decodes meanwhile
-            collect(outs, eng.step())
-        assert held.held.wait(timeout=30) and b not in outs and len(outs[a]) == 6
+        outs, a, b = decoding_and_held(eng, held, short, long, steps=5)
+        assert b not in outs and len(outs[a]) == 6  # five decode steps while long's pass was held
         held.release.set()
-        for _ in range(100):
-            collect(outs, eng.step())
-            if not eng.has_unfinished():
-                break
+        run_to_end(eng, outs)
     finally:
         held.restore()
     assert outs == {a: hf_greedy(ref, short, 12), b: hf_greedy(ref, long, 12)}
@@ -211,21 +222,12 @@ def test_a_request_aborted_while_its_prefill_is_in_flight_frees_its_blocks_after
     eng = engine(model, overlap_prefill=True)
     held = HeldPrefill(model)
     try:
-        outs = {}
-        a = eng.add_request(short, GREEDY)
-        collect(outs, eng.step())
-        held.hold = True
-        b = eng.add_request(long, GREEDY)
-        collect(outs, eng.step())
-        assert held.held.wait(timeout=30)
+        outs, a, b = decoding_and_held(eng, held, short, long, steps=1)
         used = eng.blocks.num_used
         assert eng.abort(b) and not eng.abort(b)
         assert eng.blocks.num_used == used  # still being written by the pass in flight
         held.release.set()
-        for _ in range(100):
-            collect(outs, eng.step())
-            if not eng.has_unfinished():
-                break
+        run_to_end(eng, outs)
     finally:
         held.restore()
     assert set(outs) == {a} and outs[a] == hf_greedy(ref, short, 12)
