@@ -7,6 +7,7 @@ standard attention, (compressed kv, rope key) for MLA; the engine never needs to
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -46,8 +47,41 @@ def history_index(block_table: list[int], length: int, block_size: int) -> torch
     return torch.tensor(block_table)[pos // block_size] * block_size + pos % block_size
 
 
+@dataclass(frozen=True)
+class DecodeTables:
+    """The sequences of a step that bring one token each, as a kernel reads their histories straight
+    from the pools (native.decode_attention): block tables, not gathered copies. int32 tensors [S]."""
+
+    seqs: list[int]  # their indices in the step
+    rows: torch.Tensor  # their token's row in the step's [T] rows
+    lengths: torch.Tensor  # their history's length, the new token included
+    table_starts: torch.Tensor  # where each one's table begins in `tables`
+    tables: torch.Tensor  # their block tables, one after another
+    block_size: int
+
+    @staticmethod
+    def of(block_tables: list[list[int]], starts: list[int], seq_lens: list[int], block_size: int) -> DecodeTables:
+        seqs, rows, lengths, first, tables, row = [], [], [], [], [], 0
+        for i, (table, start, n) in enumerate(zip(block_tables, starts, seq_lens)):
+            if n == 1:
+                seqs.append(i)
+                rows.append(row)
+                lengths.append(start + 1)
+                first.append(len(tables))
+                tables += table[: (start + block_size) // block_size]  # the blocks of positions 0..start
+            row += n
+        int32 = dict(dtype=torch.int32)
+        return DecodeTables(seqs, torch.tensor(rows, **int32), torch.tensor(lengths, **int32),
+                            torch.tensor(first, **int32), torch.tensor(tables, **int32), block_size)
+
+
 class PagedKVContext:
-    """The KVContext of one step: sequence i brings seq_lens[i] new tokens at positions starts[i].."""
+    """The KVContext of one step: sequence i brings seq_lens[i] new tokens at positions starts[i]..
+
+    Besides `update`, layers may take the paged view: `write` the step's entries, then read the
+    one-token sequences (`decode`) through their block tables and the others through `histories`.
+    Everything per step is computed here once, not per layer; the context holds no state that a layer
+    changes, so a decode pass and a prefill pass may run at once, each with its own context."""
 
     def __init__(self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], seq_lens: list[int]):
         self.cache, self.seq_lens, self.starts = cache, seq_lens, starts
@@ -57,10 +91,21 @@ class PagedKVContext:
         for table, start, n in zip(block_tables, starts, seq_lens):
             pos = torch.arange(start, start + n)  # [n]
             writes.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
-        self.write = torch.cat(writes)  # [T]: the slot of each new row
+        self.slots = torch.cat(writes)  # [T]: the slot of each new row
+        self.decode = DecodeTables.of(block_tables, starts, seq_lens, bs)
 
-    def update(self, layer: int, *entries: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    def write(self, layer: int, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Append this step's entries ([T, ...] each) to `layer`'s cache; its pools [slots, ...]."""
         pools = self.cache.layer_pools(layer, entries)
         for pool, e in zip(pools, entries):
-            pool.index_copy_(0, self.write, e.to(pool.dtype))
-        return [tuple(pool[idx] for pool in pools) for idx in self.history]
+            pool.index_copy_(0, self.slots, e.to(pool.dtype))
+        return pools
+
+    def histories(self, pools: tuple[torch.Tensor, ...], seqs=None) -> list[tuple[torch.Tensor, ...]]:
+        """Each sequence's history in the pools (of `seqs`, default all): a view when its blocks are
+        consecutive, else a gathered copy."""
+        seqs = range(len(self.history)) if seqs is None else seqs
+        return [tuple(pool[self.history[i]] for pool in pools) for i in seqs]
+
+    def update(self, layer: int, *entries: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        return self.histories(self.write(layer, *entries))

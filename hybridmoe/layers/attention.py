@@ -4,6 +4,10 @@ The engine builds a `KVContext` for each step: how many new tokens each sequence
 lie one after another in the flat [T, ...] tensors) and where their cache lives. A layer appends its
 new cache entries and gets back, per sequence, the whole history. Entries are whatever the layer
 caches: (k, v) for standard attention, (compressed kv, rope key) for MLA.
+
+The engine's paged context also offers its pools and block tables (engine/paged_kv.py,
+PagedKVContext.write/decode/histories): standard attention then hands the sequences that bring one
+token to the native bf16 decode kernel, which reads their history in place (no gather).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe import native
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary
 from hybridmoe.layers.linear import Linear
@@ -99,10 +104,35 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        history = ctx.update(self.layer, k, v)
-        outs, start = [], 0
-        for n, (k_all, v_all) in zip(ctx.seq_lens, history):
-            outs.append(causal_attention(q[start : start + n], k_all, v_all, self.head_dim**-0.5))
-            start += n
-        out = torch.cat(outs, dim=0).reshape(T, self.heads * self.head_dim)  # [T, h*d]
-        return self.o_proj(out)
+        out = self.attend(q, k, v, ctx)  # [T, h, d]
+        return self.o_proj(out.reshape(T, self.heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: KVContext) -> torch.Tensor:
+        """q: [T, h, d], k, v: [T, kvh, d] -> [T, h, d]: every sequence's queries over its history.
+
+        Sequences that bring one token take the native kernel, reading K and V from the paged pools
+        through their block tables, when the context offers that view (`decode`) and the kernel takes
+        these tensors (bf16 on the CPU, native.available()); the others, and every sequence of any
+        other context, causal_attention over their history. Demo model (bf16, 9/3 heads of 64, 1
+        thread), batch-8 decode at ~1040 positions: ~74 us a (layer, sequence) against ~200 us for
+        SDPA, and no gather of a history whose blocks are not consecutive."""
+        scale = self.head_dim**-0.5
+        out = q.new_empty(q.shape)  # [T, h, d]
+        seqs = range(len(ctx.seq_lens))
+        decode = getattr(ctx, "decode", None)  # the paged view (PagedKVContext), not every context has it
+        if decode is None or not decode.seqs:
+            history = ctx.update(self.layer, k, v)
+        else:
+            pools = ctx.write(self.layer, k, v)  # [slots, kvh, d] each
+            if native.attention_applies(q, *pools):
+                native.decode_attention(q, *pools, decode.tables, decode.table_starts, decode.lengths, decode.rows,
+                                        decode.block_size, scale, out)
+                seqs = [i for i in seqs if ctx.seq_lens[i] != 1]
+            history = ctx.histories(pools, seqs)
+        rows = [0]
+        for n in ctx.seq_lens:
+            rows.append(rows[-1] + n)
+        for i, (k_all, v_all) in zip(seqs, history):
+            start, end = rows[i], rows[i + 1]
+            out[start:end] = causal_attention(q[start:end], k_all, v_all, scale)
+        return out
