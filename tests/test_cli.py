@@ -66,3 +66,26 @@ def test_bad_sampling_options_are_one_line_errors(tiny_chat_model, capsys, args,
     assert main(["generate", "--model", str(tiny_chat_model), "--prompt", "x", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra, beside", [
+    ([], True),  # the CPU runtime on one thread: prefill on a second core (this machine has two or more)
+    (["--threads", "2"], False),  # decode already uses both cores
+    (["--device", "emulated"], False),  # the hybrid runtime keeps per-pass state
+    (["--overlap-prefill", "off"], False),
+])
+def test_serve_puts_prefill_beside_decode_only_where_two_passes_can_run_at_once(tiny_chat_model, one_torch_thread,
+                                                                                extra, beside):
+    from hybridmoe.cli.options import available_cores, load_from_args
+    from hybridmoe.cli.serve import overlap_prefill
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_chat_model), *extra])
+    model, _ = load_from_args(args)
+    assert overlap_prefill(args, model) == (beside and available_cores() >= 2)
+
+
+def test_serve_refuses_overlap_on_where_it_cannot_run(tiny_chat_model, one_torch_thread, capsys):
+    code = main(["serve", "--model", str(tiny_chat_model), "--port", "0", "--device", "emulated",
+                 "--overlap-prefill", "on"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--overlap-prefill on needs" in err and "Traceback" not in err
