@@ -102,8 +102,7 @@ class _Pass:
     """A forward pass in flight on the prefill thread."""
 
     batch: Batch
-    future: Future
-    started: float
+    future: Future  # of (logits, seconds the pass took)
     pinned: frozenset
 
 
@@ -227,15 +226,19 @@ class LLMEngine:
         return outputs
 
     def _start_prefill(self, batch: Batch) -> None:
-        t0 = time.perf_counter()
-        self._mark_scheduled(batch, t0)
+        self._mark_scheduled(batch, time.perf_counter())
         ids, positions, ctx, rows = self._inputs(batch)
-        future = self._prefill_pool.submit(self._run, ids, positions, ctx, rows)
-        self._in_flight = _Pass(batch, future, t0, frozenset(batch.seqs))
+        future = self._prefill_pool.submit(self._timed_run, ids, positions, ctx, rows)
+        self._in_flight = _Pass(batch, future, frozenset(batch.seqs))
+
+    def _timed_run(self, *args) -> tuple[torch.Tensor, float]:
+        """_run on the prefill thread, and its own time (the engine may take the result later)."""
+        t0 = time.perf_counter()
+        return self._run(*args), time.perf_counter() - t0
 
     def _finish_prefill(self) -> list[RequestOutput]:
         flight, self._in_flight = self._in_flight, None
-        logits = flight.future.result()  # waits; an exception in the pass is raised here
+        logits, seconds = flight.future.result()  # waits; an exception in the pass is raised here
         done = self._advance(flight.batch)
         outputs = []
         for seq, row in zip(done, logits):
@@ -245,7 +248,7 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if req is None or req.seq is not seq:
                 self.scheduler.finish(seq)
-        self._account(time.perf_counter() - flight.started, sum(flight.batch.num_tokens), 0)
+        self._account(seconds, sum(flight.batch.num_tokens), 0)
         return outputs
 
     def _mark_scheduled(self, batch: Batch, now: float) -> None:
