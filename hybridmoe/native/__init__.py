@@ -7,8 +7,8 @@ MAX_ROWS rows. They need AVX512-BF16 and a C compiler; without either, or with H
 `available()` is False and callers keep torch's path. The shared library is cached per source and
 compiler flags in the user cache directory, written atomically.
 
-At the package's top: layers/ (dense projections, layers/linear.py) and experts/ (expert FFNs)
-both use it.
+At the package's top: layers/ (dense projections, layers/linear.py; decode and prefill attention,
+layers/attention.py) and experts/ (expert FFNs) use it.
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def library() -> ctypes.CDLL | None:
     lib.hm_decode_attention_bf16.argtypes = [p, n, p, n, p, n, p, p, p, p, n, n, n, n, n, n, ctypes.c_float, p, n,
                                              ctypes.c_int]
     lib.hm_decode_attention_bf16.restype = ctypes.c_int
+    lib.hm_prefill_attention_bf16.argtypes = [p, n, n, p, n, n, p, n, n, n, n, n, n, n, n, ctypes.c_float, p, n,
+                                              ctypes.c_int]
+    lib.hm_prefill_attention_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -164,3 +167,31 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         heads, kv_heads, d, dv, scale, out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16)
     if status != 0:
         raise MemoryError("decode attention: no memory for its scratch")
+
+
+def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether prefill_attention takes these: bf16 on the CPU, unit stride along the head dimension."""
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == k.device.type == v.device.type == "cpu"
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and available())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Causal attention of a chunk: q [n, h, d], k [L, kvh, d], v [L, kvh, dv] bf16 -> [n, h, dv] out_dtype
+    (bf16 or fp32).
+
+    The n queries are the last n of the L positions; query head i uses KV head i // (h // kvh). Scores,
+    softmax and sums in fp32; a bf16 result is the fp32 one rounded once. k and v may be strided views
+    (a pool's rows): the kernel packs each KV head once per call anyway.
+    """
+    n, heads, d = q.shape
+    length, kv_heads, dv = v.shape
+    assert heads % kv_heads == 0 and k.shape[:2] == (length, kv_heads) and k.shape[2] == d
+    out = torch.empty(n, heads, dv, dtype=out_dtype)  # [n, h, dv]
+    status = library().hm_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), n, length, heads, kv_heads, d, dv, scale, out.data_ptr(), heads * dv,
+        out_dtype == torch.bfloat16)
+    if status != 0:
+        raise MemoryError("prefill attention: no memory for its scratch")
+    return out
