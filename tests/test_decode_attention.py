@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from hybridmoe import native
-from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
 from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
-from hybridmoe.engine.sampler import SamplingParams
-from hybridmoe.loader import load_model
-from tests.tiny import build_tiny
+from tests.tiny import bf16_batch_greedy
 
 needs_kernels = pytest.mark.skipif(not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16")
 
@@ -174,22 +171,11 @@ def test_other_contexts_and_dtypes_keep_torchs_path(monkeypatch):
     assert spy.calls == []
 
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0)
-
-
 @needs_kernels
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])  # heads of 16 and 32, GQA
 def test_engine_greedy_output_is_that_of_torchs_attention(arch, tmp_path, monkeypatch):
-    build_tiny(arch, tmp_path, seed=3)
-    model = load_model(tmp_path, dtype=torch.bfloat16, progress=False)
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (1, 5, 17, 33, 9, 40)]
-
-    def generate():
-        eng = LLMEngine(model, None, EngineConfig(block_size=4, max_batch_size=4, max_tokens_per_step=24), eos_ids=())
-        return eng.generate(prompts, GREEDY, max_steps=500)
-
+    generate = bf16_batch_greedy(arch, tmp_path)
     spy = Counting(monkeypatch)
     with_kernel = generate()
     assert spy.calls and max(spy.calls) > 1  # several decode sequences in one call

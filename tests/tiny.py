@@ -110,3 +110,22 @@ def build_tiny(arch: str, out: Path, seed: int = 0):
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     """All-position fp32 logits [n, V] of the transformers reference model."""
     return model(torch.tensor([ids])).logits[0].float()
+
+
+def bf16_batch_greedy(arch: str, out: Path):
+    """A tiny bf16 `arch` model built in `out`, and a function that runs six prompts (1 to 40 tokens)
+    through the batching engine with chunked prefill, greedily: to compare a kernel on and off."""
+    from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
+    from hybridmoe.engine.sampler import SamplingParams
+    from hybridmoe.loader import load_model
+
+    build_tiny(arch, out, seed=3)
+    model = load_model(out, dtype=torch.bfloat16, progress=False)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (1, 5, 17, 33, 9, 40)]
+
+    def generate() -> list[list[int]]:
+        eng = LLMEngine(model, None, EngineConfig(block_size=4, max_batch_size=4, max_tokens_per_step=24), eos_ids=())
+        return eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0), max_steps=500)
+
+    return generate
