@@ -153,8 +153,8 @@ def test_prefill_chunks_run_on_prefill_threads_and_decode_steps_keep_the_callers
 
 
 class HeldPrefill:
-    """Wraps model.forward: a prefill pass (more than one new token) with `hold` set waits until the
-    test lets it go. With the passes in one thread that wait would never end (hence the timeout)."""
+    """Wraps model.forward while in a `with`: a prefill pass (more than one new token) with `hold` set
+    waits until the test lets it go. With the passes in one thread that wait would never end (hence the timeout)."""
 
     def __init__(self, model):
         self.model, self.forward = model, model.forward
@@ -169,7 +169,10 @@ class HeldPrefill:
             assert self.release.wait(timeout=30), "the prefill pass was never released"
         return self.forward(ids, *a, **kw)
 
-    def restore(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         del self.model.forward
 
 
@@ -203,14 +206,11 @@ def test_decode_goes_on_while_a_prefill_pass_is_in_flight(pair):
     ref, model = pair
     short, long = random_prompts(2, seed=7, lo=8, hi=30)
     eng = engine(model, overlap_prefill=True)
-    held = HeldPrefill(model)
-    try:
+    with HeldPrefill(model) as held:
         outs, a, b = decoding_and_held(eng, held, short, long, steps=5)
         assert b not in outs and len(outs[a]) == 6  # five decode steps while long's pass was held
         held.release.set()
         run_to_end(eng, outs)
-    finally:
-        held.restore()
     assert outs == {a: hf_greedy(ref, short, 12), b: hf_greedy(ref, long, 12)}
     assert held.threads == {threading.current_thread().name, "hybridmoe-prefill_0"}
     assert eng.blocks.num_free == eng.blocks.num_blocks
@@ -220,16 +220,13 @@ def test_a_request_aborted_while_its_prefill_is_in_flight_frees_its_blocks_after
     ref, model = pair
     short, long = random_prompts(2, seed=8, lo=8, hi=30)
     eng = engine(model, overlap_prefill=True)
-    held = HeldPrefill(model)
-    try:
+    with HeldPrefill(model) as held:
         outs, a, b = decoding_and_held(eng, held, short, long, steps=1)
         used = eng.blocks.num_used
         assert eng.abort(b) and not eng.abort(b)
         assert eng.blocks.num_used == used  # still being written by the pass in flight
         held.release.set()
         run_to_end(eng, outs)
-    finally:
-        held.restore()
     assert set(outs) == {a} and outs[a] == hf_greedy(ref, short, 12)
     assert eng.blocks.num_free == eng.blocks.num_blocks and eng.metrics.requests_aborted == 1
 

@@ -6,8 +6,6 @@ import socket
 import sys
 from pathlib import Path
 
-import torch
-
 from hybridmoe.cli.options import add_model_options, available_cores, finish_runtime, load_from_args, model_path
 from hybridmoe.errors import UserError
 
@@ -56,8 +54,9 @@ def overlap_prefill(args, model) -> bool:
     """Whether to run prefill passes beside decode passes (EngineConfig.overlap_prefill)."""
     if args.overlap_prefill == "off":
         return False
-    fits = (getattr(getattr(model, "runtime", None), "reentrant", True) and torch.get_num_threads() == 1
-            and available_cores() >= 2)
+    from hybridmoe.engine.llm_engine import overlap_unsupported
+
+    fits = overlap_unsupported(model) is None and available_cores() >= 2
     if args.overlap_prefill == "on" and not fits:
         raise UserError("--overlap-prefill on needs the CPU expert runtime (no GPU options), --threads 1 and at "
                         "least two cores; leave it at auto")

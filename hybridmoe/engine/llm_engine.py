@@ -106,6 +106,17 @@ class _Pass:
     pinned: frozenset
 
 
+def overlap_unsupported(model) -> str | None:
+    """Why `model` cannot run a prefill pass beside a decode pass here (EngineConfig.overlap_prefill),
+    or None when it can: its expert runtime must allow two forward passes at once, and this thread
+    must run torch on one thread (each pass has a core to itself)."""
+    if not getattr(getattr(model, "runtime", None), "reentrant", True):
+        return "the model's expert runtime cannot run two forward passes at once (the plain CPU runtime can)"
+    if torch.get_num_threads() != 1:
+        return f"decode and prefill run on one core each; set torch's threads to 1 (it is {torch.get_num_threads()})"
+    return None
+
+
 def decode_rows(batch: Batch, starts: list[int]) -> list[tuple[int, str]]:
     """(row of the forward pass, request id) of each decode token in `batch`: a sequence's one new
     token past its prompt. Prompt chunks, even one token long, are not decode tokens."""
@@ -134,12 +145,9 @@ class LLMEngine:
         self._prefill_pool: ThreadPoolExecutor | None = None
         self._in_flight: _Pass | None = None
         if config.overlap_prefill:
-            if not getattr(getattr(model, "runtime", None), "reentrant", True):
-                raise ValueError("overlap_prefill needs the plain CPU expert runtime: this model's runtime "
-                                 "cannot run two forward passes at once")
-            if torch.get_num_threads() != 1:
-                raise ValueError("overlap_prefill runs decode and prefill on one core each: set torch's "
-                                 f"threads to 1 (it is {torch.get_num_threads()})")
+            why_not = overlap_unsupported(model)
+            if why_not:
+                raise ValueError(f"overlap_prefill: {why_not}")
             self._prefill_pool = ThreadPoolExecutor(1, "hybridmoe-prefill", initializer=torch.set_num_threads,
                                                     initargs=(1,))
 
@@ -189,8 +197,10 @@ class LLMEngine:
         if self._prefill_pool is not None:
             return self._step_overlapped()
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        return self._pass(batch) if batch else []
+
+    def _pass(self, batch: Batch) -> list[RequestOutput]:
+        """One forward pass over `batch` on this thread, its tokens sampled and accounted."""
         t0 = time.perf_counter()
         self._mark_scheduled(batch, t0)
         decode_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1)
@@ -214,13 +224,7 @@ class LLMEngine:
             batch = self.scheduler.schedule(decode=False, pinned=frozenset(decode.seqs))
             if batch:
                 self._start_prefill(batch)
-        outputs = []
-        if decode:
-            t0 = time.perf_counter()
-            self._mark_scheduled(decode, t0)
-            logits, done = self._forward(decode)
-            outputs = [self._postprocess(seq, row) for seq, row in zip(done, logits)]
-            self._account(time.perf_counter() - t0, 0, len(decode))
+        outputs = self._pass(decode) if decode else []
         if self._in_flight is not None and (self._in_flight.future.done() or not decode):
             outputs += self._finish_prefill()
         return outputs
@@ -239,15 +243,12 @@ class LLMEngine:
     def _finish_prefill(self) -> list[RequestOutput]:
         flight, self._in_flight = self._in_flight, None
         logits, seconds = flight.future.result()  # waits; an exception in the pass is raised here
+        aborted = {seq for seq in flight.batch.seqs  # while in flight: abort() left their blocks to us
+                   if (req := self.requests.get(seq.request_id)) is None or req.seq is not seq}
         done = self._advance(flight.batch)
-        outputs = []
-        for seq, row in zip(done, logits):
-            if seq.request_id in self.requests and self.requests[seq.request_id].seq is seq:
-                outputs.append(self._postprocess(seq, row))
-        for seq in flight.batch.seqs:  # aborted while in flight: free its blocks now
-            req = self.requests.get(seq.request_id)
-            if req is None or req.seq is not seq:
-                self.scheduler.finish(seq)
+        for seq in aborted:
+            self.scheduler.finish(seq)
+        outputs = [self._postprocess(seq, row) for seq, row in zip(done, logits) if seq not in aborted]
         self._account(seconds, sum(flight.batch.num_tokens), 0)
         return outputs
 

@@ -86,9 +86,9 @@ class PagedKVContext:
     def __init__(self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], seq_lens: list[int]):
         self.cache, self.seq_lens, self.starts = cache, seq_lens, starts
         bs = cache.block_size
-        self.history = [history_index(t, s + n, bs) for t, s, n in zip(block_tables, starts, seq_lens)]
-        writes = []
+        self.history, writes = [], []
         for table, start, n in zip(block_tables, starts, seq_lens):
+            self.history.append(history_index(table, start + n, bs))
             pos = torch.arange(start, start + n)  # [n]
             writes.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
         self.slots = torch.cat(writes)  # [T]: the slot of each new row

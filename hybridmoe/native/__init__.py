@@ -103,11 +103,14 @@ def available() -> bool:
     return library() is not None
 
 
+def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
 def applies(x: torch.Tensor, *weights: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether the kernels take this call: up to max_rows bf16 rows on the CPU, contiguous bf16 weights."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() <= max_rows * x.shape[-1]
-            and all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu" for w in weights)
-            and available())
+    return (_bf16_on_cpu(x, *weights) and x.numel() <= max_rows * x.shape[-1]
+            and all(w.is_contiguous() for w in weights) and available())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +144,7 @@ def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 def attention_applies(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether decode_attention takes these: bf16 queries and pools on the CPU, the pools' rows contiguous."""
-    return (q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16 and q.device.type == "cpu"
-            and k_pool.device.type == "cpu" and v_pool.device.type == "cpu"
-            and k_pool.is_contiguous() and v_pool.is_contiguous() and available())
+    return _bf16_on_cpu(q, k_pool, v_pool) and k_pool.is_contiguous() and v_pool.is_contiguous() and available()
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -171,8 +172,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether prefill_attention takes these: bf16 on the CPU, unit stride along the head dimension."""
-    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == k.device.type == v.device.type == "cpu"
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and available())
+    return _bf16_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and available()
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
