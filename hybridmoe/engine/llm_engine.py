@@ -110,7 +110,7 @@ def overlap_unsupported(model) -> str | None:
     """Why `model` cannot run a prefill pass beside a decode pass here (EngineConfig.overlap_prefill),
     or None when it can: its expert runtime must allow two forward passes at once, and this thread
     must run torch on one thread (each pass has a core to itself)."""
-    if not getattr(getattr(model, "runtime", None), "reentrant", True):
+    if not model.reentrant:
         return "the model's expert runtime cannot run two forward passes at once (the plain CPU runtime can)"
     if torch.get_num_threads() != 1:
         return f"decode and prefill run on one core each; set torch's threads to 1 (it is {torch.get_num_threads()})"
@@ -274,10 +274,7 @@ class LLMEngine:
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run every scheduled token through the model; logits [n, V] of the sequences that may sample."""
         ids, positions, ctx, rows = self._inputs(batch)
-        tell = getattr(self.model, "set_batch", None)  # optional: lets the model attribute rows (traces)
-        if tell is not None:
-            tell(decode_rows(batch, ctx.starts))
-        logits = self._run(ids, positions, ctx, rows)
+        logits = self._run(ids, positions, ctx, rows, decode_rows(batch, ctx.starts))
         return logits, self._advance(batch)
 
     def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedKVContext, list[int]]:
@@ -296,9 +293,10 @@ class LLMEngine:
         return torch.tensor(ids), torch.tensor(positions), ctx, rows
 
     @torch.inference_mode()
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext, rows: list[int]) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext, rows: list[int],
+             decode: list[tuple[int, str]] = ()) -> torch.Tensor:
         """The forward pass itself (on the prefill thread too): logits [len(rows), V]."""
-        hidden = self.model(ids, positions, ctx)  # [T, H]
+        hidden = self.model(ids, positions, ctx, decode)  # [T, H]
         return self.model.logits(hidden[rows])  # [n, V]
 
     def _advance(self, batch: Batch) -> list[Sequence]:

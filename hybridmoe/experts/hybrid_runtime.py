@@ -133,9 +133,9 @@ class HybridRuntime(ExpertRuntime):
             raise RuntimeError(f"routing replay needs the router of layer {layer}; the model did not attach its MoE blocks")
         return self.blocks[layer]
 
-    def set_batch(self, rows: list[tuple[int, object]] | None) -> None:
+    def begin_step(self, num_tokens: int, decode_rows: list[tuple[int, str]]) -> None:
         """For --record-trace: (row, request id) of the decode tokens of the next step."""
-        self._rows = rows
+        self._rows = decode_rows
 
     # ---- the seam ----------------------------------------------------------------------------
     def forward(self, layer, x, topk_ids, topk_weights):

@@ -42,20 +42,25 @@ class CausalLM(nn.Module):
         return None
 
     # ---- forward ----
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """input_ids, positions: [T] (sequences one after another, as ctx.seq_lens says) -> hidden [T, H]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                decode_rows: list[tuple[int, str]] = ()) -> torch.Tensor:
+        """input_ids, positions: [T] (sequences one after another, as ctx.seq_lens says) -> hidden [T, H].
+
+        One call is one step of the expert runtime: it is told so here, with `decode_rows`, the
+        (row, request id) of the pass's decode tokens, which only the engine knows (routing traces
+        record each request's tokens under its id)."""
+        if self.runtime is not None:
+            self.runtime.begin_step(len(input_ids), list(decode_rows))
         x = self.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, cos_sin, ctx)
         return self.norm(x)
 
-    def set_batch(self, decode_rows: list[tuple[int, str]]) -> None:
-        """Before a forward pass: (row, request id) of its decode tokens. The engine says it; the
-        expert runtime may use it (--record-trace writes each request's routing under its id)."""
-        hook = getattr(self.runtime, "set_batch", None)
-        if hook is not None:
-            hook(decode_rows)
+    @property
+    def reentrant(self) -> bool:
+        """Whether two forward passes may run at once, on two threads (the engine's overlap_prefill)."""
+        return self.runtime is None or self.runtime.reentrant
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] -> fp32 logits [n, V]."""
