@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from hybridmoe import env
 
 
 def user_cache_dir() -> Path:
     """$XDG_CACHE_HOME/hybridmoe, or ~/.cache/hybridmoe."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "hybridmoe"
+    return env.cache_home() / "hybridmoe"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.cache import ExpertCache, ExpertStats, parse_budget, placement, read_stats, write_stats
+from hybridmoe.experts.plan.cache import ExpertCache, parse_budget, placement
+from hybridmoe.experts.plan.stats import ExpertStats, read_stats, write_stats
 
 
 def test_parse_budget_bytes_and_fractions():
@@ -45,7 +46,7 @@ def test_stats_file_round_trip_and_errors(tmp_path):
     write_stats(path, stats_example())
     back = read_stats(path)
     assert back.counts == stats_example().counts and back.layers == [3, 4] and back.tokens == 10
-    assert back.count((4, 2)) == 8
+    assert back.counts[back.layers.index(4)][2] == 8
     (tmp_path / "x.json").write_text('{"format": "other"}')
     with pytest.raises(UserError):
         read_stats(tmp_path / "x.json")
@@ -57,7 +58,7 @@ def test_cache_slots_pins_and_in_flight_copies():
     c = ExpertCache(3)
     c.place([(0, 1)], pinned=True)
     c.insert((0, 2), ready_at=5.0)
-    assert c.is_ready((0, 1), 0.0) and c.in_flight((0, 2), 4.9) and c.is_ready((0, 2), 5.0)
+    assert c.is_ready((0, 1), 0.0) and (0, 2) in c and not c.is_ready((0, 2), 4.9) and c.is_ready((0, 2), 5.0)
     slot = c.insert((1, 1), ready_at=1.0)
     assert c.free_count() == 0
     assert c.insert((1, 2), ready_at=2.0, evict=(1, 1)) == slot  # the victim's slot is reused

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from hybridmoe.cli import main
-from hybridmoe.experts import calibrate as cal
-from hybridmoe.experts.cost_model import CostModel, Sample, fit
-from hybridmoe.experts.store import ExpertShape
+from hybridmoe.experts.run import calibrate as cal
+from hybridmoe.experts.plan.cost_fit import Sample, fit
+from hybridmoe.experts.plan.cost_model import CostModel
+from hybridmoe.experts.plan.shape import ExpertShape
 
 
 @pytest.fixture

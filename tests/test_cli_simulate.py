@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from hybridmoe.cli import main
-from hybridmoe.experts.trace_format import read_trace, write_trace
+from hybridmoe.experts.plan.trace_format import read_trace, write_trace
+from tests.traces import shared_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-OLMOE_TRACE = "/work/shared/traces/olmoe-1b-7b_299tok.jsonl"
+OLMOE_TRACE = shared_trace("olmoe-1b-7b_299tok.jsonl")
 
 
 @pytest.fixture(scope="module")

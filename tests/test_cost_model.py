@@ -8,9 +8,10 @@ import random
 import pytest
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.cost_model import CostModel, Sample, fit, quant_bytes
-from hybridmoe.experts.profiles import PROFILES, get_profile
-from hybridmoe.experts.store import ExpertShape
+from hybridmoe.experts.plan.cost_fit import Sample, fit
+from hybridmoe.experts.plan.cost_model import CostModel, quant_bytes
+from hybridmoe.experts.plan.profiles import PROFILES, get_profile
+from hybridmoe.experts.plan.shape import ExpertShape
 
 QWEN3 = ExpertShape(hidden=2048, intermediate=768, num_experts=128, top_k=8, moe_layers=tuple(range(48)))
 

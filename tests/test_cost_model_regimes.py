@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from hybridmoe.experts.cost_model import PROFILE_VERSION, CostModel, Sample, fit
+from hybridmoe.experts.plan.cost_fit import Sample, fit
+from hybridmoe.experts.plan.cost_model import PROFILE_VERSION, CostModel
 
 MiB = 2**20
 CACHES = (1 * MiB, 32 * MiB)  # L2, L3 of the development machine

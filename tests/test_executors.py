@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.experts.executors import CPUPool, EmulatedAccelerator, HostOnly, Staging
-from hybridmoe.experts.profiles import PROFILES
-from hybridmoe.experts.runtime import expert_ffn
-from hybridmoe.experts.store import ExpertShape, ExpertStore
+from hybridmoe.experts.run.accelerators import EmulatedAccelerator, HostOnly, Staging
+from hybridmoe.experts.run.cpu_pool import CPUPool
+from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.experts.run.ffn import expert_ffn
+from hybridmoe.experts.plan.shape import ExpertShape
+from hybridmoe.experts.run.store import ExpertStore
 
 SHAPE = ExpertShape(hidden=16, intermediate=8, num_experts=4, top_k=2, moe_layers=(0, 1))
 COST = PROFILES["rtx4090-ddr5"].for_expert(SHAPE, "fp32")

@@ -1,17 +1,18 @@
-"""CPURuntime on its worker threads gives what it gives inline; worker errors reach the caller."""
+"""The CPU runtime on its worker threads gives what it gives inline; worker errors reach the caller."""
 
 import pytest
 import torch
 
-from hybridmoe.experts import runtime as rt
-from hybridmoe.experts.expert_workers import ExpertWorkers
-from hybridmoe.experts.store import ExpertShape
+from hybridmoe import tuning
+from hybridmoe.experts.plan.shape import ExpertShape
+from hybridmoe.experts.run.cpu_pool import CPUPool
+from hybridmoe.experts.run.runtime import CPURuntime
 
 
-def _runtime(seed: int) -> rt.CPURuntime:
+def _runtime(seed: int) -> CPURuntime:
     gen = torch.Generator().manual_seed(seed)
     shape = ExpertShape(hidden=32, intermediate=16, num_experts=6, top_k=3, moe_layers=(0,))
-    r = rt.CPURuntime(shape, torch.float32)
+    r = CPURuntime(shape, torch.float32)
     for e in range(shape.num_experts):
         r.store.put(0, e, torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen),
                     torch.randn(32, 16, generator=gen))
@@ -28,19 +29,22 @@ def test_workers_give_the_inline_result(tokens, monkeypatch):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
+        r.begin_step(tokens, [])
         inline = r.forward(0, x, ids, weights)
         torch.set_num_threads(2)
-        monkeypatch.setattr(rt, "WORKERS_MIN_BYTES", 0)  # tiny experts: force the workers
+        monkeypatch.setattr(tuning, "WORKERS_MIN_BYTES", 0)  # tiny experts: force the workers
+        r.begin_step(tokens, [])
         pooled = r.forward(0, x, ids, weights)
-        assert r._workers is not None and r._workers.workers == 2
+        assert r.cpu.pool is not None and r.cpu.pool.workers == 2
         assert torch.get_num_threads() == 2  # starting the workers left the caller's count alone
     finally:
         torch.set_num_threads(before)
+        r.close()
     torch.testing.assert_close(pooled, inline, rtol=1e-6, atol=1e-6)
 
 
 def test_a_worker_error_is_raised_in_the_caller():
-    workers = ExpertWorkers(2)
+    workers = CPUPool(2)
     try:
         with pytest.raises(ZeroDivisionError):
             workers.map(lambda i: 1 / i, [1, 0, 2])

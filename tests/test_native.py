@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe import native
-from hybridmoe.experts.runtime import expert_ffn
-from hybridmoe.experts.store import ExpertWeights
+from hybridmoe.experts.run.ffn import expert_ffn
+from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
 
 needs_kernels = pytest.mark.skipif(not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16")
@@ -95,7 +95,7 @@ def torch_only(monkeypatch):
     """Within the test, the native path switched off as HYBRIDMOE_NATIVE=0 does (available() False)."""
     def run(fn, *args):
         with monkeypatch.context() as m:
-            m.setattr(native, "available", lambda: False)
+            m.setattr(native.bf16, "available", lambda: False)
             return fn(*args)
     return run
 

@@ -7,11 +7,11 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridmoe.experts.cache import ExpertCache
-from hybridmoe.experts.cost_model import CostModel
-from hybridmoe.experts.planner import Planner, PlannerConfig, Routed
-from hybridmoe.experts.policies import make_policy
-from hybridmoe.experts.predictor import Predictor
+from hybridmoe.experts.plan.cache import ExpertCache
+from hybridmoe.experts.plan.cost_model import CostModel
+from hybridmoe.experts.plan.planner import Planner, PlannerConfig, Routed
+from hybridmoe.experts.plan.policies import make_policy
+from hybridmoe.experts.plan.predictor import Predictor
 
 LAYERS = [0, 1, 2]
 E = 8
@@ -90,6 +90,7 @@ def test_planner_invariants_over_a_run(cost, policy, slots, steps, n_pinned, gap
     planner = make(cost, policy, slots, pinned=pinned, dynamic=[(1, 7), (2, 6)])
     clock = 0.0
     for step in steps:
+        planner.begin_step()
         for layer, routed in zip(LAYERS, step):
             ready_before = dict(planner.cache.ready_at)
             plan = planner.plan(layer, routed, now=clock)
@@ -178,6 +179,7 @@ def test_planner_without_gpu_runs_everything_on_the_cpu():
 def test_prefetch_is_counted_as_used_when_its_expert_is_routed():
     cost = cost_model(100, 50, 5)
     planner = make(cost, "lru", slots=8)
+    planner.begin_step()
     p0 = planner.plan(0, [Routed(3), Routed(4)], now=0.0)
     # One miss is copied for this layer (50 us copy beats 100 us of CPU queue), the other runs on
     # the CPU and LRU demand caching admits it behind, as a background copy.
@@ -185,6 +187,7 @@ def test_prefetch_is_counted_as_used_when_its_expert_is_routed():
     assert [(c.layer, c.expert) for c in p0.prefetches] == [(0, 4)]
     planner.complete(p0)
     planner.plan(1, [Routed(1)], now=p0.makespan)
+    planner.begin_step()
     p2 = planner.plan(0, [Routed(3), Routed(4)], now=1.0)
     assert sorted(r.expert for r in p2.gpu_hits) == [3, 4]
     assert planner.stats.prefetches_used == 1

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.cache import ExpertCache
-from hybridmoe.experts.planner import Planner, PlannerConfig, Routed
-from hybridmoe.experts.policies import POLICIES, make_policy
-from hybridmoe.experts.predictor import Predictor
+from hybridmoe.experts.plan.cache import ExpertCache
+from hybridmoe.experts.plan.planner import Planner, PlannerConfig, Routed
+from hybridmoe.experts.plan.policies import POLICIES, make_policy
+from hybridmoe.experts.plan.predictor import Predictor
 from hybridmoe.sim.oracle import Future
 from tests.test_planner import cost_model
 
@@ -28,6 +28,7 @@ def run_steps(planner, steps, gap=1.0):
     The clock carries on from the planner's previous run_steps."""
     clock, plans = getattr(planner, "test_clock", 0.0), []
     for step in steps:
+        planner.begin_step()
         for layer, ids in zip(LAYERS, step):
             plan = planner.plan(layer, [Routed(e) for e in ids], now=clock)
             planner.complete(plan)
@@ -55,6 +56,7 @@ def test_fiddler_copies_only_when_copy_and_gpu_beat_the_cpu_and_keeps_nothing():
     # A 1 MB expert: 100 us on the CPU at one token, 50 ms/token... compute-bound past 2 tokens.
     cost = cost_model(100, 250, 5)
     planner = planner_for(make_policy("fiddler"), 2, pinned=[(0, 1)], cost=cost)
+    planner.begin_step()
     few = planner.plan(0, [Routed(2, 1)], now=0.0)
     assert few.cpu and not few.copies  # 100 us on the CPU < 250 us copy
     many = planner.plan(1, [Routed(2, 64)], now=1.0)
@@ -82,9 +84,11 @@ def test_lfu_evicts_the_least_frequently_used_expert():
 def test_hybrimoe_scores_are_an_ema_of_router_weights_and_the_lowest_goes():
     policy = make_policy("hybrimoe")
     planner = planner_for(policy, 4)
+    planner.begin_step()
     planner.plan(0, [Routed(1, 1, 0.8), Routed(2, 1, 0.2)], now=0.0)
     assert policy.score[(0, 1)] == pytest.approx(0.4) and policy.score[(0, 2)] == pytest.approx(0.1)
     planner.plan(1, [Routed(6)], now=1.0)
+    planner.begin_step()
     planner.plan(0, [Routed(1, 1, 0.5), Routed(3, 1, 0.5)], now=2.0)
     assert policy.score[(0, 1)] == pytest.approx(0.5 * 0.5 + 0.5 * 0.4)
     planner.cache.place([(0, 2), (0, 4)], pinned=False)
@@ -97,6 +101,7 @@ def test_hybrimoe_prefetches_the_next_layers_predicted_experts():
     policy = make_policy("hybrimoe")
     planner = planner_for(policy, 4)
     run_steps(planner, [[[1, 2], [6, 7]]] * 3)
+    planner.begin_step()
     plan = planner.plan(0, [Routed(1), Routed(2)], now=100.0)
     assert {(c.layer, c.expert) for c in plan.prefetches} <= {(1, 6), (1, 7)}
     assert all(k in planner.cache for k in [(1, 6), (1, 7)])

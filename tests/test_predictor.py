@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridmoe.experts.predictor import CrossLayer, Predictor, PredictorStats
+from hybridmoe.experts.plan.predictor import CrossLayer, Predictor, PredictorStats
 from hybridmoe.sim.synthetic import SynthConfig, generate, successors
 
 L, E, K = 4, 32, 4
@@ -20,6 +20,7 @@ def precision_on_second_half(lines, cross_layer):
     for t, line in enumerate(lines):
         if t == len(lines) // 2:
             p.stats = PredictorStats()  # learn on the first half, score on the second
+        p.begin_step()
         for i, ids in enumerate(line.layers):
             p.observe(i, ids)
     return p.stats.precision
@@ -29,6 +30,7 @@ def test_cross_layer_counts_equal_the_co_occurrences_counted_directly():
     _, lines = planted(120, seed=4)
     cross = CrossLayer(L, E, window=0)  # no discount: plain counts
     for line in lines:
+        cross.begin_step()
         for i, ids in enumerate(line.layers):
             cross.learn(i, ids)
     for h in (1, 2):
@@ -45,6 +47,7 @@ def test_cross_layer_finds_the_planted_successor_of_frequent_experts():
     truth = successors(cfg).argmax(axis=2)  # [L, E]: the one successor each expert has
     cross = CrossLayer(L, E, window=0)
     for line in lines:
+        cross.begin_step()
         for i, ids in enumerate(line.layers):
             cross.learn(i, ids)
     n, co = cross.n[1], cross.co[1]
@@ -72,9 +75,13 @@ def test_p_base_ignores_the_cross_layer_signal():
     _, lines = planted(200, seed=7)
     with_x, without = Predictor(list(range(L)), E, K, cross_layer=True), Predictor(list(range(L)), E, K)
     for line in lines:
+        with_x.begin_step()
+        without.begin_step()
         for i, ids in enumerate(line.layers):
             with_x.observe(i, ids)
             without.observe(i, ids)
+    with_x.begin_step()
+    without.begin_step()
     with_x.observe(0, lines[0].layers[0])
     without.observe(0, lines[0].layers[0])
     # Layer 1 now has a cross-layer score in one predictor only; their base estimates agree.

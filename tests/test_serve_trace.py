@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from hybridmoe.experts.profiles import PROFILES
-from hybridmoe.experts.trace_format import read_trace
+from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.experts.plan.trace_format import read_trace
 from tests.served_model import tiny_chat_model
 
 MAX_TOKENS = 6

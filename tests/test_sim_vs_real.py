@@ -9,7 +9,7 @@ import math
 import pytest
 
 from hybridmoe.bench.sim_vs_real import measure, simulate_trace
-from hybridmoe.experts.profiles import PROFILES
+from hybridmoe.experts.plan.profiles import PROFILES
 from tests.tiny import build_tiny
 
 MAX_TOKENS = 10

@@ -7,14 +7,15 @@ import json
 import pytest
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.profiles import get_profile
+from hybridmoe.experts.plan.profiles import get_profile
 from hybridmoe.sim.oracle import belady_min_hit_rate, future_of
 from hybridmoe.sim.shapes import SHAPES, get_shape, shape_from_config
 from hybridmoe.sim.simulator import SimConfig, build, simulate
 from hybridmoe.sim.synthetic import SynthConfig, generate
-from hybridmoe.experts.trace_format import TraceLine, read_trace, write_trace
+from hybridmoe.experts.plan.trace_format import TraceLine, read_trace, write_trace
+from tests.traces import shared_trace
 
-OLMOE_TRACE = "/work/shared/traces/olmoe-1b-7b_299tok.jsonl"
+OLMOE_TRACE = shared_trace("olmoe-1b-7b_299tok.jsonl")
 OLMOE = get_shape("olmoe-1b-7b")
 
 

@@ -10,20 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridmoe.cli.options import attach_observers
 from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.errors import UserError
-from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
-from hybridmoe.experts.profiles import PROFILES
-from hybridmoe.experts.trace_io import RoutingReplay, TraceRecorder
+from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.experts.plan.trace_format import read_trace
+from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
+from hybridmoe.experts.run.observers import RoutingReplay, TraceRecorder
+from hybridmoe.experts.run.runtime import Step
 from hybridmoe.loader import load_model
-from hybridmoe.experts.trace_format import read_trace
 from tests.tiny import build_tiny
+from tests.traces import shared_trace
 
 PROMPT = [5, 9, 14, 33, 2, 71]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-OLMOE_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "olmoe-1b-7b_299tok.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,12 @@ def run(path, **options) -> list[int]:
     return tokens
 
 
-def hybrid_model(path, **options):
+def hybrid_model(path, routing_trace=None, record_trace=None, **options):
     config = HybridConfig(**{"device": "emulated", "cpu_clock": "model", **options})
-    return load_model(path, runtime_factory=lambda s, d: HybridRuntime(s, d, config, PROFILES["this-machine-2core"]),
-                      progress=False)
+    model = load_model(path, runtime_factory=lambda s, d: HybridRuntime(s, d, config, PROFILES["this-machine-2core"]),
+                       progress=False)
+    attach_observers(model, routing_trace, record_trace)
+    return model
 
 
 def random_trace(path: Path, lines: int, layers: int = 2, experts: int = 8, k: int = 2, seed: int = 0) -> list[list[list[int]]]:
@@ -129,20 +133,23 @@ def test_concurrent_requests_are_recorded_under_their_ids_as_if_alone(mixtral_di
 def test_recorder_writes_the_rows_the_engine_names(tmp_path):
     out = tmp_path / "t.jsonl"
     rec = TraceRecorder(out, num_moe_layers=2)
-    rec.begin_step(3, rows=[(0, "a"), (2, "b")])  # row 1 is a prompt token of another request
+    step = Step(3, [(0, "a"), (2, "b")])  # row 1 is a prompt token of another request
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
-    rec.add(0, ids, torch.full((3, 2), 0.5))
-    rec.add(1, ids + 1, torch.full((3, 2), 0.5))
-    rec.begin_step(4)  # a prompt: nothing recorded
-    rec.add(0, ids, torch.ones(3, 2))
+    rec.begin_step(step)
+    rec.on_layer(step, 0, ids, torch.full((3, 2), 0.5), {})
+    rec.on_layer(step, 1, ids + 1, torch.full((3, 2), 0.5), {})
+    rec.end_step(step)
+    step = Step(4, [])  # a prompt: nothing recorded
+    rec.begin_step(step)
+    rec.on_layer(step, 0, ids, torch.ones(3, 2), {})
     rec.close()
     lines = read_trace(out)
     assert [(line.req, line.layers) for line in lines] == [("a", [[1, 2], [2, 3]]), ("b", [[5, 6], [6, 7]])]
 
 
-@pytest.mark.skipif(not OLMOE_TRACE.exists(), reason="the shared OLMoE trace is not beside this checkout")
 def test_the_olmoe_trace_replays_on_a_model_of_its_shape():
-    replay = RoutingReplay.from_file(OLMOE_TRACE, num_moe_layers=16, num_experts=64, top_k=8)
-    replay.begin_step(2)
+    # 18 MoE layers: deeper than the trace's 16
+    replay = RoutingReplay.from_file(shared_trace("olmoe-1b-7b_299tok.jsonl"), list(range(18)), num_experts=64, top_k=8)
+    replay.begin_step(Step(2, []))
     assert replay.ids(0).shape == (2, 8)
     assert replay.ids(17).tolist() == replay.ids(1).tolist()  # deeper models cycle the trace's layers

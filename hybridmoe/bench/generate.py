@@ -17,7 +17,8 @@ from datetime import date
 
 import torch
 
-from hybridmoe.cli.options import DTYPES
+from hybridmoe import env
+from hybridmoe.cli.options import DTYPES, compute_dtype
 
 
 def add_parser(sub) -> None:
@@ -116,7 +117,7 @@ def run_benchmark(args) -> dict:
     _check(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = compute_dtype(args.dtype)
     vocab = model_config(args.model).get("vocab_size")
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
@@ -140,7 +141,7 @@ def machine() -> dict:
     """What the figures depend on; the load average shows whether other processes shared the cores."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "load_avg_1min": round(os.getloadavg()[0], 2), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "load_avg_1min": round(os.getloadavg()[0], 2), "omp_wait_policy": env.omp_wait_policy()}
 
 
 def run(args) -> int:

@@ -16,8 +16,6 @@ import time
 from datetime import date
 from pathlib import Path
 
-import torch
-
 PROMPT = "The history of the Roman empire"
 
 
@@ -37,11 +35,13 @@ def measure(path: Path, cost, trace: Path, prompt_ids: list[int], max_tokens: in
     """Generate with the cpu policy on the emulated accelerator; per decode token figures (ms)."""
     from hybridmoe.engine.generate import generate_ids
     from hybridmoe.engine.sampler import SamplingParams
-    from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
+    from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
+    from hybridmoe.experts.run.observers import TraceRecorder
     from hybridmoe.loader import load_model
 
-    config = HybridConfig(policy="cpu", device="emulated", record_trace=str(trace), history=max_tokens + 8)
+    config = HybridConfig(policy="cpu", device="emulated", history=max_tokens + 8)
     model = load_model(path, runtime_factory=lambda s, d: HybridRuntime(s, d, config, cost), progress=False)
+    model.runtime.add_observer(TraceRecorder(trace, len(model.runtime.layers)))
     wall, cpu = time.perf_counter(), time.process_time()
     list(generate_ids(model, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     # The layer clock is wall time; the calibration counts CPU time. On a shared machine the run got
@@ -61,8 +61,8 @@ def measure(path: Path, cost, trace: Path, prompt_ids: list[int], max_tokens: in
 
 def simulate_trace(trace: Path, config_json: Path, cost) -> dict:
     """The same trace through the simulator, cpu policy, every token measured (nothing to warm up)."""
-    from hybridmoe.experts.hybrid_runtime import device_cost
-    from hybridmoe.experts.trace_format import read_trace
+    from hybridmoe.experts.plan.trace_format import read_trace
+    from hybridmoe.experts.run.hybrid_runtime import device_cost
     from hybridmoe.sim.locality import consecutive_overlap
     from hybridmoe.sim.shapes import get_shape
     from hybridmoe.sim.simulator import SimConfig, simulate
@@ -78,7 +78,9 @@ def simulate_trace(trace: Path, config_json: Path, cost) -> dict:
 
 def run(args) -> int:
     from hybridmoe.cli.options import model_path
-    from hybridmoe.experts.calibrate import load_or_calibrate
+    import torch
+
+    from hybridmoe.experts.run.calibrate import load_or_calibrate
     from hybridmoe.loader import load_tokenizer
     from hybridmoe.sim.shapes import get_shape
 

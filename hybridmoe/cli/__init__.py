@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from hybridmoe.errors import UserError
@@ -25,21 +26,25 @@ COMMANDS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv`: with a command first, only that command's module is imported (so
+    `hybridmoe simulate` never imports torch); otherwise all of them, for help and errors."""
     parser = argparse.ArgumentParser(
         prog="hybridmoe",
         description="Run and serve Mixture-of-Experts LLMs with experts split between CPU and GPU.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMANDS:
+    wanted = [argv[0]] if argv and argv[0] in COMMANDS else COMMANDS
+    for name in wanted:
         importlib.import_module(f"hybridmoe.cli.{name.replace('-', '_')}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(format="hybridmoe: %(message)s", level=logging.WARNING, stream=sys.stderr)
     try:
         code = args.func(args)
     except UserError as e:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from hybridmoe.cli.options import DTYPES, compute_dtype
 from hybridmoe.errors import UserError
+from hybridmoe.experts.plan.shape import expert_params
 
 
 def add_parser(sub) -> None:
@@ -28,7 +27,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from hybridmoe.experts.calibrate import calibrate, default_profile_path
+    import torch
+
+    from hybridmoe.experts.run.calibrate import calibrate, default_profile_path
 
     if args.threads is not None:
         if args.threads < 1:
@@ -59,10 +60,10 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def model_fit_line(result) -> str:
     """How well the profile fits the model's own experts (fitted, so not a held-out figure)."""
-    from hybridmoe.experts.calibrate import predict
+    from hybridmoe.experts.run.calibrate import predict
 
     h, i = result.model
-    own = [s for s in result.samples if s.kind == "cpu" and s.bytes == 3 * h * i * result.dtype.itemsize]
+    own = [s for s in result.samples if s.kind == "cpu" and s.bytes == expert_params(h, i) * result.dtype.itemsize]
     errs = " ".join(f"n={s.n_tokens}: {100 * (predict(result.profile, s) / s.seconds - 1):+.0f}%" for s in own)
     return f"fitted with this model's {h}x{i} experts (weighted); fit error on them: {errs}"
 
@@ -85,6 +86,8 @@ def cpu_line(p) -> str:
 
 
 def report(result) -> str:
+    import torch
+
     p = result.profile
     lines = [f"CPU ({str(result.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads): " + cpu_line(p)]
     if p.has_gpu:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from hybridmoe.cli.options import add_model_options, add_sampling_options, load_from_args, sampling_from_args
+from hybridmoe.cli.options import add_model_options, add_sampling_options, loaded_model, sampling_from_args
 from hybridmoe.engine.generate import GenerationStats, generate_text
 
 
@@ -19,7 +19,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     params = sampling_from_args(args)
-    model, tok = load_from_args(args)
+    with loaded_model(args) as (model, tok):
+        return chat(model, tok, params, args)
+
+
+def chat(model, tok, params, args) -> int:
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     while True:

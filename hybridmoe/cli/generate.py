@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from hybridmoe.cli.options import (add_model_options, add_sampling_options, finish_runtime, load_from_args,
-                                   sampling_from_args)
+from hybridmoe.cli.options import add_model_options, add_sampling_options, loaded_model, sampling_from_args
 from hybridmoe.engine.generate import GenerationStats, generate_text
 
 
@@ -23,7 +22,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     params = sampling_from_args(args)
-    model, tok = load_from_args(args)
+    with loaded_model(args) as (model, tok):
+        generate(model, tok, params, args)
+    return 0
+
+
+def generate(model, tok, params, args) -> None:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt_ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}])
@@ -37,5 +41,3 @@ def run(args) -> int:
     print(f"prefill: {stats.prompt_tokens} tokens, {stats.prefill_tps:.1f} tok/s | "
           f"decode: {stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s | "
           f"finish: {stats.finish_reason}", file=sys.stderr)
-    finish_runtime(model, args)
-    return 0

@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
-import torch
+from contextlib import contextmanager
 
 from hybridmoe.errors import UserError
+from hybridmoe.experts.plan.cache import PLACEMENTS
+from hybridmoe.experts.plan.policies import POLICIES
+from hybridmoe.tuning import WIDE_MODEL
 
-# Below this hidden size one torch thread decodes faster than two on the 2-core machine, at batch 1
-# and batch 8 (demo model, hidden 576: 23.7 vs 20.2 tok/s, batch-8 step 77 vs 213 ms); at hidden
-# 2048 two threads win (36.1 vs 28.2 tok/s). docs/benchmarks.md, 2026-11-21.
-WIDE_MODEL = 1024
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# --dtype names -> torch dtype names (torch is imported only when a model is loaded)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# Policies a run can use: all but those that need the future (simulation only).
+RUN_POLICIES = tuple(name for name, cls in POLICIES.items() if not cls.needs_future)
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -31,16 +31,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     add_runtime_options(p)
 
 
-POLICIES = ("cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value")
-PLACEMENTS = ("uniform", "frequency", "front-loading")
-
-
 def add_runtime_options(p: argparse.ArgumentParser) -> None:
-    """Options of the expert runtime (where experts run): experts/hybrid_runtime.py."""
+    """Options of the expert runtime (where experts run, what watches it): experts/run/."""
     g = p.add_argument_group("expert placement (CPU/GPU)")
     g.add_argument("--gpu-expert-budget", metavar="SIZE", default=None,
                    help="GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes (0.1)")
-    g.add_argument("--policy", choices=POLICIES, default=None,
+    g.add_argument("--policy", choices=RUN_POLICIES, default=None,
                    help="where experts run and what the GPU keeps (default: value with a budget, else cpu)")
     g.add_argument("--placement", choices=PLACEMENTS, default=None,
                    help="experts placed on the GPU at start (default: the policy's own)")
@@ -57,50 +53,78 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
 
 
 def _device(args: argparse.Namespace) -> str:
+    """Where GPU experts run: an explicit --device, else CUDA when it is there and a budget or a
+    policy asks for GPU experts, else nowhere ("cpu": every expert on the CPU)."""
     if args.device == "emulated":
         return "emulated"
-    if torch.cuda.is_available():
-        return "cuda"
-    if args.device == "cuda":
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible to torch; use --device emulated or leave it out")
+    if args.device == "cuda" or (torch.cuda.is_available() and (args.gpu_expert_budget or args.policy)):
+        return "cuda"
     if args.gpu_expert_budget:
         print("hybridmoe: no CUDA GPU, every expert runs on the CPU (--device emulated emulates one)", file=sys.stderr)
     return "cpu"
 
 
 def runtime_factory(args: argparse.Namespace):
-    """The expert runtime the options ask for; None means the plain CPU runtime."""
-    wanted = [args.gpu_expert_budget, args.policy, args.placement, args.expert_stats, args.expert_stats_out,
-              args.routing_trace, args.record_trace, args.calibration, args.device != "auto",
-              getattr(args, "stats", False)]
-    if not any(wanted):
-        return None
-    from hybridmoe.experts.cache import parse_budget
-    from hybridmoe.experts.calibrate import load_or_calibrate
-    from hybridmoe.experts.hybrid_runtime import HybridConfig, HybridRuntime
+    """The expert runtime the options ask for: make_runtime decides from where experts may run, never
+    from what is observed (--stats, --record-trace, ... attach observers to whichever runs)."""
+    from hybridmoe.experts.plan.cache import parse_budget
+    from hybridmoe.experts.run.calibrate import load_or_calibrate
+    from hybridmoe.experts.run.hybrid_runtime import HybridConfig, make_runtime
 
     budget = args.gpu_expert_budget or "0"
     parse_budget(budget, 1.0, 1.0)  # a malformed budget fails now, not after loading
-    config = HybridConfig(
-        policy=args.policy or ("value" if args.gpu_expert_budget else "cpu"), budget=budget,
-        placement=args.placement, device=_device(args), expert_stats=args.expert_stats,
-        expert_stats_out=args.expert_stats_out, routing_trace=args.routing_trace, record_trace=args.record_trace)
+    config = HybridConfig(policy=args.policy or ("value" if args.gpu_expert_budget else "cpu"), budget=budget,
+                          placement=args.placement, device=_device(args), expert_stats=args.expert_stats)
 
     def make(shape, dtype):
-        # The cached profile is per expert shape: measured on this model's experts among others.
-        cost = load_or_calibrate(args.calibration, dtype, model=(shape.hidden, shape.intermediate))
-        return HybridRuntime(shape, dtype, config, cost)
+        cost = None
+        if config.device != "cpu" or args.calibration:
+            # The cached profile is per expert shape: measured on this model's experts among others.
+            cost = load_or_calibrate(args.calibration, dtype, model=(shape.hidden, shape.intermediate))
+        return make_runtime(shape, dtype, config, cost)
 
     return make
 
 
+def attach_observers(model, routing_trace=None, record_trace=None, expert_stats_out=None) -> None:
+    """What the options ask to watch: routing replayed from a trace, recorded to one, activation counts."""
+    from hybridmoe.experts.run.observers import ActivationCounter, RoutingReplay, TraceRecorder
+
+    runtime = model.runtime
+    if runtime is None:  # a dense model: no routing to watch
+        return
+    layers, shape = list(runtime.shape.moe_layers), runtime.shape
+    if routing_trace:
+        model.replay_routing(RoutingReplay.from_file(routing_trace, layers, shape.num_experts, shape.top_k))
+    if record_trace:
+        runtime.add_observer(TraceRecorder(record_trace, len(layers)))
+    if expert_stats_out:
+        runtime.add_observer(ActivationCounter(expert_stats_out, layers, shape.num_experts))
+
+
 def finish_runtime(model, args: argparse.Namespace) -> None:
-    """After a command's run: print the runtime's stats if --stats, write its trace and statistics."""
-    runtime = getattr(model, "runtime", None)
-    if getattr(args, "stats", False) and hasattr(runtime, "refresh_stats"):
-        print(runtime.refresh_stats().summary(), file=sys.stderr)
-    if hasattr(runtime, "close"):
-        runtime.close()
+    """After a command's run: print the runtime's stats if --stats; write its trace and statistics."""
+    runtime = model.runtime
+    if runtime is None:
+        return
+    if getattr(args, "stats", False):
+        print(runtime.stats.summary(), file=sys.stderr)
+    runtime.close()
+
+
+@contextmanager
+def loaded_model(args: argparse.Namespace):
+    """(model, tokenizer) for the run of a command; what its observers were asked to write is written
+    when the run ends, however it ends."""
+    model, tokenizer = load_from_args(args)
+    try:
+        yield model, tokenizer
+    finally:
+        finish_runtime(model, args)
 
 
 def model_path(args: argparse.Namespace) -> str:
@@ -112,7 +136,9 @@ def model_path(args: argparse.Namespace) -> str:
 
 
 def load_from_args(args: argparse.Namespace):
-    """(model, tokenizer) for the model options in `args`."""
+    """(model, tokenizer) for the model options in `args`, its observers attached."""
+    import torch
+
     from hybridmoe.loader import load_model, load_tokenizer
 
     if args.threads is not None and args.threads < 1:
@@ -122,16 +148,19 @@ def load_from_args(args: argparse.Namespace):
     tokenizer = load_tokenizer(path, args.tokenizer)
     model = load_model(path, dtype=compute_dtype(args.dtype), runtime_factory=runtime_factory(args),
                        progress=True)
+    attach_observers(model, args.routing_trace, args.record_trace, args.expert_stats_out)
     return model, tokenizer
 
 
-def compute_dtype(name: str) -> torch.dtype:
+def compute_dtype(name: str):
     """--dtype's value as a torch dtype. auto is bf16 on CPUs with bf16 dot products: there a bf16
-    matrix product runs ~4x faster than fp32 on one core (oneDNN, [512, 576] x [576, 1536]: 2.2 vs
-    9.7 ms) and decode reads half the bytes; the demo model's held-out perplexity moves from 8.161 to
-    8.200 (docs/benchmarks.md). Elsewhere bf16 would be emulated, slower than fp32."""
+    matrix product runs ~4x faster than fp32 on one core and decode reads half the bytes, for a
+    small loss in quality (docs/benchmarks.md#demo-model-quality). Elsewhere bf16 would be emulated,
+    slower than fp32."""
+    import torch
+
     if name != "auto":
-        return DTYPES[name]
+        return getattr(torch, DTYPES[name])
     from hybridmoe.native import cpu_has_native_bf16
 
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hybridmoe.experts.profiles import PROFILES
+from hybridmoe.experts.plan.profiles import PROFILES
 
 
 def add_parser(subparsers) -> None:
@@ -27,10 +27,10 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hybridmoe.errors import UserError
+    from hybridmoe.experts.plan.trace_format import read_trace
     from hybridmoe.sim.advisor import advise, best, to_json
     from hybridmoe.sim.shapes import get_shape
     from hybridmoe.sim.simulator import check_trace
-    from hybridmoe.experts.trace_format import read_trace
 
     shape = get_shape(args.model_shape)
     lines = None

@@ -6,10 +6,11 @@ import argparse
 import json
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.cache import PLACEMENTS
-from hybridmoe.experts.cost_model import QUANT_BYTES
-from hybridmoe.experts.policies import POLICIES
-from hybridmoe.experts.profiles import PROFILES
+from hybridmoe.experts.plan.cache import PLACEMENTS
+from hybridmoe.experts.plan.cost_model import QUANT_BYTES
+from hybridmoe.experts.plan.policies import POLICIES
+from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.sim.shapes import SHAPES
 
 
 def add_parser(subparsers) -> None:
@@ -23,7 +24,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--synthetic", metavar="SPEC", help="instead of --trace: a synthetic trace, e.g. "
                    "'tokens=300,skew=1.0,locality=0.4,drift=60,seed=0' (layers and experts from the shape)")
     p.add_argument("--model-shape", metavar="SHAPE", required=True,
-                   help="qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, olmoe-1b-7b, gpt-oss-120b, or a config.json path")
+                   help=f"{', '.join(SHAPES)}, or a config.json path")
     p.add_argument("--hardware", metavar="PROFILE", default="rtx4090-ddr5",
                    help=f"a profile ({', '.join(PROFILES)}) or a calibration JSON; comma-separate several with --sweep")
     p.add_argument("--gpu-expert-budget", metavar="SIZE", default="0.1",
@@ -47,8 +48,8 @@ def add_parser(subparsers) -> None:
 
 
 def load_lines(args, shape):
+    from hybridmoe.experts.plan.trace_format import read_trace, write_trace
     from hybridmoe.sim.synthetic import SynthConfig, generate
-    from hybridmoe.experts.trace_format import read_trace, write_trace
 
     if bool(args.trace) == bool(args.synthetic):
         raise UserError("give exactly one of --trace FILE or --synthetic SPEC")
@@ -82,7 +83,7 @@ def sim_config(args, budget=None, policy=None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridmoe.experts.profiles import get_profile
+    from hybridmoe.experts.plan.profiles import get_profile
     from hybridmoe.sim.shapes import get_shape
 
     shape = get_shape(args.model_shape)

@@ -23,15 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe import native
-
-# Rows up to which oneDNN's fp32 linear is used (measured faster at 2, 3, 8 and 16 rows, see above).
-FEW_ROWS = 32
-
-# Rows up to which the native kernel (one thread) takes a call when torch has more: oneDNN splits the
-# work over its threads and overtakes it from about 16 rows (2 threads, weights from RAM:
-# [16, 576] x [49152, 576]^T 3.3 vs 2.6 ms, [16, 2048] x [1536, 2048]^T 0.42 vs 0.32 ms; at 8 rows
-# 1.8 vs 2.3 ms and 0.29 vs 0.29 ms).
-THREADED_NATIVE_ROWS = 8
+from hybridmoe.tuning import FEW_ROWS, THREADED_NATIVE_ROWS
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

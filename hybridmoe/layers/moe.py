@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,30 +73,46 @@ class SparseMoE(nn.Module):
     """Router -> top-k per token -> the expert runtime -> weighted sum.
 
     The routed experts' weights are not parameters of this module: the runtime holds them, so that
-    it alone decides where each expert runs (CPU, GPU cache, GPU after a copy).
+    it alone decides where each expert runs (CPU, GPU cache, GPU after a copy). Two router features
+    serve the runtime: the next MoE block's router, applied to this layer's input, is handed to it as
+    a hint (its predictor ranks the next layer's experts by it: the residual stream moves slowly),
+    and a routing replay (--routing-trace) may choose the experts instead of this router.
     """
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, layer: int, runtime):
+    def __init__(self, shape, renormalize: bool, layer: int, runtime):
         super().__init__()
-        self.layer, self.top_k, self.renormalize = layer, top_k, renormalize
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.layer, self.top_k, self.renormalize = layer, shape.top_k, renormalize
+        self.gate = nn.Linear(shape.hidden, shape.num_experts, bias=False)
         self.runtime = runtime
+        self.replay = None  # an object whose ids(layer) [T, K] replace the router's choice
+        self._next: tuple[SparseMoE, ...] = ()  # the next MoE block (in a tuple: not a submodule)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def link_next(self, block: "SparseMoE") -> None:
+        self._next = (block,)
+
+    def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's own choice: ids [T, k], weights [T, k] (fp32)."""
         return softmax_topk(self.gate(x), self.top_k, self.renormalize)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts x [T, H] runs on: the router's choice, or the replayed trace's with this router's
+        weights for them."""
+        if self.replay is None:
+            return self.choose(x)
+        ids = self.replay.ids(self.layer)  # [T, K]
+        return ids, self.weights_at(x, ids)
+
     def router_probs(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> per-expert routing probability [T, E] (fp32): what ranks experts for top-k.
-        The runtime's predictor applies it to the previous layer's input."""
+        """x: [T, H] -> per-expert routing probability [T, E] (fp32): what ranks experts for top-k."""
         return F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
 
     def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weights [T, K] (fp32) this router gives experts `ids` [T, K] on x [T, H], whether or
-        not it would choose them: routing replay (--routing-trace) takes ids from a trace, weights
-        from here, so that a replayed model mixes experts as its own router would."""
+        not it would choose them: a replayed model mixes experts as its own router would."""
         weights = self.router_probs(x).gather(1, ids)  # [T, K]
         return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)  # [T, k], [T, k]
-        return self.runtime.forward(self.layer, x, ids, weights)
+        hint = partial(self._next[0].router_probs, x) if self._next else None  # computed if asked
+        return self.runtime.forward(self.layer, x, ids, weights, hint)

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError, UserError
-from hybridmoe.experts.runtime import CPURuntime, ExpertRuntime
-from hybridmoe.experts.store import ExpertShape
+from hybridmoe.experts.plan.shape import ExpertShape, expert_shape
+from hybridmoe.experts.run.runtime import CPURuntime, ExpertRuntime
 from hybridmoe.loader import safetensors_dir
 from hybridmoe.loader.tokenizer import Tokenizer, load_tokenizer_dir, load_tokenizer_gguf
 from hybridmoe.models import model_class
@@ -59,7 +59,7 @@ def load_model(
     p, kind = _resolve(path)
     cfg = model_config(p)
     cls = model_class(cfg, where=str(p))
-    shape = cls.expert_shape(cfg)
+    shape = expert_shape(cfg)
     runtime = None
     if shape is not None:
         runtime = (runtime_factory or CPURuntime)(shape, dtype)

@@ -1,4 +1,6 @@
-"""What every model file shares: the decoder stack's forward, logits, and streaming weight loading."""
+"""What every model file shares: building the decoder stack, its forward, logits, and streaming
+weight loading. A model file says what differs: its feed-forward (`ffn(i)`: a dense MLP or an MoE
+block), its attention (`attention(i)`), its rotary embedding and checkpoint names."""
 
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ from torch import nn
 
 from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
-from hybridmoe.experts.runtime import ExpertRuntime
-from hybridmoe.experts.store import ExpertShape
-from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.experts.plan.shape import expert_shape
+from hybridmoe.experts.run.runtime import ExpertRuntime
+from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.layers.linear import Linear, linear
+from hybridmoe.layers.moe import SparseMoE
+from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.rotary import Rotary, rope_parameters
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -23,23 +29,56 @@ _ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "
 
 
 class CausalLM(nn.Module):
-    """A decoder-only LM: embed -> layers -> norm -> lm_head. Subclasses build `self.layers`."""
+    """A decoder-only LM: embed -> layers -> norm -> lm_head."""
 
-    def __init__(self, cfg: HFConfig, runtime: ExpertRuntime | None):
+    ffn_name = "mlp"  # the feed-forward's name in checkpoints
+    qk_norm: str | None = None  # Attention's q/k norms: None, "head" (Qwen3) or "full" (OLMoE)
+
+    def __init__(self, cfg: HFConfig, runtime: ExpertRuntime | None = None):
         super().__init__()
         self.cfg = cfg
         self.runtime = runtime
-        hidden = cfg.get("hidden_size")
+        self.shape = expert_shape(cfg)
+        hidden, eps = cfg.get("hidden_size"), cfg.get("rms_norm_eps", default=1e-6)
         self.vocab_size = cfg.get("vocab_size")
         self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
-        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", default=1e-6))
+        self.rotary = Rotary(self.rotary_dim(cfg), rope_parameters(cfg))
+        self.layers = nn.ModuleList(
+            DecoderLayer(hidden, eps, self.attention(i), self.ffn(i), self.ffn_name)
+            for i in range(cfg.get("num_hidden_layers"))
+        )
+        self.norm = RMSNorm(hidden, eps)
         self.tied = bool(cfg.get("tie_word_embeddings", default=False))
         self.lm_head = None if self.tied else Linear(hidden, self.vocab_size, bias=False)
+        blocks = self.moe_blocks()
+        for block, after in zip(blocks, blocks[1:]):
+            block.link_next(after)
 
-    # ---- the geometry of the routed experts (None for a dense model) ----
+    # ---- what a model file says -----
     @staticmethod
-    def expert_shape(cfg: HFConfig) -> ExpertShape | None:
-        return None
+    def rotary_dim(cfg: HFConfig) -> int:
+        return cfg.head_dim()
+
+    def attention(self, i: int) -> nn.Module:
+        return Attention(self.cfg, i, self.rotary, qk_norm=self.qk_norm)
+
+    def ffn(self, i: int) -> nn.Module:
+        """Decoder layer i's feed-forward: a dense MLP or an MoE block (self.shape.moe_layers)."""
+        raise NotImplementedError
+
+    def is_moe(self, i: int) -> bool:
+        return self.shape is not None and i in self.shape.moe_layers
+
+    def moe_blocks(self) -> list[SparseMoE]:
+        """The MoE blocks in layer order."""
+        return [m for m in self.modules() if isinstance(m, SparseMoE)]
+
+    def replay_routing(self, replay) -> None:
+        """Route every MoE block by a trace (experts/run/observers.py RoutingReplay), which the runtime
+        tells where each step begins."""
+        for block in self.moe_blocks():
+            block.replay = replay
+        self.runtime.add_observer(replay)
 
     # ---- forward ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
@@ -104,36 +143,33 @@ class CausalLM(nn.Module):
                 (layer, expert), parts = next(iter(pending.items()))
                 raise ModelFileError(f"expert {expert} of layer {layer} lacks {sorted({'gate', 'up', 'down'} - set(parts))}")
             self.runtime.finish_loading()
-            attach = getattr(self.runtime, "attach_routers", None)
-            if attach is not None:  # the hybrid runtime's predictor and routing replay use the routers
-                attach({m.layer: m for m in self.modules() if hasattr(m, "route") and getattr(m, "runtime", None) is self.runtime})
 
     def _load_expert(self, name: str, tensor: torch.Tensor, pending: dict) -> bool:
+        """Route an expert tensor to the runtime's store; False when `name` is not an expert's."""
         if self.runtime is None:
             return False
         m = _EXPERT.match(name)
         if m:
-            layer, expert, role = int(m[1]), int(m[2]), _ROLE.get(m[3])
-            if role is None:
-                return False
-            parts = pending.setdefault((layer, expert), {})
-            parts[role] = tensor
-            if len(parts) == 3:
-                self.runtime.store.put(layer, expert, parts["gate"], parts["up"], parts["down"])
-                del pending[(layer, expert)]
-            return True
+            role = _ROLE.get(m[3])
+            if role is not None:
+                self._add_part(pending, int(m[1]), int(m[2]), {role: tensor})
+            return role is not None
         m = _FUSED.match(name)
         if m:
-            layer = int(m[1])
             for expert in range(tensor.shape[0]):
-                parts = pending.setdefault((layer, expert), {})
                 if m[2] == "gate_up_proj":  # [E, 2I, H]
                     inter = tensor.shape[1] // 2
-                    parts["gate"], parts["up"] = tensor[expert, :inter], tensor[expert, inter:]
+                    parts = {"gate": tensor[expert, :inter], "up": tensor[expert, inter:]}
                 else:  # [E, H, I]
-                    parts["down"] = tensor[expert]
-                if len(parts) == 3:
-                    self.runtime.store.put(layer, expert, parts["gate"], parts["up"], parts["down"])
-                    del pending[(layer, expert)]
+                    parts = {"down": tensor[expert]}
+                self._add_part(pending, int(m[1]), expert, parts)
             return True
         return False
+
+    def _add_part(self, pending: dict, layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
+        """Collect an expert's gate, up and down; store it once all three are in."""
+        got = pending.setdefault((layer, expert), {})
+        got.update(parts)
+        if len(got) == 3:
+            self.runtime.store.put(layer, expert, got["gate"], got["up"], got["down"])
+            del pending[(layer, expert)]

@@ -10,14 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.experts.store import ExpertShape
+from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.layers.mla import MLAttention
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe import (SparseMoE, limit_to_groups, scale_weights, sigmoid_group_topk,
                                   softmax_group_topk)
-from hybridmoe.layers.rotary import Rotary, rope_parameters
 from hybridmoe.models.base import CausalLM
-from hybridmoe.models.llama import DecoderLayer
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -30,7 +28,7 @@ class DeepseekMoE(SparseMoE):
     """
 
     def __init__(self, cfg, shape: ExpertShape, layer: int, runtime, scoring: str):
-        super().__init__(shape.hidden, shape.num_experts, shape.top_k, False, layer, runtime)
+        super().__init__(shape, False, layer, runtime)
         self.scoring = scoring
         self.n_group = cfg.get("n_group", default=1)
         self.topk_group = cfg.get("topk_group", default=self.n_group)
@@ -53,7 +51,7 @@ class DeepseekMoE(SparseMoE):
         """Per-expert scores [T, E] that weigh the chosen experts (before renormalising and scaling)."""
         return torch.sigmoid(logits) if self.scoring == "sigmoid" else F.softmax(logits, dim=-1)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._logits(x)
         if self.scoring == "sigmoid":
             return sigmoid_group_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
@@ -73,7 +71,7 @@ class DeepseekMoE(SparseMoE):
     def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weights [T, K] DeepSeek's router gives experts `ids` [T, K]: their scores (sigmoid or
         softmax, never the correction bias, which only chooses), renormalised if norm_topk_prob, times
-        routed_scaling_factor; exactly what `route` gives when ids are its own choice."""
+        routed_scaling_factor; exactly what `choose` gives when ids are its own choice."""
         weights = self._scores(self._logits(x)).gather(1, ids)  # [T, K]
         return scale_weights(weights, self.renormalize, self.scale)
 
@@ -82,33 +80,20 @@ class DeepseekMoE(SparseMoE):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-def deepseek_moe_layers(cfg) -> tuple[int, ...]:
-    """MoE layers: from first_k_dense_replace on, every moe_layer_freq-th (1 in all released models)."""
-    first = cfg.get("first_k_dense_replace", default=0)
-    freq = cfg.get("moe_layer_freq", default=1)
-    if not cfg.get("n_routed_experts", "num_experts", "num_local_experts", default=0):
-        return ()
-    return tuple(i for i in range(cfg.get("num_hidden_layers")) if i >= first and i % freq == 0)
-
-
 class DeepseekV2ForCausalLM(CausalLM):
     scoring = "softmax"
 
-    def __init__(self, cfg, runtime):
-        super().__init__(cfg, runtime)
-        self.rotary = Rotary(cfg.get("qk_rope_head_dim"), rope_parameters(cfg))
-        shape = self.expert_shape(cfg)
-        interleaved = self.rope_interleaved(cfg)
+    @staticmethod
+    def rotary_dim(cfg) -> int:
+        return cfg.get("qk_rope_head_dim")
 
-        def ffn(i: int) -> nn.Module:
-            if i in shape.moe_layers:
-                return DeepseekMoE(cfg, shape, i, runtime, self.scoring)
-            return GatedMLP(shape.hidden, cfg.get("intermediate_size"))
+    def attention(self, i: int) -> nn.Module:
+        return MLAttention(self.cfg, i, self.rotary, self.rope_interleaved(self.cfg))
 
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rotary, ffn(i), attn=MLAttention(cfg, i, self.rotary, interleaved))
-            for i in range(cfg.get("num_hidden_layers"))
-        )
+    def ffn(self, i: int) -> nn.Module:
+        if self.is_moe(i):
+            return DeepseekMoE(self.cfg, self.shape, i, self.runtime, self.scoring)
+        return GatedMLP(self.cfg.get("hidden_size"), self.cfg.get("intermediate_size"))
 
     def load_weights(self, tensors) -> None:
         # The correction bias only ranks experts, by small margins: bf16 rounding would change choices, so
@@ -130,13 +115,3 @@ class DeepseekV2ForCausalLM(CausalLM):
     @staticmethod
     def rope_interleaved(cfg) -> bool:
         return True  # V2's weights always rotate adjacent pairs
-
-    @staticmethod
-    def expert_shape(cfg):
-        return ExpertShape(
-            hidden=cfg.get("hidden_size"),
-            intermediate=cfg.get("moe_intermediate_size"),
-            num_experts=cfg.get("n_routed_experts", "num_experts", "num_local_experts"),
-            top_k=cfg.get("num_experts_per_tok"),
-            moe_layers=deepseek_moe_layers(cfg),
-        )

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from hybridmoe.experts.cost_model import quant_bytes
-from hybridmoe.experts.profiles import MEMORY_GB, get_profile
+from hybridmoe.experts.plan.cost_model import quant_bytes
+from hybridmoe.experts.plan.profiles import MEMORY_GB, get_profile
 from hybridmoe.sim.shapes import ModelShape
 from hybridmoe.sim.simulator import SimConfig, simulate
 from hybridmoe.sim.synthetic import SynthConfig, generate

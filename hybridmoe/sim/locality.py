@@ -4,7 +4,7 @@ catch at all without prediction, so it says how much a trace favours caching."""
 
 from __future__ import annotations
 
-from hybridmoe.experts.trace_format import TraceLine
+from hybridmoe.experts.plan.trace_format import TraceLine
 
 
 def consecutive_overlap(lines: list[TraceLine]) -> float:

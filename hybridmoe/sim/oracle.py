@@ -13,8 +13,9 @@ from __future__ import annotations
 import bisect
 import math
 
-from hybridmoe.experts.cache import Key
-from hybridmoe.experts.policies import BeladyPolicy, Policy
+from hybridmoe import tuning
+from hybridmoe.experts.plan.policies import BeladyPolicy, Policy
+from hybridmoe.experts.plan.shape import Key
 from hybridmoe.sim.shapes import ModelShape
 
 NEVER = 10**12
@@ -60,7 +61,6 @@ class OraclePolicy(BeladyPolicy):
 
     name = "oracle"
     background_slack = 0.0  # its best setting: the yardstick should be as strong as it can be
-    lookahead = 256  # upcoming keys offered per layer; the copy stream runs out long before
 
     def background(self, layer, now, plan):
         count = 0
@@ -68,7 +68,7 @@ class OraclePolicy(BeladyPolicy):
             if key not in self.cache:
                 yield key
                 count += 1
-                if count >= self.lookahead:
+                if count >= tuning.ORACLE_LOOKAHEAD:
                     return
 
 

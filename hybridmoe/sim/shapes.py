@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridmoe.errors import UserError
-from hybridmoe.experts.store import ExpertShape
+from hybridmoe.config import HFConfig
+from hybridmoe.errors import ModelFileError, UserError
+from hybridmoe.experts.plan.shape import ExpertShape, expert_shape
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,17 @@ def get_shape(name_or_path: str) -> ModelShape:
 
 
 def shape_from_config(cfg: dict, name: str) -> ModelShape:
-    def first(*keys):
-        for k in keys:
-            if cfg.get(k) is not None:
-                return cfg[k]
-        raise UserError(f"config.json of {name} has none of {', '.join(keys)}; is it an MoE model?")
-
-    hidden = int(first("hidden_size"))
-    inter = int(first("moe_intermediate_size", "intermediate_size"))
-    experts = int(first("num_experts", "n_routed_experts", "num_local_experts"))
-    k = int(first("num_experts_per_tok"))
-    layers = int(first("num_hidden_layers"))
-    first_moe = int(cfg.get("first_k_dense_replace") or 0)
-    shape = ExpertShape(hidden, inter, experts, k, tuple(range(first_moe, layers)))
-    vocab = int(cfg.get("vocab_size") or 0)
+    """A model's shape from its config.json: the engine's own reading of it (experts/plan/shape.py),
+    dense layers between MoE layers included, and an estimate of the dense part."""
+    hf = HFConfig(cfg)
+    try:
+        experts = expert_shape(hf)
+    except ModelFileError as e:
+        raise UserError(f"config.json of {name}: {e}") from None
+    if experts is None:
+        raise UserError(f"config.json of {name} has no num_experts (nor n_routed_experts, num_local_experts); "
+                        "is it an MoE model?")
+    hidden, layers = experts.hidden, hf.get("num_hidden_layers")
     # Dense part estimated: embeddings and head, plus ~4 hidden^2 of attention per layer.
-    dense = 2 * vocab * hidden + layers * 4 * hidden * hidden
-    return ModelShape(name, shape, float(dense))
+    dense = 2 * int(hf.get("vocab_size", default=0)) * hidden + layers * 4 * hidden * hidden
+    return ModelShape(name, experts, float(dense))

@@ -16,14 +16,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.cache import ExpertStats, parse_budget, read_stats
-from hybridmoe.experts.cost_model import CostModel
-from hybridmoe.experts.cache import ExpertCache
-from hybridmoe.experts.planner import Planner, PlannerConfig, Routed, place
-from hybridmoe.experts.predictor import Predictor, PredictorStats
-from hybridmoe.experts.policies import make_policy
+from hybridmoe.experts.plan.cache import parse_budget
+from hybridmoe.experts.plan.cost_model import CostModel
+from hybridmoe.experts.plan.planner import Planner, Routed, make_planner
+from hybridmoe.experts.plan.policies import make_policy
+from hybridmoe.experts.plan.stats import read_stats
+from hybridmoe.experts.plan.trace_format import TraceLine
 from hybridmoe.sim.shapes import ModelShape
-from hybridmoe.experts.trace_format import TraceLine
 
 
 @dataclass
@@ -90,16 +89,6 @@ def check_trace(lines: list[TraceLine], shape: ModelShape) -> None:
         raise UserError(f"the trace uses expert {top} but {shape.name} has {e.num_experts} experts; pass the matching --model-shape")
 
 
-def profile_stats(steps, layers: list[int], num_experts: int) -> ExpertStats:
-    stats = ExpertStats(list(layers), num_experts)
-    for step in steps:
-        stats.tokens += max(r.n_tokens for r in step[0]) if step[0] else 0
-        for o, routed in enumerate(step):
-            for r in routed:
-                stats.counts[o][r.expert] += r.n_tokens
-    return stats
-
-
 def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None):
     """The planner, the steps, and where evaluation starts (policy: a Policy object or None)."""
     check_trace(lines, shape)
@@ -107,23 +96,12 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
     n_profile = len(steps) // 2 if cfg.profile_tokens is None else cfg.profile_tokens // cfg.batch
     if not 0 <= n_profile < len(steps):
         raise UserError(f"--profile-tokens must leave tokens to measure; the trace has {len(lines)}")
-    layers = list(shape.experts.moe_layers)
-    stats = read_stats(cfg.expert_stats) if cfg.expert_stats else profile_stats(steps[:n_profile], layers, shape.experts.num_experts)
-    total = cost.expert_bytes * shape.experts.num_experts * len(layers)
+    e = shape.experts
+    total = cost.expert_bytes * e.num_experts * len(e.moe_layers)
     slots = parse_budget(cfg.budget, total, cost.expert_bytes)
-    policy = policy or make_policy(cfg.policy)
-    gpu = policy.uses_gpu and cost.has_gpu
-    predictor = Predictor(layers, shape.experts.num_experts, shape.experts.top_k, cross_layer=policy.cross_layer)
-    planner = Planner(cost, ExpertCache(slots if gpu else 0), policy, predictor, PlannerConfig())
-    # Warm start: statistics for placement and policies, then the profile steps observed in order.
-    planner.policy.warm_start(stats)
-    if cfg.expert_stats:
-        planner.predictor.warm_start(stats.counts, stats.tokens)
-    for step in steps[:n_profile]:
-        for o, routed in enumerate(step):
-            planner.observe_only(layers[o], routed)
-    place(planner, cfg.placement, stats)
-    planner.predictor.stats = PredictorStats()  # score the predictor on the measured part only
+    stats = read_stats(cfg.expert_stats) if cfg.expert_stats else None
+    planner = make_planner(cost, list(e.moe_layers), e.num_experts, e.top_k, slots,
+                           policy or make_policy(cfg.policy), stats, cfg.placement, profile=steps[:n_profile])
     return planner, steps, n_profile
 
 
@@ -132,6 +110,7 @@ def run(planner: Planner, steps, start: int, dense_s: float = 0.0) -> float:
     layers = planner.layers
     clock = expert_s = 0.0
     for step in steps[start:]:
+        planner.begin_step()
         for o, routed in enumerate(step):
             plan = planner.plan(layers[o], routed, now=clock)
             planner.complete(plan)

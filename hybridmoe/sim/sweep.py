@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridmoe.experts.profiles import get_profile
+from hybridmoe.experts.plan.profiles import get_profile
 from hybridmoe.sim.oracle import belady_min_hit_rate, future_of
 from hybridmoe.sim.shapes import ModelShape
 from hybridmoe.sim.simulator import SimConfig, SimResult, build, simulate
 
 DEFAULT_POLICIES = ("cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value", "oracle")
-DEFAULT_BUDGETS = ("0.05", "0.1", "0.25", "0.5")
 
 
 @dataclass

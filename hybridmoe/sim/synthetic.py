@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridmoe.experts.trace_format import TraceLine
+from hybridmoe.experts.plan.trace_format import TraceLine
 
 
 @dataclass

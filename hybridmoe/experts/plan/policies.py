@@ -1,6 +1,6 @@
 """Cache and placement policies under one interface, so each peer is a baseline we can run.
 
-The planner (experts/planner.py) does the scheduling arithmetic; a policy answers its questions:
+The planner (planner.py) does the scheduling arithmetic; a policy answers its questions:
 may a miss be copied (`copy_rule`), which resident to evict for a key (`make_room`), what a copy
 leaves behind is worth (`admit_gain`, seconds), which keys to copy in the background
 (`background`), and whether one is worth its victim (`worth`).
@@ -18,8 +18,9 @@ leaves behind is worth (`admit_gain`, seconds), which keys to copy in the backgr
 
 from __future__ import annotations
 
+from hybridmoe import tuning
 from hybridmoe.errors import UserError
-from hybridmoe.experts.cache import Key
+from hybridmoe.experts.plan.shape import Key
 
 
 class Policy:
@@ -30,17 +31,17 @@ class Policy:
     partition = False  # per-layer slot quotas, as caches built per layer module are
     default_placement = "frequency"
     pin_placement = False  # placed experts pinned (static sets) or only a warm start
-    # Background copies are queued only if they finish this many copy-times before the layer ends:
-    # 1 keeps the copy stream free for the next layer's demand copies (measured on synthetic
-    # traces: better for value and hybrimoe alike), 0 lets the last one run into the next layer.
-    background_slack = 1.0
+    # Background copies are queued only if they finish this many copy-times before the layer ends.
+    background_slack = tuning.BACKGROUND_SLACK
     # Whether the policy's predictor learns cross-layer co-occurrence (ours); a peer keeps the
     # signals its paper describes (HybriMoE: the next router, or recency/frequency without it).
     cross_layer = False
+    needs_future = False  # knows the trace ahead: runs only in the simulator
 
     def bind(self, planner) -> None:
         self.planner, self.cache, self.cost, self.predictor = planner, planner.cache, planner.cost, planner.predictor
         self.L = len(planner.layers)
+        self._ranked, self._ranked_epoch = [], None
 
     # ---- hooks the planner calls -------------------------------------------------------------
     def warm_start(self, stats) -> None:
@@ -91,7 +92,7 @@ class Policy:
 
     def _ranking(self, now):
         epoch = self.planner.epoch
-        if getattr(self, "_ranked_epoch", None) != epoch:
+        if self._ranked_epoch != epoch:
             self._ranked = sorted(self.cache.dynamic(), key=lambda k: self.keep_score(k, now))
             self._ranked_epoch = epoch
         return self._ranked
@@ -225,8 +226,6 @@ class ValuePolicy(Policy):
 
     name = "value"
     cross_layer = True
-    margin = 0.1  # a candidate must be this much closer than its victim (avoid churn)
-    per_layer = 4  # background candidates considered per layer
 
     def distance(self, key: Key, now: float, arrive: float | None = None) -> float:
         # Used at the next visit with p (which may carry the cross-layer signal, good for that one
@@ -257,7 +256,7 @@ class ValuePolicy(Policy):
         if victim is None:
             return self.predictor.p_next(key) > 0.0
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
-        return self.distance(key, now, arrive) < (1.0 - self.margin) * self.distance(victim, now)
+        return self.distance(key, now, arrive) < (1.0 - tuning.VALUE_MARGIN) * self.distance(victim, now)
 
     def background(self, layer, now, plan):
         cands = []
@@ -270,7 +269,7 @@ class ValuePolicy(Policy):
                     continue
                 cands.append((other, e))
                 taken += 1
-                if taken == self.per_layer:
+                if taken == tuning.VALUE_CANDIDATES_PER_LAYER:
                     break
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
         return sorted(cands, key=lambda k: self.distance(k, now, arrive))
@@ -280,6 +279,7 @@ class BeladyPolicy(Policy):
     """Demand caching with Belady's eviction (farthest next use); needs the future: simulation."""
 
     name = "belady"
+    needs_future = True
 
     def __init__(self, future=None):
         if future is None:

@@ -10,7 +10,7 @@ beats these.
 from __future__ import annotations
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.cost_model import CostModel
+from hybridmoe.experts.plan.cost_model import CostModel
 
 GB = 1e9
 T = 1e12

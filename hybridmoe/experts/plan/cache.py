@@ -5,25 +5,16 @@ Slots come from a byte budget (`parse_budget`). The pinned set is placed at star
 by the policy. A key whose copy is still in flight has a `ready_at` time in the future: it owns
 its slot but may not be used on the GPU before then.
 
-Activation statistics (`ExpertStats`) are what `--expert-stats-out FILE` writes and what frequency
-placement reads. File format (JSON):
-
-    {"format": "hybridmoe-expert-stats", "version": 1,
-     "layers": [decoder-layer index of each MoE layer, ...],   # length L
-     "num_experts": E, "tokens": T,                            # tokens observed
-     "counts": [[uses of expert e in MoE layer i, for e < E] for i < L]}
+Frequency placement reads activation statistics (stats.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from hybridmoe.errors import UserError
-
-Key = tuple[int, int]  # (layer, expert); layer is the decoder-layer index the engine uses
+from hybridmoe.experts.plan.shape import Key
+from hybridmoe.experts.plan.stats import ExpertStats
 
 PLACEMENTS = ("uniform", "frequency", "front-loading")
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -44,54 +35,6 @@ def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: flo
         raise UserError(f"GPU expert budget {text!r} has no unit; write a fraction (0.1) or bytes with a unit (6GB)")
     total_slots = int(round(total_expert_bytes / expert_bytes))
     return min(int(nbytes // expert_bytes + 1e-9), total_slots)
-
-
-# ---- activation statistics -------------------------------------------------------------------
-
-
-@dataclass
-class ExpertStats:
-    layers: list[int]
-    num_experts: int
-    tokens: int = 0
-    counts: list[list[int]] = field(default_factory=list)
-
-    def __post_init__(self):
-        if not self.counts:
-            self.counts = [[0] * self.num_experts for _ in self.layers]
-
-    def record(self, ordinal: int, experts) -> None:
-        row = self.counts[ordinal]
-        for e in experts:
-            row[e] += 1
-
-    def count(self, key: Key) -> int:
-        return self.counts[self.layers.index(key[0])][key[1]]
-
-    def ranked(self) -> list[Key]:
-        """All keys, most used first; ties in (layer, expert) order so the result is deterministic."""
-        keys = [(layer, e) for i, layer in enumerate(self.layers) for e in range(self.num_experts)]
-        flat = {(layer, e): self.counts[i][e] for i, layer in enumerate(self.layers) for e in range(self.num_experts)}
-        return sorted(keys, key=lambda k: -flat[k])
-
-
-def write_stats(path: str | Path, stats: ExpertStats) -> None:
-    data = {"format": "hybridmoe-expert-stats", "version": 1, "layers": stats.layers,
-            "num_experts": stats.num_experts, "tokens": stats.tokens, "counts": stats.counts}
-    Path(path).write_text(json.dumps(data) + "\n")
-
-
-def read_stats(path: str | Path) -> ExpertStats:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        raise UserError(f"expert statistics {path} are missing or not JSON; write them with --expert-stats-out {path}")
-    if data.get("format") != "hybridmoe-expert-stats":
-        raise UserError(f"{path} is not a hybridmoe expert-statistics file; write one with --expert-stats-out")
-    stats = ExpertStats(list(data["layers"]), int(data["num_experts"]), int(data["tokens"]), data["counts"])
-    if len(stats.counts) != len(stats.layers) or any(len(r) != stats.num_experts for r in stats.counts):
-        raise UserError(f"{path} has counts that do not match its layers and experts; write it again")
-    return stats
 
 
 def placement(kind: str, slots: int, layers: list[int], num_experts: int, stats: ExpertStats | None) -> list[Key]:
@@ -146,9 +89,6 @@ class ExpertCache:
 
     def is_ready(self, key: Key, now: float) -> bool:
         return key in self.slot_of and self.ready_at[key] <= now
-
-    def in_flight(self, key: Key, now: float) -> bool:
-        return key in self.slot_of and self.ready_at[key] > now
 
     def dynamic(self):
         """Resident keys the policy may evict (pinned ones excluded)."""

@@ -1,13 +1,15 @@
-"""What the hybrid runtime did, per step and in total: `model.runtime.stats`.
+"""What an expert runtime did, per step and in total: `model.runtime.stats`, an observer that
+every runtime keeps (runtime.py).
 
-Counters of the plans are the planner's own (experts/planner.py PlannerStats: hits, misses,
-copies, bytes, prefetches issued and used, predicted makespan), taken as differences around each
-layer so that nothing is counted twice; the runtime adds what only it can measure: CPU time of
-the worker pool, GPU time of the accelerator, and the measured layer time.
+Each layer reports its counters (FIELDS): the planner's (hits, misses, copies, bytes, prefetches
+issued and used, predicted makespan) as differences around the layer, and what only the runtime
+measures (CPU time of its experts, GPU time of the accelerator, the layer's time). A step's
+counters stay in its `Step` until it ends, so that two passes on two threads never mix.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 # Counters taken from PlannerStats (summed per step).
@@ -22,10 +24,6 @@ FIELDS = PLANNER_FIELDS + MEASURED_FIELDS
 
 def _blank() -> dict[str, float]:
     return dict.fromkeys(FIELDS, 0)
-
-
-DERIVED = ("hit_rate", "prefetch_precision", "predicted_over_measured", "cpu_busy_fraction", "gpu_busy_fraction",
-           "expert_ms_per_token")
 
 
 def derived(c: dict) -> dict:
@@ -46,37 +44,38 @@ class RuntimeStats:
         self.device, self.policy, self.slots = device, policy, slots
         self.steps = 0
         self.total = _blank()
-        self.current = _blank()  # the step in progress
         self.history: deque[dict] = deque(maxlen=history)  # finished steps, newest last
-        self.predictor = {"precision": 0.0, "recall": 0.0}
+        self.predictor = None  # an object with .precision and .recall (the planner's predictor's stats)
+        self._lock = threading.Lock()
 
-    def begin_step(self, tokens: int) -> None:
-        self.end_step()
-        self.current["tokens"] = tokens
-        self.total["tokens"] += tokens
+    # ---- the observer ------------------------------------------------------------------------
+    def begin_step(self, step) -> None:
+        step.notes[self] = {**_blank(), "tokens": step.num_tokens}
 
-    def end_step(self) -> None:
-        if self.current["layers"]:
+    def on_layer(self, step, ordinal, topk_ids, topk_weights, report: dict) -> None:
+        current = step.notes[self]
+        for f, v in report.items():
+            current[f] += v
+        current["layers"] += 1
+
+    def end_step(self, step) -> None:
+        current = step.notes.pop(self)
+        with self._lock:
             self.steps += 1
-            self.history.append({**self.current, **derived(self.current)})
-        self.current = _blank()
+            self.history.append({**current, **derived(current)})
+            for f, v in current.items():
+                self.total[f] += v
 
-    def add_layer(self, before: dict, after: dict, measured: dict) -> None:
-        """before/after: the planner's counters around one layer; measured: MEASURED_FIELDS values."""
-        delta = {f: after[f] - before[f] for f in PLANNER_FIELDS}
-        delta.update(measured, layers=1)
-        for f, v in delta.items():
-            self.current[f] += v
-            self.total[f] += v
+    def close(self) -> None:
+        """Nothing to write: the totals stay readable."""
 
-    def last_step(self) -> dict | None:
-        return self.history[-1] if self.history else None
-
+    # ---- reading -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Totals and rates, flat (what a /metrics endpoint exports)."""
+        p = self.predictor
         return {"device": self.device, "policy": self.policy, "slots": self.slots, "steps": self.steps,
                 **self.total, **derived(self.total),
-                "predictor_precision": self.predictor["precision"], "predictor_recall": self.predictor["recall"]}
+                "predictor_precision": p.precision if p else 0.0, "predictor_recall": p.recall if p else 0.0}
 
     def summary(self) -> str:
         d = self.to_dict()
@@ -93,13 +92,3 @@ class RuntimeStats:
             f"GPU busy {1e3 * d['gpu_busy_s']:.1f} ms, copy stream {1e3 * d['copy_busy_s']:.1f} ms",
             f"  predictor: precision {100 * d['predictor_precision']:.0f}%, recall {100 * d['predictor_recall']:.0f}%",
         ])
-
-
-# Every total and rate is also an attribute (stats.hits, stats.hit_rate), so that readers that walk
-# an object's numeric properties, such as the server's /metrics, see them all.
-for _name in FIELDS:
-    setattr(RuntimeStats, _name, property(lambda self, f=_name: self.total[f]))
-for _name in DERIVED:
-    setattr(RuntimeStats, _name, property(lambda self, f=_name: derived(self.total)[f]))
-RuntimeStats.predictor_precision = property(lambda self: self.predictor["precision"])
-RuntimeStats.predictor_recall = property(lambda self: self.predictor["recall"])

@@ -2,8 +2,9 @@
 
 Call sequence (the engine's hybrid runtime and the simulator make exactly these calls):
 
-    planner = Planner(cost, cache, policy, predictor, PlannerConfig(...))   # see make_planner()
+    planner = make_planner(...)
     for each step (one forward pass of the batch):
+        planner.begin_step()
         for each MoE layer, in model order:
             routed = [Routed(expert, n_tokens, weight), ...]    # one per distinct expert selected
             plan = planner.plan(layer, routed, now=clock_seconds, predicted=scores_or_None)
@@ -18,10 +19,9 @@ Call sequence (the engine's hybrid runtime and the simulator make exactly these 
             planner.complete(plan, finished_at=clock_seconds_when_all_done)   # or None: predicted
 
 Build it with `make_planner(cost, layers, num_experts, top_k, slots, make_policy(name), stats,
-placement)` (cost: `CostModel.for_expert(shape, quant)`; slots: `cache.parse_budget(...)`; stats: an
-`ExpertStats` from `cache.read_stats(FILE)` or None). To write `--expert-stats-out FILE`, keep an
-`ExpertStats(layers, num_experts)`, call `.record(ordinal, expert_ids)` per layer and step, bump
-`.tokens`, and `cache.write_stats(FILE, stats)` at exit.
+placement, profile)` (cost: `CostModel.for_expert(shape, quant)`; slots: `cache.parse_budget(...)`;
+stats: an `ExpertStats` from `stats.read_stats(FILE)` or None; profile: routed steps to learn from
+before planning, the simulator's fair protocol).
 
 `predicted` is the next MoE layer's router applied to this layer's input (per-expert
 probabilities, or None); the planner hands it to the predictor. Every decision mutates the cache at
@@ -43,9 +43,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridmoe.experts.cache import ExpertCache, Key
-from hybridmoe.experts.cost_model import CostModel
-from hybridmoe.experts.predictor import Predictor
+from hybridmoe.experts.plan.cache import ExpertCache, placement
+from hybridmoe.experts.plan.cost_model import CostModel
+from hybridmoe.experts.plan.predictor import Predictor, PredictorStats
+from hybridmoe.experts.plan.shape import Key
+from hybridmoe.experts.plan.stats import ExpertStats
 
 
 @dataclass(frozen=True)
@@ -127,41 +129,46 @@ class Planner:
         self.ordinal = predictor.ordinal
         self.copy_free = 0.0  # when the copy stream has finished everything queued
         self.layer_time = 0.0  # EMA of layer makespans
-        self.step = -1
+        self.step = -1  # steps begun (begin_step), from 0
         self.position = 0  # step * L + ordinal of the layer being planned
-        self._last_ordinal = math.inf
         self._prefetched: set[Key] = set()
         self._late = 0
         self.epoch = 0  # bumped whenever policy scores may change (policies cache rankings by it)
         self.stats = PlannerStats()
+        self.uses_gpu = policy.uses_gpu and cost.has_gpu
         policy.bind(self)
 
-    # ---- the two calls -----------------------------------------------------------------------
+    # ---- the calls ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A step (one forward pass of the batch) begins: its layers are planned next, in order."""
+        self.step += 1
+        self.stats.steps += 1
+        self.predictor.begin_step()
+
     def plan(self, layer: int, routed: list[Routed], now: float, predicted=None) -> Plan:
         self.epoch += 1
-        if self._advance(layer):
-            self.stats.steps += 1
+        self._locate(layer)
         self._take_prediction(layer, predicted)
         plan = Plan(layer=layer, now=now)
         hits, late, misses = self._classify(layer, routed, now, plan)
         # Learn this layer's routing before splitting it, so that a copy's worth (and a victim's)
         # is judged by the layer's *next* visit, and the look-ahead to later layers is fresh.
         self.predictor.observe(layer, [r.expert for r in routed])
-        if not (self.policy.uses_gpu and self.cost.has_gpu):
+        if not self.uses_gpu:
             plan.cpu, plan.gpu_hits = hits + late + misses, []
         else:
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
         self.policy.on_use(layer, routed, now)
         self.epoch += 1
-        if self.policy.uses_gpu and self.cost.has_gpu:
+        if self.uses_gpu:
             self._background(layer, now, plan)
         self._count(plan, routed)
         return plan
 
     def observe_only(self, layer: int, routed: list[Routed]) -> None:
         """Learn from a layer's routing without planning it (the profile part of a trace)."""
-        self._advance(layer)
+        self._locate(layer)
         self.epoch += 1
         self.policy.on_use(layer, routed, 0.0)
         self.predictor.observe(layer, [r.expert for r in routed])
@@ -188,15 +195,8 @@ class Planner:
         return keys
 
     # ---- steps of plan() ---------------------------------------------------------------------
-    def _advance(self, layer: int) -> bool:
-        """Track the position in the run; True when `layer` starts a new step."""
-        o = self.ordinal[layer]
-        new_step = o <= self._last_ordinal
-        if new_step:
-            self.step += 1
-        self._last_ordinal = o
-        self.position = self.step * len(self.layers) + o
-        return new_step
+    def _locate(self, layer: int) -> None:
+        self.position = self.step * len(self.layers) + self.ordinal[layer]
 
     def _take_prediction(self, layer: int, predicted) -> None:
         o = self.ordinal[layer]
@@ -365,33 +365,44 @@ def make_planner(
     top_k: int,
     slots: int,
     policy,
-    stats=None,
-    placement: str | None = None,
+    stats: ExpertStats | None = None,
+    placement_kind: str | None = None,
+    profile=(),
     config: PlannerConfig | None = None,
 ) -> Planner:
-    """A planner with its cache placed and its predictor warm from `stats` (an ExpertStats or None).
+    """A planner with its cache placed and its policy and predictor warm: the one way to build one,
+    for the engine's runtime and the simulator alike.
 
-    `policy` is a Policy object (experts/policies.make_policy). Without statistics, frequency
-    placement falls back to an empty start for dynamic policies (they fill the cache as they go).
+    `policy` is a Policy object (policies.make_policy). `stats` (activation statistics from a file)
+    warm the predictor and the policy and order the placement. `profile`: routed steps (per step, a
+    list per MoE layer of Routed) to learn from first, in order; their counts stand in for `stats`
+    when none are given, and the predictor is scored only on what comes after them.
     """
-    gpu = policy.uses_gpu and cost.has_gpu
-    cache = ExpertCache(slots if gpu else 0)
+    cache = ExpertCache(slots if policy.uses_gpu and cost.has_gpu else 0)
     predictor = Predictor(layers, num_experts, top_k, cross_layer=policy.cross_layer)
     planner = Planner(cost, cache, policy, predictor, config)
     if stats is not None:
         predictor.warm_start(stats.counts, stats.tokens)
-        policy.warm_start(stats)
-    place(planner, placement, stats)
+    placed_by = stats if stats is not None or not profile else ExpertStats.of_steps(profile, layers, num_experts)
+    if placed_by is not None:
+        policy.warm_start(placed_by)
+    for step in profile:
+        planner.begin_step()
+        for layer, routed in zip(layers, step):
+            planner.observe_only(layer, routed)
+    place(planner, placement_kind, placed_by)
+    predictor.stats = PredictorStats()
     return planner
 
 
-def place(planner: Planner, placement: str | None, stats) -> None:
-    """Fill the cache at start: pinned for static policies, a warm start for dynamic ones."""
-    from hybridmoe.experts.cache import placement as place_keys
-
+def place(planner: Planner, kind: str | None, stats: ExpertStats | None) -> None:
+    """Fill the cache at start: pinned for static policies, a warm start for dynamic ones. Without
+    statistics, frequency placement (the default) leaves a dynamic policy's cache to fill as it goes,
+    and spreads a static set evenly over the layers."""
     policy, cache = planner.policy, planner.cache
-    kind = placement or policy.default_placement
+    if kind is None:
+        kind = "uniform" if stats is None and policy.pin_placement else policy.default_placement
     if cache.slots == 0 or (kind == "frequency" and stats is None and not policy.pin_placement):
         return
-    keys = place_keys(kind, cache.slots, planner.layers, planner.predictor.num_experts, stats)
+    keys = placement(kind, cache.slots, planner.layers, planner.predictor.num_experts, stats)
     cache.place(keys, pinned=policy.pin_placement)

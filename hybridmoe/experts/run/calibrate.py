@@ -10,6 +10,7 @@ and the report gives predicted vs measured time on them, so the profile's error 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import sys
@@ -21,10 +22,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybridmoe.experts.cost_model import PROFILE_VERSION, CostModel, Sample, fit
-from hybridmoe.experts.runtime import expert_ffn
-from hybridmoe.experts.store import ExpertWeights
+from hybridmoe.experts.plan.cost_fit import Sample, fit
+from hybridmoe.experts.plan.cost_model import PROFILE_VERSION, CostModel
+from hybridmoe.experts.plan.shape import expert_params
+from hybridmoe.experts.run.ffn import expert_ffn
+from hybridmoe.experts.run.store import ExpertWeights
+from hybridmoe.files import write_atomic
 from hybridmoe.paths import user_cache_dir
+from hybridmoe.tuning import ROTATE_BYTES
+
+log = logging.getLogger("hybridmoe")
 
 # (hidden, intermediate), from 0.2 MB to 75 MB in fp32: the per-call constant c_cpu is only
 # visible on small experts (a 576x48 one streams 0.33 MB in ~15 us) and the bandwidth only on large
@@ -40,10 +47,6 @@ FIT_TOKENS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512)
 CHECK_TOKENS = (1, 3, 12, 48, 192)
 QUICK_FIT_TOKENS = (1, 2, 3, 4, 8, 32, 128)
 QUICK_CHECK_TOKENS = (1, 3, 48)
-# Decoding streams each expert from RAM once per use; rotating over copies whose total is beyond
-# the last-level cache (tens of MB on desktop and server CPUs) keeps the measurement honest.
-ROTATE_BYTES = 96e6
-DTYPE_QUANT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -83,19 +86,15 @@ class Calibration:
         }
 
     def save(self, path: str | Path) -> None:
-        """Written to a temporary file beside `path`, then renamed: a killed run leaves no half profile."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
+        """Written whole or not at all: a killed run leaves no half profile."""
+        write_atomic(path, json.dumps(self.to_json(), indent=2) + "\n")
 
 
 # ---- measurements ------------------------------------------------------------------------------
 
 
 def _experts(hidden: int, inter: int, dtype, device, total_bytes: float) -> list[ExpertWeights]:
-    per = 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
+    per = expert_params(hidden, inter) * dtype.itemsize
     count = max(2, int(total_bytes // per) + 1)
     g = torch.Generator().manual_seed(0)
     out = []
@@ -204,8 +203,8 @@ def _jobs(quick: bool, cuda: bool, model: tuple[int, int] | None = None) -> list
 
 
 def _sample(kind: str, hidden: int, inter: int, n: int, dtype, seconds: float, weight: float = 1.0) -> Sample:
-    nbytes = 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
-    return Sample(kind, n, seconds, bytes=nbytes, flops=2.0 * 3 * hidden * inter * n, weight=weight)
+    params = expert_params(hidden, inter)
+    return Sample(kind, n, seconds, bytes=params * dtype.itemsize, flops=2.0 * params * n, weight=weight)
 
 
 def _weight(hidden: int, inter: int, model: tuple[int, int] | None) -> float:
@@ -227,7 +226,7 @@ def _measure_cpu(jobs: list[tuple], dtype, rounds: int, bar) -> list[float]:
         for j, (_, _, h, i, n) in enumerate(jobs):
             bar.set_postfix_str(f"cpu {h}x{i} n={n}")
             # Small experts take microseconds, where one preemption is a large error: more tries.
-            reps = int(min(8, 1 + 2e6 // (3 * h * i * dtype.itemsize)))
+            reps = int(min(8, 1 + 2e6 // (expert_params(h, i) * dtype.itemsize)))
             best[j] = min(best[j], time_cpu_expert(pools[(h, i)], n, reps))
             bar.update()
     return best
@@ -236,7 +235,7 @@ def _measure_cpu(jobs: list[tuple], dtype, rounds: int, bar) -> list[float]:
 def _measure_device(job: tuple, dtype, reps: int) -> float:
     kind, _, h, i, n = job
     if kind == "copy":
-        return time_copy(3 * h * i * torch.empty((), dtype=dtype).element_size(), reps)
+        return time_copy(expert_params(h, i) * dtype.itemsize, reps)
     return time_gpu_expert(_experts(h, i, dtype, "cuda", 0), n, reps)
 
 
@@ -269,7 +268,7 @@ def calibrate(dtype: torch.dtype = torch.float32, quick: bool = False, progress:
 
 
 def fit_profile(samples: list[Sample]) -> CostModel:
-    """The cost model's fit (experts/cost_model.py `fit`): the CPU's batched and row-by-row
+    """The cost model's fit (experts/plan/cost_fit.py `fit`): the CPU's batched and row-by-row
     regimes with this machine's cache sizes; GPU and copies when measured."""
     return fit(samples, name="calibrated", caches=cpu_caches(torch.get_num_threads()))
 
@@ -337,11 +336,11 @@ def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: boo
                 return CostModel.load(cached)
         except Exception:
             pass  # a broken cache file, or one of an older format, is measured again below
-    print(f"hybridmoe: measuring this machine's expert speed once (cached in {cached}); "
-          "`hybridmoe calibrate` does a longer run", file=sys.stderr)
+    log.warning("measuring this machine's expert speed once (cached in %s); `hybridmoe calibrate` does a "
+                "longer run", cached)
     result = calibrate(dtype, quick=True, progress=progress, model=model)
     try:
         result.save(cached)
     except OSError as e:
-        print(f"hybridmoe: could not cache the calibration in {cached} ({e})", file=sys.stderr)
+        log.warning("could not cache the calibration in %s (%s)", cached, e)
     return result.profile

@@ -10,20 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class ExpertShape:
-    """The geometry of the routed experts of one model."""
-
-    hidden: int
-    intermediate: int
-    num_experts: int
-    top_k: int
-    moe_layers: tuple[int, ...]  # indices of the decoder layers that have routed experts
-
-    def params_per_expert(self) -> int:
-        return 3 * self.hidden * self.intermediate
-
+from hybridmoe.experts.plan.shape import ExpertShape, Key
 
 @dataclass
 class ExpertWeights:
@@ -41,7 +28,7 @@ class ExpertStore:
         self.shape = shape
         self.dtype = dtype
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self.records: dict[tuple[int, int], ExpertWeights] = {}
+        self.records: dict[Key, ExpertWeights] = {}
 
     def put(self, layer: int, expert: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Store one expert given its gate [I, H], up [I, H] and down [H, I] weights."""
@@ -54,7 +41,7 @@ class ExpertStore:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.records[(layer, expert)]
 
-    def missing(self) -> list[tuple[int, int]]:
+    def missing(self) -> list[Key]:
         """The (layer, expert) pairs that no weight has been stored for."""
         return [
             (layer, e)

@@ -3,11 +3,10 @@
     {"tok": n, "layers": [[expert ids of MoE layer 0], [... layer 1], ...]}
 
 optionally with "probs" (the router weights of those ids, the same nesting) and "req" (the request
-id). Without them it is the plain format of shared/traces/olmoe-1b-7b_299tok.jsonl, read the same way.
+id). Without them it is the plain format of public traces such as OLMoE-1B-7B's, read the same way.
 
-It lives in experts/ because both drivers of the planner use it: the engine's runtime writes traces
-(--record-trace) and replays them (--routing-trace), the simulator (sim/, which sits above experts/)
-reads them. No tensors here.
+It lives in plan/ because both drivers of the planner use it: the engine's runtime writes traces
+(--record-trace) and its routers replay them (--routing-trace); the simulator reads them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which experts a layer will use at its next visit, as a probability per (layer, expert).
 
-Three signals, as in shared/DESIGN.md ("predictor"):
+Four signals:
 
 - router: the engine may apply the *next* layer's router to the current hidden state (the residual
   stream moves slowly) and hand the per-expert probabilities in (`set_router_scores`);
@@ -26,16 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Key = tuple[int, int]
+from hybridmoe.experts.plan.shape import Key
 
-_AGE_EDGES = (1, 2, 3, 5, 9, 17)  # steps since last use -> bucket 0..6 (6 = older or never)
-_FREQ_EDGES = (0.25, 0.5, 1.0, 2.0, 4.0)  # rate / (top_k / num_experts) -> bucket 0..5
-_PRIOR_WEIGHT = 4.0  # pseudo-observations at the expert's own frequency
-_LIFT_EDGES = (0.25, 0.5, 1.0, 2.0, 4.0)  # cross-layer score / (top_k / num_experts) -> band 0..5
-
-
-def _bucket(x: float, edges) -> int:
-    return bisect.bisect_left(edges, x)
+from hybridmoe.tuning import AGE_EDGES, CROSS_LAYER_PRIOR, FREQ_EDGES, LIFT_EDGES, PREDICTOR_PRIOR_WEIGHT, PREDICTOR_WINDOW
 
 
 @dataclass
@@ -64,7 +57,6 @@ class CrossLayer:
     """
 
     horizons = (1, 2)
-    prior = 2.0  # pseudo-steps at the marginal rate, so an unseen pair scores its frequency
 
     def __init__(self, n_layers: int, num_experts: int, window: int):
         L, E = n_layers, num_experts
@@ -72,13 +64,12 @@ class CrossLayer:
         self.co = {h: np.zeros((L, E, E)) for h in self.horizons}  # [L, E, E]
         self.n = {h: np.zeros((L, E)) for h in self.horizons}  # [L, E]
         self.sets: dict[int, list[int]] = {}  # layer ordinal -> experts it used at this step
-        self._last = None
+
+    def begin_step(self) -> None:
+        self.sets.clear()
 
     def learn(self, i: int, used: list[int]) -> None:
         """Layer ordinal i ran `used` at this step (layers arrive in model order)."""
-        if self._last is None or i <= self._last:
-            self.sets.clear()  # a new step
-        self._last = i
         for h in self.horizons:
             src = self.sets.get(i - h)
             if src:
@@ -93,7 +84,7 @@ class CrossLayer:
         """Per expert of layer i+h, its probability given what layer i used at this step."""
         src = self.sets[i]
         f = np.minimum(np.asarray(rate, dtype=float), 1.0)  # [E]
-        cond = (self.co[h][i][src] + self.prior * f) / (self.n[h][i][src, None] + self.prior)  # [|S|, E]
+        cond = (self.co[h][i][src] + CROSS_LAYER_PRIOR * f) / (self.n[h][i][src, None] + CROSS_LAYER_PRIOR)  # [|S|, E]
         # The strongest pull wins: the mean dilutes a strong successor by 1/|S| and was no better
         # than frequency alone on synthetic traces with planted successors; lift-based and summed
         # variants measured the same as the max (predictor precision within 0.01).
@@ -101,9 +92,7 @@ class CrossLayer:
 
 
 class Predictor:
-    # Visits over which frequency is counted (0 = all history). 128 measured on synthetic traces:
-    # 1-1.5% faster where popularity drifts, within 1% where it does not; 32 hurt without drift.
-    window = 128
+    window = PREDICTOR_WINDOW  # visits over which frequency is counted (0 = all history)
 
     def __init__(self, layers: list[int], num_experts: int, top_k: int, cross_layer: bool = False):
         self.layers, self.num_experts, self.top_k = list(layers), num_experts, top_k
@@ -124,6 +113,11 @@ class Predictor:
         self.stats = PredictorStats()
 
     # ---- inputs ------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A step begins: the cross-layer signal starts from this step's first layer."""
+        if self.cross is not None:
+            self.cross.begin_step()
+
     def set_router_scores(self, layer: int, probs) -> None:
         """Probabilities for `layer`'s experts at its coming visit (None clears them)."""
         i = self.ordinal[layer]
@@ -216,15 +210,11 @@ class Predictor:
         p = self.p_layer(layer)
         return sorted(range(self.num_experts), key=lambda e: -p[e])[:k]
 
-    def age(self, key: Key) -> int:
-        i = self.ordinal[key[0]]
-        return self.visits[i] - self.last_use[i][key[1]]
-
     # ---- internals ---------------------------------------------------------------------------
     def _estimate(self, i: int, e: int, cross: bool = True) -> float:
         cell = self._cells(i, e)[-1 if cross else 0]
         prior = min(1.0, self._rate(i, e))
-        return (self.hits.get(cell, 0.0) + _PRIOR_WEIGHT * prior) / (self.trials.get(cell, 0.0) + _PRIOR_WEIGHT)
+        return (self.hits.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT * prior) / (self.trials.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT)
 
     def _rate(self, i: int, e: int) -> float:
         return self.count[i][e] / max(1.0, self.weight[i])
@@ -240,7 +230,7 @@ class Predictor:
     def _cell(self, i: int, e: int) -> tuple:
         age = self.visits[i] - self.last_use[i][e] + 1  # 1 = used at the previous visit
         rel = self.count[i][e] / max(1.0, self.weight[i]) * self.num_experts / self.top_k
-        return (self._router_bucket(i, e), bisect.bisect_left(_AGE_EDGES, age), bisect.bisect_left(_FREQ_EDGES, rel))
+        return (self._router_bucket(i, e), bisect.bisect_left(AGE_EDGES, age), bisect.bisect_left(FREQ_EDGES, rel))
 
     def _cross_bucket(self, i: int, e: int) -> int:
         """0: no cross-layer score for this visit; else one band per (horizon, score level)."""
@@ -248,8 +238,8 @@ class Predictor:
         if got is None:
             return 0
         h, score = got
-        level = bisect.bisect_left(_LIFT_EDGES, score[e] * self.num_experts / self.top_k)
-        return 1 + (h - 1) * (len(_LIFT_EDGES) + 1) + level
+        level = bisect.bisect_left(LIFT_EDGES, score[e] * self.num_experts / self.top_k)
+        return 1 + (h - 1) * (len(LIFT_EDGES) + 1) + level
 
     def _router_bucket(self, i: int, e: int) -> int:
         ranks = self.router.get(i)

@@ -1,0 +1,39 @@
+"""The environment variables hybridmoe reads or sets, all of them, in one place.
+
+| variable          | effect                                                              |
+|-------------------|---------------------------------------------------------------------|
+| HYBRIDMOE_NATIVE  | 0 turns the native C kernels off (torch's kernels do the work)      |
+| CC                | the C compiler that builds them (default `cc`)                      |
+| XDG_CACHE_HOME    | where the user cache directory lies (default ~/.cache)              |
+| OMP_WAIT_POLICY   | set to PASSIVE unless given (see `set_defaults`)                     |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def native_enabled() -> bool:
+    return os.environ.get("HYBRIDMOE_NATIVE", "1") != "0"
+
+
+def c_compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def omp_wait_policy() -> str | None:
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
+def set_defaults() -> None:
+    """OpenMP threads that finish a parallel region first spin-wait for the others by default; when
+    the cores are shared with other processes, the thread they wait for is often descheduled and the
+    spin burns the time it needed (docs/notes/2026-11-24-measurements-in-code.md, "OMP_WAIT_POLICY").
+    OpenMP reads the variable once, when torch loads it, so this runs when hybridmoe is imported, before
+    torch (the CLI); a value the user set is kept."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

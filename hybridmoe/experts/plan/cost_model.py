@@ -1,0 +1,190 @@
+"""How long one routed expert takes on the CPU, on the GPU, and to copy over PCIe.
+
+The formulas are those of shared/DESIGN.md ("cost model"):
+
+    t_cpu(n) = max(bytes / bw_cpu, flops(n) / f_cpu) + c_cpu
+    t_gpu(n) = max(bytes / bw_gpu, flops(n) / f_gpu) + c_gpu
+    t_copy   = bytes / bw_pcie + c_copy
+    t_act(n) = 2 * (hidden * n * act_bytes / bw_pcie + c_act)   # activations GPU->CPU and back
+
+The CPU's kernels refine t_cpu (measured, fitted by `fit()`; named profiles keep the plain form):
+below `cpu_gemm_from` tokens the weights are streamed once per token, the first pass from RAM and the
+others from the caches (`t_rows`); from it on, streaming and arithmetic overlap only in part
+(`cpu_overlap`, 1 = the max above, 0 = their sum).
+
+A `CostModel` is the hardware constants plus the geometry of one expert (its bytes in the chosen
+quantisation, its flops per token). Constants come from `fit()` over measured samples (the
+calibration run, experts/run/calibrate.py, fitted by cost_fit.py) or from a named profile
+(profiles.py); a profile is saved and loaded as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from hybridmoe.errors import UserError
+from hybridmoe.experts.plan.shape import ExpertShape
+from hybridmoe.files import write_atomic
+
+# Bytes per weight of each expert format. GGUF block formats carry a scale per block:
+# Q8_0 = 34 bytes per 32 weights, Q4_K = 144 bytes per 256 weights (4.5 bits), Q6_K = 210 per 256.
+QUANT_BYTES = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "q8": 34 / 32,
+    "q6": 210 / 256,
+    "q5": 176 / 256,
+    "q4": 144 / 256,
+    "int4": 0.5,
+}
+
+
+def quant_bytes(quant: str) -> float:
+    if quant not in QUANT_BYTES:
+        raise UserError(f"unknown quantisation {quant!r}; use one of {', '.join(QUANT_BYTES)}")
+    return QUANT_BYTES[quant]
+
+
+# 2: the CPU's row-by-row regime, cache re-reads and overlap (cpu_gemm_from, cpu_caches, cpu_overlap).
+PROFILE_VERSION = 2
+
+
+@dataclass
+class CostModel:
+    """Hardware constants (bytes/s, flop/s, s) plus the geometry of the expert being costed."""
+
+    bw_cpu: float  # effective bytes/s one expert streams from RAM with all CPU threads
+    f_cpu: float  # flop/s of the CPU expert kernel
+    c_cpu: float  # fixed seconds per CPU expert call (dispatch, thread wake-up)
+    bw_gpu: float = 0.0  # 0 = no GPU
+    f_gpu: float = 0.0
+    c_gpu: float = 0.0
+    bw_pcie: float = 0.0
+    c_copy: float = 0.0
+    c_act: float = 0.0  # fixed seconds per activation transfer (one direction)
+    name: str = ""
+    # Effective CPU bandwidth per quantisation when it differs from bw_cpu (dequantisation costs).
+    bw_cpu_by_quant: dict[str, float] = field(default_factory=dict)
+    # One token runs a matrix-vector kernel that streams weights faster than the batched (GEMM)
+    # kernel does at small n (measured: 1536x640 fp32, 1 thread: 0.69 ms at n=1, 1.1-1.6 ms at
+    # n=2..12); 0 = no separate figure, bw_cpu for every n. Set by experts/calibrate.py.
+    bw_cpu_one: float = 0.0
+    # That kernel's fixed seconds per call (it skips the GEMM's set-up); used with bw_cpu_one.
+    # None (profiles written before it existed) = c_cpu.
+    c_cpu_one: float | None = None
+    # Below this many tokens the CPU works row by row, one matrix-vector pass per token (measured,
+    # MKL 2024.2 on AMD EPYC, fp32, 1 thread: 3072x1024 takes 1.9, 3.9, 5.4 ms at n = 1, 2, 3 and
+    # 3.2 ms at n = 4; a 768x96 expert, which stays in L2, 61, 81, 88 and 83 us). 2 = only n = 1.
+    cpu_gemm_from: int = 2
+    # Where the passes after the first re-read the weights from: [capacity bytes, bytes/s] per cache
+    # level, innermost first (bandwidth 0 = not measured, as the next level out), then RAM at
+    # bw_cpu_reread (0 = bw_cpu_one); plus a fixed cost per pass.
+    cpu_caches: list[list[float]] = field(default_factory=list)
+    bw_cpu_reread: float = 0.0
+    c_cpu_reread: float = 0.0
+    # Share of the smaller of (streaming, arithmetic) that the batched kernel hides behind the larger:
+    # 1 = the roofline's max, 0 = their sum (measured, fp32, 1 thread: 3072x1024 at n = 4..256 is
+    # 2.51 ms + 0.170 ms per token within 2%, where the max is off by up to 30%).
+    cpu_overlap: float = 1.0
+    # Geometry, filled in by for_expert():
+    expert_bytes: float = 0.0
+    flops_per_token: float = 0.0
+    hidden: int = 0
+    act_bytes: float = 2.0  # activations travel as bf16
+    quant: str = "bf16"
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.bw_gpu > 0 and self.bw_pcie > 0
+
+    def for_expert(self, shape: ExpertShape, quant: str = "bf16") -> "CostModel":
+        """A copy of these constants costing one expert of `shape` stored as `quant`."""
+        params = shape.params_per_expert()
+        bw = self.bw_cpu_by_quant.get(quant, self.bw_cpu)
+        return replace(
+            self,
+            bw_cpu=bw,
+            expert_bytes=params * quant_bytes(quant),
+            flops_per_token=2.0 * params,  # one multiply-add per weight per token
+            hidden=shape.hidden,
+            quant=quant,
+        )
+
+    def t_cpu(self, n: int) -> float:
+        if self.bw_cpu_one and n < self.cpu_gemm_from:
+            return self.t_rows(n)
+        stream, compute = self.expert_bytes / self.bw_cpu, n * self.flops_per_token / self.f_cpu
+        return stream + compute - self.cpu_overlap * min(stream, compute) + self.c_cpu
+
+    def t_rows(self, n: int) -> float:
+        """n matrix-vector passes: the first streams the expert from RAM, the others re-read it."""
+        c = self.c_cpu if self.c_cpu_one is None else self.c_cpu_one
+        first = self.expert_bytes / self.bw_cpu_one + c
+        return first + (n - 1) * (self.t_reread(self.expert_bytes) + self.c_cpu_reread) if n > 1 else first
+
+    def t_reread(self, nbytes: float) -> float:
+        """Seconds to stream `nbytes` again, from the innermost cache level that holds them all, else
+        from RAM: a stream larger than a cache evicts itself before it comes round again (measured:
+        3072x1024 fp32, 37.7 MB, re-reads at 21 GB/s next to 19 GB/s from RAM, with a 32 MB L3)."""
+        fits = [bw for capacity, bw in self.cpu_caches if nbytes <= capacity]
+        bw = next((bw for bw in fits if bw > 0), 0.0) or self.bw_cpu_reread or self.bw_cpu_one
+        return nbytes / bw
+
+    def t_gpu(self, n: int) -> float:
+        if not self.has_gpu:
+            return math.inf
+        return max(self.expert_bytes / self.bw_gpu, n * self.flops_per_token / self.f_gpu) + self.c_gpu
+
+    def t_copy(self) -> float:
+        if not self.has_gpu:
+            return math.inf
+        return self.expert_bytes / self.bw_pcie + self.c_copy
+
+    def t_act(self, n: int) -> float:
+        """Round trip of n tokens' activations between GPU and CPU (0 without a GPU)."""
+        if not self.has_gpu or n == 0:
+            return 0.0
+        return 2.0 * (self.hidden * n * self.act_bytes / self.bw_pcie + self.c_act)
+
+    def hit_saving(self, n: int = 1) -> float:
+        """Seconds a GPU hit saves over running the expert on the CPU."""
+        return max(0.0, self.t_cpu(n) - self.t_gpu(n)) if self.has_gpu else 0.0
+
+    def sized(self, expert_bytes: float, flops: float, n_tokens: int) -> "CostModel":
+        """This model for one call of `n_tokens` on an expert of `expert_bytes` costing `flops`."""
+        return replace(self, expert_bytes=expert_bytes, flops_per_token=flops / max(n_tokens, 1))
+
+    def without_gpu(self) -> "CostModel":
+        return replace(self, bw_gpu=0.0, f_gpu=0.0, c_gpu=0.0, bw_pcie=0.0, c_copy=0.0, c_act=0.0)
+
+    # ---- persistence -------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": "hybridmoe-cost-profile", "version": PROFILE_VERSION, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        write_atomic(path, json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        """Version 1 profiles load too: the fields they lack default to the formulas they were fitted for."""
+        known = {f for f in cls.__dataclass_fields__}
+        missing = [k for k in ("bw_cpu", "f_cpu", "c_cpu") if k not in data]
+        if data.get("format") != "hybridmoe-cost-profile" or missing:
+            raise UserError("this file is not a hybridmoe cost profile; write one with `hybridmoe calibrate --out FILE`")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"cost profile {path} does not exist; write it with `hybridmoe calibrate --out {path}`")
+        except json.JSONDecodeError:
+            raise UserError(f"cost profile {path} is not valid JSON; write it again with `hybridmoe calibrate`")
+        return cls.from_json(data)

@@ -1,0 +1,161 @@
+"""The hybrid expert runtime: per layer and step, plan where each routed expert runs, then run it.
+
+For one MoE layer the runtime (1) groups the routed tokens by expert, (2) asks the planner
+(experts/plan/planner.py) for a plan, handing it the next layer's router applied to the current
+hidden state (the hint its MoE block gives) as the predictor's input, (3) carries the plan out:
+copies on the accelerator's copy stream, CPU experts on the CPU side (cpu_pool.py, as the CPU
+runtime runs them) and GPU experts on the compute stream at the same time, each GPU expert after
+its copy's event (accelerators.py), and (4) combines the weighted outputs exactly as the CPU
+runtime does, so that placement never changes the output.
+
+`make_runtime` is the one place that chooses a runtime: this one where there is an accelerator (CUDA
+or emulated), else the CPU runtime. What is observed never chooses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from hybridmoe import tuning
+from hybridmoe.errors import UserError
+from hybridmoe.experts.plan.cache import parse_budget
+from hybridmoe.experts.plan.cost_model import CostModel
+from hybridmoe.experts.plan.planner import Plan, Routed, make_planner
+from hybridmoe.experts.plan.policies import make_policy
+from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.experts.plan.shape import ExpertShape
+from hybridmoe.experts.plan.stats import read_stats
+from hybridmoe.experts.run.accelerators import make_accelerator
+from hybridmoe.experts.run.ffn import combine, group_by_expert
+from hybridmoe.experts.run.runtime import BaseRuntime, CPURuntime, ExpertRuntime
+from hybridmoe.experts.run.runtime_stats import PLANNER_FIELDS, RuntimeStats
+
+log = logging.getLogger("hybridmoe")
+
+DTYPE_QUANT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class HybridConfig:
+    policy: str = "cpu"
+    budget: str = "0"  # bytes ("6GB") or a fraction of all routed-expert bytes ("0.1")
+    placement: str | None = None  # None: the policy's default
+    device: str = "cpu"  # "cuda" | "emulated" | "cpu" (resolved from "auto" by the caller)
+    expert_stats: str | None = None  # activation statistics to place and warm up from
+    cpu_workers: int | None = None  # CPU expert workers (None: one per torch thread)
+    cpu_clock: str = "measured"  # emulated: the CPU side of the virtual clock, "measured" or "model"
+    keep_log: bool = False  # emulated: keep every copy and GPU run (tests)
+    history: int = 256  # per-step stats kept
+
+
+def make_runtime(shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel | None) -> ExpertRuntime:
+    """The runtime `config` asks for: the hybrid one when there is an accelerator (CUDA or emulated),
+    else the CPU one (cost: the calibrated cost model, needed only by the hybrid one)."""
+    if config.device != "cpu":
+        return HybridRuntime(shape, dtype, config, cost)
+    return CPURuntime(shape, dtype, config.cpu_workers)
+
+
+def device_cost(cost: CostModel, device: str) -> CostModel:
+    """The constants the planner uses on `device`: no GPU terms on the CPU; a GPU (emulated or real)
+    borrows them from a named profile when the calibration measured none."""
+    if device == "cpu":
+        return cost.without_gpu()
+    if not cost.has_gpu:
+        if device == "cuda":
+            log.warning("the cost profile has no GPU figures; planning with %s's until `hybridmoe calibrate` "
+                        "is run on this machine", tuning.EMULATED_GPU)
+        g = PROFILES[tuning.EMULATED_GPU]
+        return replace(cost, bw_gpu=g.bw_gpu, f_gpu=g.f_gpu, c_gpu=g.c_gpu, bw_pcie=g.bw_pcie,
+                       c_copy=g.c_copy, c_act=g.c_act)
+    return cost
+
+
+class HybridRuntime(BaseRuntime):
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel):
+        super().__init__(shape, dtype, RuntimeStats(config.device, config.policy, 0, config.history),
+                         config.cpu_workers)
+        self.config = config
+        self.quant = DTYPE_QUANT.get(dtype, "bf16")
+        self.cost = device_cost(cost, config.device).for_expert(shape, self.quant)
+        self.planner = self.acc = None  # built in finish_loading, once the store is full
+
+    def finish_loading(self) -> None:
+        super().finish_loading()
+        cfg, shape = self.config, self.shape
+        stats = read_stats(cfg.expert_stats) if cfg.expert_stats else None
+        if stats is not None and (stats.layers != self.layers or stats.num_experts != shape.num_experts):
+            raise UserError(f"{cfg.expert_stats} holds statistics of another model (layers or experts differ); "
+                            "write them for this model with --expert-stats-out")
+        policy = make_policy(cfg.policy)
+        slots = 0
+        if policy.uses_gpu and self.cost.has_gpu:
+            slots = parse_budget(cfg.budget, self.store.total_nbytes(), self.store.expert_nbytes())
+        self.planner = make_planner(self.cost, self.layers, shape.num_experts, shape.top_k, slots, policy,
+                                    stats, cfg.placement)
+        self.acc = make_accelerator(cfg.device, self.store, self.planner.cache.slots, self.cost, cfg.keep_log)
+        for key, slot in self.planner.cache.slot_of.items():
+            self.acc.preload(key[0], key[1], slot)
+        self.stats.slots = self.planner.cache.slots
+        self.stats.predictor = self.planner.predictor.stats
+
+    def begin_step(self, num_tokens, decode_rows) -> None:
+        self.planner.begin_step()
+        super().begin_step(num_tokens, decode_rows)
+
+    # ---- one layer ---------------------------------------------------------------------------
+    def _layer(self, layer, x, topk_ids, topk_weights, hint):
+        """Plan and run one layer; its output [T, H] and what happened."""
+        groups = group_by_expert(topk_ids)
+        rows_of = {e: rows for e, rows, _ in groups}
+        routed = [Routed(e, len(rows), float(topk_weights[rows, cols].sum())) for e, rows, cols in groups]
+        predicted = self._predict_next(layer, hint)
+        acc, before = self.acc, vars(self.planner.stats).copy()
+        gpu_before, copy_before = acc.gpu_busy_s, acc.copy_busy_s
+        start = acc.begin_layer()
+        plan = self.planner.plan(layer, routed, now=start, predicted=predicted)
+        staged = self._issue_copies(plan)
+        cpu = self._run_cpu(layer, [(r.expert, x[rows_of[r.expert]]) for r in plan.cpu])
+        gpu_order = plan.gpu_hits + sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert])
+        handles = [acc.run(x[rows_of[r.expert]], layer, r.expert, self._buffer(layer, r.expert, staged))
+                   for r in gpu_order]
+        cpu_out, cpu_s = cpu.result()
+        gpu_out = acc.gather(handles)
+        finish = acc.end_layer(self._cpu_clock(plan, cpu_s))
+        self.planner.complete(plan, finished_at=finish)
+        outputs = dict(zip((r.expert for r in plan.cpu), cpu_out))
+        outputs.update(zip((r.expert for r in gpu_order), gpu_out))
+        after = vars(self.planner.stats)
+        report = {f: after[f] - before[f] for f in PLANNER_FIELDS}
+        report.update(cpu_busy_s=cpu_s, gpu_busy_s=acc.gpu_busy_s - gpu_before,
+                      copy_busy_s=acc.copy_busy_s - copy_before, measured_s=finish - start)
+        return combine(outputs, groups, x, topk_ids, topk_weights), report
+
+    def _issue_copies(self, plan: Plan) -> dict[int, object]:
+        """Demand copies, then prefetches, on the copy stream; the staging buffers of this layer."""
+        staged = {}
+        for c in plan.copies + plan.prefetches:
+            buf = self.acc.copy(c.layer, c.expert, c.slot)
+            if c.slot is None and c.layer == plan.layer:
+                staged[c.expert] = buf
+        return staged
+
+    def _buffer(self, layer: int, expert: int, staged: dict):
+        return staged[expert] if expert in staged else self.planner.cache.slot_of[(layer, expert)]
+
+    def _cpu_clock(self, plan: Plan, cpu_s: float) -> float:
+        """Seconds the CPU side took, for the emulated clock (a real device measures its own)."""
+        if not plan.cpu:
+            return 0.0
+        if self.config.cpu_clock == "model":
+            return plan.cpu_finish - plan.now
+        return cpu_s + self.cost.t_act(max(r.n_tokens for r in plan.cpu))
+
+    def _predict_next(self, layer: int, hint) -> list[float] | None:
+        """The next MoE layer's router on this layer's input, per-expert mean probability, or None."""
+        if hint is None or not self.planner.uses_gpu:
+            return None
+        return hint().mean(dim=0).tolist()  # [E]

@@ -1,0 +1,161 @@
+"""The seam between the models and the experts: an MoE block hands its routed tokens to a runtime.
+
+A runtime owns an ExpertStore and, for one layer, turns (hidden states, top-k ids, top-k weights)
+into the weighted sum of the chosen experts' outputs. Two runtimes implement `ExpertRuntime`:
+`CPURuntime` (here: every expert on the CPU, the reference every other runtime must agree with to
+the bit) and `HybridRuntime` (hybrid_runtime.py: a planner puts each expert on the CPU or the GPU).
+
+Steps. The model's forward pass calls `begin_step` before its first layer, on the thread that runs
+the pass (the engine may run two passes at once on two threads; each has its own `Step`). Every
+MoE layer then calls `forward`; after the last one the step ends.
+
+Observers watch a runtime without changing what it runs: its `stats` (always there), and what a
+caller attaches with `add_observer` (trace recording and replay, activation counts: observers.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Protocol
+
+import torch
+
+from hybridmoe.experts.plan.shape import ExpertShape
+from hybridmoe.experts.run.cpu_pool import CPUExperts
+from hybridmoe.experts.run.ffn import combine_grouped, combine_token, expert_ffn, group_by_expert
+from hybridmoe.experts.run.runtime_stats import RuntimeStats
+from hybridmoe.experts.run.store import ExpertStore
+
+# The next MoE layer's router applied to this layer's input, [T, E] probabilities, computed only if
+# the runtime asks (its predictor does): what layers/moe.py hands `forward` as `hint`.
+Hint = Callable[[], torch.Tensor]
+
+
+@dataclass
+class Step:
+    """One forward pass of the batch, as the runtime and its observers see it."""
+
+    num_tokens: int
+    decode_rows: list[tuple[int, str]]  # (row, request id) of its decode tokens
+    notes: dict = field(default_factory=dict)  # each observer's state for this step, under its own key
+
+
+class Observer(Protocol):
+    """Watches a runtime's steps and layers; never changes what runs."""
+
+    def begin_step(self, step: Step) -> None: ...
+    def on_layer(self, step: Step, ordinal: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 report: dict[str, float]) -> None: ...
+    def end_step(self, step: Step) -> None: ...
+    def close(self) -> None: ...
+
+
+class ExpertRuntime(Protocol):
+    """What models, the engine and the CLI use of a runtime; nothing else is probed for."""
+
+    shape: ExpertShape
+    store: ExpertStore
+    stats: RuntimeStats
+    reentrant: bool  # whether two forward passes may run at once (the engine's overlap_prefill)
+
+    def finish_loading(self) -> None: ...
+    def begin_step(self, num_tokens: int, decode_rows: list[tuple[int, str]]) -> None: ...
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                hint: Hint | None = None) -> torch.Tensor: ...
+    def add_observer(self, observer: Observer) -> None: ...
+    def close(self) -> None: ...
+
+
+class BaseRuntime:
+    """Steps, observers, stats and the CPU side, shared by both runtimes; subclasses say in `_layer`
+    where each expert of a layer runs."""
+
+    reentrant = False
+
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype, stats: RuntimeStats, cpu_workers: int | None = None):
+        self.shape = shape
+        self.store = ExpertStore(shape, dtype)
+        self.layers = list(shape.moe_layers)
+        self.ordinal = {layer: i for i, layer in enumerate(self.layers)}
+        self.cpu = CPUExperts(cpu_workers)
+        self.stats = stats
+        self.observers: list[Observer] = [stats]
+        self._local = threading.local()  # .step: the Step in progress on this thread
+        self._closed = False
+
+    def finish_loading(self) -> None:
+        """Called once every expert is in the store."""
+        missing = self.store.missing()
+        if missing:
+            layer, expert = missing[0]
+            raise ValueError(f"no weights were loaded for expert {expert} of layer {layer} ({len(missing)} missing)")
+
+    def add_observer(self, observer: Observer) -> None:
+        self.observers.append(observer)
+
+    def begin_step(self, num_tokens: int, decode_rows: list[tuple[int, str]]) -> None:
+        self._local.step = step = Step(num_tokens, list(decode_rows))
+        for observer in self.observers:
+            observer.begin_step(step)
+
+    def forward(self, layer, x, topk_ids, topk_weights, hint=None):
+        """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert outputs."""
+        step = getattr(self._local, "step", None)
+        if step is None:
+            raise RuntimeError("an MoE layer ran outside a step: the model's forward must call begin_step first")
+        o = self.ordinal[layer]
+        out, report = self._layer(layer, x, topk_ids, topk_weights, hint)
+        for observer in self.observers:
+            observer.on_layer(step, o, topk_ids, topk_weights, report)
+        if o == len(self.layers) - 1:
+            self._local.step = None
+            for observer in self.observers:
+                observer.end_step(step)
+        return out
+
+    def _layer(self, layer, x, topk_ids, topk_weights, hint) -> tuple[torch.Tensor, dict[str, float]]:
+        """The layer's output [T, H], and what happened (RuntimeStats' fields) for the observers."""
+        raise NotImplementedError
+
+    def _run_cpu(self, layer: int, inputs: list[tuple[int, torch.Tensor]]):
+        """Start (expert, rows [n, H]) pairs on the CPU; `.result()` -> (outputs, busy seconds)."""
+        jobs = [partial(expert_ffn, rows, self.store.get(layer, e)) for e, rows in inputs]
+        return self.cpu.start(jobs, len(jobs) * self.store.expert_nbytes())
+
+    def close(self) -> None:
+        """Close the observers (write what they were asked to) and the CPU pool; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for observer in self.observers:
+            observer.close()
+        self.cpu.close()
+
+
+class CPURuntime(BaseRuntime):
+    """Every routed expert runs on the CPU (cpu_pool.py says where: inline or on the workers)."""
+
+    reentrant = True  # no state between calls but the observers', which keep theirs per step
+
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype = torch.float32, cpu_workers: int | None = None):
+        super().__init__(shape, dtype, RuntimeStats("cpu", "cpu", 0), cpu_workers)
+
+    def _layer(self, layer, x, topk_ids, topk_weights, hint):
+        t0 = time.perf_counter()
+        if x.shape[0] == 1:
+            # Decode: one token, so no grouping, gathering or scattering; the K outputs are summed by
+            # one [1, K] @ [K, H] product, which halves the ops per expert.
+            experts = topk_ids[0].tolist()
+            ys, busy = self._run_cpu(layer, [(e, x) for e in experts]).result()  # [1, H] each
+            out = combine_token(x, ys, topk_weights)
+        else:
+            groups = group_by_expert(topk_ids)
+            experts = [e for e, _, _ in groups]
+            ys, busy = self._run_cpu(layer, [(e, x[rows]) for e, rows, _ in groups]).result()  # [n, H] each
+            out = combine_grouped(x, groups, ys, topk_weights)
+        n = len(set(experts))
+        return out, {"routed": n, "misses": n, "cpu_runs": n, "cpu_busy_s": busy,
+                     "measured_s": time.perf_counter() - t0}

@@ -1,0 +1,25 @@
+"""The decoder layer every architecture stacks: pre-norm attention, then a pre-norm feed-forward."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridmoe.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + ffn(norm(x)). The model chooses the attention (standard, with
+    biases, MLA) and the feed-forward (a dense MLP or an MoE block), and the feed-forward's name in
+    checkpoints (`mlp`, Mixtral's `block_sparse_moe`)."""
+
+    def __init__(self, hidden: int, eps: float, attn: nn.Module, ffn: nn.Module, ffn_name: str = "mlp"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.ffn_name = ffn_name
+        setattr(self, ffn_name, ffn)
+
+    def forward(self, x, cos_sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx)
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))

@@ -1,0 +1,162 @@
+"""The bf16 kernels of bf16.c, for decode and attention on CPUs with AVX512-BF16.
+
+A decode step multiplies a few rows (one per sequence) by every weight, so decode speed is the speed
+at which weights stream from RAM; oneDNN's bf16 path reads them at about half of what one core can
+and pays ~15 us a call (docs/benchmarks.md#decode-speed). The kernels read each weight once for up
+to MAX_ROWS rows. They need AVX512-BF16 and a C compiler (build.py); without either, or with
+HYBRIDMOE_NATIVE=0, `available()` is False and callers keep torch's path.
+
+Used by layers/ (dense projections, layers/linear.py; decode and prefill attention,
+layers/attention.py) and experts/ (expert FFNs).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from hybridmoe.native.build import F, I, N, P, cpu_flags, load
+
+SOURCE = Path(__file__).with_name("bf16.c")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
+
+# Rows up to which the kernels take a call: one thread, weights from RAM, they beat oneDNN's bf16
+# linear at every row count up to 32 and are about even at 48, where they turn compute-bound
+# (docs/notes/2026-11-24-measurements-in-code.md, "MAX_ROWS"). Beyond, prefill keeps oneDNN.
+MAX_ROWS = 32
+
+# name -> (argument types, result type), each under a copy of its C prototype in bf16.c
+SIGNATURES = {
+    # void hm_gemm_bf16(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I,
+    #                   long M)
+    "hm_gemm_bf16": ([P, P, N, P, N, N, N, N], None),
+    # void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const uint16_t *X, long ldx,
+    #                          float *Y, long ldy, long M, long H, long I, float *scratch, uint16_t *h)
+    "hm_expert_rows_bf16": ([P, P, P, N, P, N, N, N, N, P, P], None),
+    # int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, long ldk, const uint16_t *V,
+    #     long ldv, const int32_t *tables, const int32_t *table_starts, const int32_t *lengths,
+    #     const int32_t *rows, long n, long block_size, long heads, long kv_heads, long d, long dv,
+    #     float scale, void *out, long ldo, int out_bf16)
+    "hm_decode_attention_bf16": ([P, N, P, N, P, N, P, P, P, P, N, N, N, N, N, N, F, P, N, I], I),
+    # int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint16_t *K, long ldk,
+    #     long ldkh, const uint16_t *V, long ldv, long ldvh, long n, long L, long heads, long kv_heads,
+    #     long d, long dv, float scale, void *out, long ldo, int out_bf16)
+    "hm_prefill_attention_bf16": ([P, N, N, P, N, N, P, N, N, N, N, N, N, N, N, F, P, N, I], I),
+}
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """What these kernels need; without it torch's path runs."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), so oneDNN's bf16 matrix
+    products beat fp32 ones; without it torch emulates bf16, slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+@lru_cache(maxsize=1)
+def library():
+    """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
+    return load(SOURCE, FLAGS, SIGNATURES) if cpu_has_avx512_bf16() else None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+def applies(x: torch.Tensor, *weights: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether the kernels take this call: up to max_rows bf16 rows on the CPU, contiguous bf16 weights."""
+    return (_bf16_on_cpu(x, *weights) and x.numel() <= max_rows * x.shape[-1]
+            and all(w.is_contiguous() for w in weights) and available())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., K] as [M, K] with unit stride along K (rows may be further apart than K). Checked
+    before reshaping: each torch call costs about 1 us, as much as a small kernel."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])  # [M, K]
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [..., K] with M rows, weight: [N, K], both bf16 -> [M, N] fp32, accumulated in fp32."""
+    x = _rows(x)  # [M, K]
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [M, N]
+    library().hm_gemm_bf16(weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0])
+    return y
+
+
+def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """M tokens through a SwiGLU expert: x: [M, H] bf16, gate_up: [2I, H], down: [H, I] -> [M, H] fp32."""
+    x = _rows(x)  # [M, H]
+    m, (hidden, inter) = x.shape[0], down.shape
+    y = torch.empty(m, hidden, dtype=torch.float32)  # [M, H]
+    scratch = torch.empty(m, 2 * inter, dtype=torch.float32)  # [M, 2I]: gate and up, fp32
+    h = torch.empty(m, inter, dtype=torch.bfloat16)  # [M, I]: silu(gate) * up, the down projection's input
+    library().hm_expert_rows_bf16(gate_up.data_ptr(), down.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+                                  hidden, m, hidden, inter, scratch.data_ptr(), h.data_ptr())
+    return y
+
+
+def attention_applies(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether decode_attention takes these: bf16 queries and pools on the CPU, the pools' rows contiguous."""
+    return _bf16_on_cpu(q, k_pool, v_pool) and k_pool.is_contiguous() and v_pool.is_contiguous() and available()
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     table_starts: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, block_size: int,
+                     scale: float, out: torch.Tensor) -> None:
+    """Attention of one query token per sequence over its paged history, into out's rows.
+
+    q: [T, h, d] bf16; k_pool: [slots, kvh, d], v_pool: [slots, kvh, dv] bf16; out: [T, h, dv] bf16 or
+    fp32, rows contiguous. Sequence s (int32 tensors [S]): query and output row rows[s], positions
+    0..lengths[s]-1, position l at slot table[l // block_size] * block_size + l % block_size where
+    table = tables[table_starts[s]:]. Scores and sums in fp32; query head i uses KV head i // (h // kvh).
+    """
+    if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+        q = q.contiguous()
+    heads, d = q.shape[1:]
+    kv_heads, dv = v_pool.shape[1:]
+    assert out.stride(-1) == 1 and out.stride(-2) == dv and heads % kv_heads == 0
+    status = library().hm_decode_attention_bf16(
+        q.data_ptr(), q.stride(0), k_pool.data_ptr(), k_pool.stride(0), v_pool.data_ptr(), v_pool.stride(0),
+        tables.data_ptr(), table_starts.data_ptr(), lengths.data_ptr(), rows.data_ptr(), len(rows), block_size,
+        heads, kv_heads, d, dv, scale, out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16)
+    if status != 0:
+        raise MemoryError("decode attention: no memory for its scratch")
+
+
+def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether prefill_attention takes these: bf16 on the CPU, unit stride along the head dimension."""
+    return _bf16_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and available()
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Causal attention of a chunk: q [n, h, d], k [L, kvh, d], v [L, kvh, dv] bf16 -> [n, h, dv] out_dtype
+    (bf16 or fp32).
+
+    The n queries are the last n of the L positions; query head i uses KV head i // (h // kvh). Scores,
+    softmax and sums in fp32; a bf16 result is the fp32 one rounded once. k and v may be strided views
+    (a pool's rows): the kernel packs each KV head once per call anyway.
+    """
+    n, heads, d = q.shape
+    length, kv_heads, dv = v.shape
+    assert heads % kv_heads == 0 and k.shape[:2] == (length, kv_heads) and k.shape[2] == d
+    out = torch.empty(n, heads, dv, dtype=out_dtype)  # [n, h, dv]
+    status = library().hm_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), n, length, heads, kv_heads, d, dv, scale, out.data_ptr(), heads * dv,
+        out_dtype == torch.bfloat16)
+    if status != 0:
+        raise MemoryError("prefill attention: no memory for its scratch")
+    return out

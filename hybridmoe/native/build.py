@@ -1,0 +1,66 @@
+"""Building and loading the C kernels: CPU features from /proc/cpuinfo, the system C compiler at
+first use, the shared library cached per source and flags in the user cache directory (written
+atomically), and ctypes signatures declared beside the C prototypes they bind."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from hybridmoe import env
+from hybridmoe.paths import user_cache_dir
+
+# ctypes types for the C prototypes: pointers and longs, as the kernels take them
+P, N, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux); elsewhere none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), frozenset())
+    except OSError:
+        return frozenset()
+
+
+def _compile(source: Path, flags: list[str], out: Path) -> None:
+    """cc FLAGS source -o out, through a temporary file in out's directory and a rename."""
+    cc = env.c_compiler()
+    if shutil.which(cc) is None:
+        raise OSError(f"no C compiler ({cc})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(source: Path, flags: list[str], signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
+    """`source` compiled with `flags` (once, then from the cache) and its functions typed by
+    `signatures` (name -> (argument types, result type)); None where the native kernels are switched
+    off (HYBRIDMOE_NATIVE=0) or no compiler can build them."""
+    if not env.native_enabled():
+        return None
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    path = user_cache_dir() / "native" / f"{source.stem}-{key}.so"
+    try:
+        if not path.exists():
+            _compile(source, flags, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib

@@ -1,0 +1,75 @@
+"""Every tuning constant in one place: thresholds between code paths, and the knobs of the policies
+and the predictor. Each was measured; the figures behind it are in
+docs/notes/2026-11-24-measurements-in-code.md under the constant's name. None is read from the
+environment or changed at run time: a setting users choose belongs in a config dataclass instead.
+
+No torch here: experts/plan/ and sim/ read it too.
+"""
+
+# ---- where CPU work runs -----------------------------------------------------------------------
+
+# Bytes of expert weights below which a layer's CPU experts run in the calling thread: handing them
+# to the worker threads costs about 0.5 ms a layer on a loaded 2-core machine.
+WORKERS_MIN_BYTES = 32 << 20
+
+# Tokens up to which the weighted sum of a layer's experts is one index_add_ call (decode batches);
+# above, the [T*K, H] terms outgrow the cache and a call per expert is faster.
+FEW_TOKENS = 32
+
+# Hidden size below which one torch thread decodes faster than two (the per-op work is too small
+# to split); the CLI's default thread count.
+WIDE_MODEL = 1024
+
+# Rows up to which oneDNN's fp32 linear beats torch's default kernel for weights streamed from RAM.
+FEW_ROWS = 32
+
+# Rows up to which the one-thread native bf16 kernel takes a dense projection when torch has more
+# threads: oneDNN splits the work over its threads and overtakes it from about 16 rows.
+THREADED_NATIVE_ROWS = 8
+
+# ---- calibration -------------------------------------------------------------------------------
+
+# Bytes of expert copies a calibration rotates through, beyond any desktop or server CPU's last-level
+# cache, so that every timed call streams its weights from RAM as a decode step does.
+ROTATE_BYTES = 96e6
+
+# Token counts up to which the cost-model fit looks for the end of the row-by-row CPU regime.
+ROWS_UP_TO = 16
+
+# The GPU an emulated accelerator pretends to be when the calibration measured none.
+EMULATED_GPU = "rtx4090-ddr5"
+
+# ---- policies ----------------------------------------------------------------------------------
+
+# Background copies are queued only if they finish this many copy-times before the layer ends, so
+# that the next layer's demand copies do not queue behind them (better for value and hybrimoe).
+BACKGROUND_SLACK = 1.0
+
+# The value policy copies a candidate in only if its expected distance to next use is this much
+# shorter than its victim's (avoids churn between near-equals).
+VALUE_MARGIN = 0.1
+
+# Background candidates the value policy considers per layer.
+VALUE_CANDIDATES_PER_LAYER = 4
+
+# Upcoming keys the oracle offers per layer; the copy stream runs out long before.
+ORACLE_LOOKAHEAD = 256
+
+# ---- the predictor -----------------------------------------------------------------------------
+
+# Visits over which an expert's frequency is counted (0 = all history): follows drifting popularity
+# without forgetting a stable one.
+PREDICTOR_WINDOW = 128
+
+# Pseudo-observations at the expert's own frequency in each calibration cell.
+PREDICTOR_PRIOR_WEIGHT = 4.0
+
+# Pseudo-steps at the marginal rate in the cross-layer conditional, so an unseen pair scores its
+# frequency.
+CROSS_LAYER_PRIOR = 2.0
+
+# Cell edges: steps since last use, frequency relative to top_k / num_experts, and the cross-layer
+# score relative to the same.
+AGE_EDGES = (1, 2, 3, 5, 9, 17)
+FREQ_EDGES = (0.25, 0.5, 1.0, 2.0, 4.0)
+LIFT_EDGES = (0.25, 0.5, 1.0, 2.0, 4.0)
