@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
 
 def engine_config(args):
-    from hybridmoe.engine.llm_engine import EngineConfig
+    from hybridmoe.engine.config import EngineConfig
 
     for name in ("max_batch_size", "max_tokens_per_step", "kv_cache_tokens", "block_size", "max_model_len"):
         value = getattr(args, name)
@@ -54,7 +54,7 @@ def overlap_prefill(args, model) -> bool:
     """Whether to run prefill passes beside decode passes (EngineConfig.overlap_prefill)."""
     if args.overlap_prefill == "off":
         return False
-    from hybridmoe.engine.llm_engine import overlap_unsupported
+    from hybridmoe.engine.model_runner import overlap_unsupported
 
     fits = overlap_unsupported(model) is None and available_cores() >= 2
     if args.overlap_prefill == "on" and not fits:
