@@ -8,7 +8,8 @@ import random
 import pytest
 
 from hybridmoe.bench.serve import RequestTiming, _level, summarise
-from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.loader import load_model, load_tokenizer
 from hybridmoe.server.app import create_app
 from hybridmoe.server.async_engine import AsyncEngine

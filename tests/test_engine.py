@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader import load_model
 from tests.tiny import build_tiny

@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.loader import load_model, load_tokenizer
 from hybridmoe.server.app import create_app
 from hybridmoe.server.async_engine import AsyncEngine

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import socket
 import sys
+from dataclasses import Field, fields
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 from hybridmoe.cli.options import add_model_options, available_cores, finish_runtime, load_from_args, model_path
+from hybridmoe.engine.config import EngineConfig
 from hybridmoe.errors import UserError
 
 
@@ -22,39 +25,43 @@ def add_parser(sub) -> None:
                                                                 "directory or file name)")
     g.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-batch-size", type=int, default=8, metavar="N", help="requests decoded together (default 8)")
-    g.add_argument("--max-tokens-per-step", type=int, default=512, metavar="T",
-                   help="tokens per forward pass; longer prompts are prefilled in chunks (default 512)")
-    g.add_argument("--kv-cache-tokens", type=int, default=16384, metavar="K",
-                   help="KV cache capacity in tokens, shared by all requests (default 16384)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's context, at most the KV cache)")
+    add_engine_flags(g)
     g.add_argument("--overlap-prefill", choices=("auto", "on", "off"), default="auto",
                    help="prefill prompts on a second core while the first decodes (auto: on with the CPU expert "
                         "runtime, one torch thread and at least two cores)")
     p.set_defaults(func=run)
 
 
-def engine_config(args):
-    from hybridmoe.engine.llm_engine import EngineConfig
+def engine_flags() -> list[Field]:
+    """The fields of EngineConfig that are flags: those with a help text (engine/config.py)."""
+    return [f for f in fields(EngineConfig) if "help" in f.metadata]
 
-    for name in ("max_batch_size", "max_tokens_per_step", "kv_cache_tokens", "block_size", "max_model_len"):
-        value = getattr(args, name)
+
+def add_engine_flags(group) -> None:
+    """--max-batch-size and the rest, named, typed, defaulted and explained by EngineConfig's fields."""
+    hints = get_type_hints(EngineConfig)
+    for f in engine_flags():
+        kind = next(t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))  # int | None: int
+        default = "" if f.default is None else f" (default {f.default})"  # None: the help says what it means
+        group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
+                           metavar=f.metadata.get("metavar"), help=f.metadata["help"] + default)
+
+
+def engine_config(args) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in engine_flags()}
+    for name, value in values.items():
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} {value}: give a positive number")
     if args.kv_cache_tokens < args.block_size:
         raise UserError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); raise it")
-    return EngineConfig(max_batch_size=args.max_batch_size, max_tokens_per_step=args.max_tokens_per_step,
-                        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
-                        max_model_len=args.max_model_len)
+    return EngineConfig(**values)
 
 
 def overlap_prefill(args, model) -> bool:
     """Whether to run prefill passes beside decode passes (EngineConfig.overlap_prefill)."""
     if args.overlap_prefill == "off":
         return False
-    from hybridmoe.engine.llm_engine import overlap_unsupported
+    from hybridmoe.engine.model_runner import overlap_unsupported
 
     fits = overlap_unsupported(model) is None and available_cores() >= 2
     if args.overlap_prefill == "on" and not fits:

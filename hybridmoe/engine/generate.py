@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 
-from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.llm_engine import LLMEngine, RequestOutput
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader.tokenizer import Tokenizer
 

@@ -15,36 +15,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridmoe.engine.block_manager import BlockManager
-from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.sampler import SamplingParams, make_generator, sample, token_logprobs
 from hybridmoe.engine.scheduler import Batch, Scheduler
 from hybridmoe.engine.sequence import Sequence
 from hybridmoe.engine.stop import StopStrings
 from hybridmoe.loader.tokenizer import Detokenizer
-
-
-@dataclass
-class EngineConfig:
-    max_batch_size: int = 8  # sequences running at once
-    max_tokens_per_step: int = 512  # tokens in one forward pass (decode tokens + prefill chunks)
-    kv_cache_tokens: int = 16384  # KV cache capacity, in tokens, shared by all sequences
-    block_size: int = 16  # tokens per KV block, and the granularity of prefix sharing
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    # Torch threads for steps of at least `threads_from_tokens` new tokens (prefill chunks), which are
-    # compute-bound and split well; smaller steps (decode) keep the thread count torch has. None: one
-    # count for every step.
-    prefill_threads: int | None = None
-    threads_from_tokens: int = 64
-    # Prefill chunks on a second thread (one torch thread each) while this one decodes. Needs a model
-    # whose forward may run twice at once (the plain CPU expert runtime) and one torch thread.
-    overlap_prefill: bool = False
 
 
 @dataclass
@@ -106,28 +89,6 @@ class _Pass:
     pinned: frozenset
 
 
-def overlap_unsupported(model) -> str | None:
-    """Why `model` cannot run a prefill pass beside a decode pass here (EngineConfig.overlap_prefill),
-    or None when it can: its expert runtime must allow two forward passes at once, and this thread
-    must run torch on one thread (each pass has a core to itself)."""
-    if not model.reentrant:
-        return "the model's expert runtime cannot run two forward passes at once (the plain CPU runtime can)"
-    if torch.get_num_threads() != 1:
-        return f"decode and prefill run on one core each; set torch's threads to 1 (it is {torch.get_num_threads()})"
-    return None
-
-
-def decode_rows(batch: Batch, starts: list[int]) -> list[tuple[int, str]]:
-    """(row of the forward pass, request id) of each decode token in `batch`: a sequence's one new
-    token past its prompt. Prompt chunks, even one token long, are not decode tokens."""
-    rows, row = [], 0
-    for seq, n, start in zip(batch.seqs, batch.num_tokens, starts):
-        if n == 1 and start >= len(seq.prompt_ids):
-            rows.append((row, seq.request_id))
-        row += n
-    return rows
-
-
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, eos_ids=None):
         self.model, self.tokenizer = model, tokenizer
@@ -135,21 +96,14 @@ class LLMEngine:
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else (tokenizer.eos_ids if tokenizer else ()))
         num_blocks = max(1, config.kv_cache_tokens // config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.kv = PagedKVCache(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_tokens_per_step)
+        self.runner = ModelRunner(model, config, num_blocks)
         model_len = config.max_model_len or model.cfg.get("max_position_embeddings", default=None) or 2**31
         self.max_model_len = min(model_len, num_blocks * config.block_size)  # one sequence always fits
         self.requests: dict[str, _Request] = {}
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
-        self._prefill_pool: ThreadPoolExecutor | None = None
         self._in_flight: _Pass | None = None
-        if config.overlap_prefill:
-            why_not = overlap_unsupported(model)
-            if why_not:
-                raise ValueError(f"overlap_prefill: {why_not}")
-            self._prefill_pool = ThreadPoolExecutor(1, "hybridmoe-prefill", initializer=torch.set_num_threads,
-                                                    initargs=(1,))
 
     # ---- requests ----
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -194,21 +148,19 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        if self._prefill_pool is not None:
+        """Schedule a pass, run the model on it, then sample, detokenize and account its tokens."""
+        if self.config.overlap_prefill:
             return self._step_overlapped()
         batch = self.scheduler.schedule()
         return self._pass(batch) if batch else []
 
     def _pass(self, batch: Batch) -> list[RequestOutput]:
-        """One forward pass over `batch` on this thread, its tokens sampled and accounted."""
+        """One forward pass over `batch` on this thread: run the model, then sample and account."""
         t0 = time.perf_counter()
         self._mark_scheduled(batch, t0)
         decode_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1)
-        with self._threads(sum(batch.num_tokens)):
-            logits, done = self._forward(batch)
-        outputs = [self._postprocess(seq, row) for seq, row in zip(done, logits)]
-        self._account(time.perf_counter() - t0, sum(batch.num_tokens) - decode_tokens, decode_tokens)
-        return outputs
+        logits = self.runner.run(batch)  # [n, V]
+        return self._postprocess(batch, logits, time.perf_counter() - t0, decode_tokens)
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """One decode pass on this thread while a prefill pass runs on the other.
@@ -223,93 +175,44 @@ class LLMEngine:
         if self._in_flight is None:
             batch = self.scheduler.schedule(decode=False, pinned=frozenset(decode.seqs))
             if batch:
-                self._start_prefill(batch)
+                self._mark_scheduled(batch, time.perf_counter())
+                self._in_flight = _Pass(batch, self.runner.start(batch), frozenset(batch.seqs))
         outputs = self._pass(decode) if decode else []
         if self._in_flight is not None and (self._in_flight.future.done() or not decode):
             outputs += self._finish_prefill()
         return outputs
 
-    def _start_prefill(self, batch: Batch) -> None:
-        self._mark_scheduled(batch, time.perf_counter())
-        ids, positions, ctx, rows = self._inputs(batch)
-        future = self._prefill_pool.submit(self._timed_run, ids, positions, ctx, rows)
-        self._in_flight = _Pass(batch, future, frozenset(batch.seqs))
-
-    def _timed_run(self, *args) -> tuple[torch.Tensor, float]:
-        """_run on the prefill thread, and its own time (the engine may take the result later)."""
-        t0 = time.perf_counter()
-        return self._run(*args), time.perf_counter() - t0
-
     def _finish_prefill(self) -> list[RequestOutput]:
         flight, self._in_flight = self._in_flight, None
         logits, seconds = flight.future.result()  # waits; an exception in the pass is raised here
-        aborted = {seq for seq in flight.batch.seqs  # while in flight: abort() left their blocks to us
-                   if (req := self.requests.get(seq.request_id)) is None or req.seq is not seq}
-        done = self._advance(flight.batch)
-        for seq in aborted:
-            self.scheduler.finish(seq)
-        outputs = [self._postprocess(seq, row) for seq, row in zip(done, logits) if seq not in aborted]
-        self._account(seconds, sum(flight.batch.num_tokens), 0)
-        return outputs
+        aborted = frozenset(seq for seq in flight.batch.seqs  # while in flight: abort() left their blocks to us
+                            if (req := self.requests.get(seq.request_id)) is None or req.seq is not seq)
+        return self._postprocess(flight.batch, logits, seconds, 0, aborted)  # its own time, all prefill
 
     def _mark_scheduled(self, batch: Batch, now: float) -> None:
         for seq in batch.seqs:
             req = self.requests[seq.request_id]
             req.scheduled = req.scheduled or now
 
-    @contextmanager
-    def _threads(self, num_tokens: int):
-        """Run a step of `num_tokens` new tokens with the thread count configured for its size."""
-        want = self.config.prefill_threads
-        before = torch.get_num_threads()
-        if want is None or num_tokens < self.config.threads_from_tokens or want == before:
-            yield
-            return
-        torch.set_num_threads(want)  # per-thread OpenMP setting, ~1 us: cheap to change every step
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run every scheduled token through the model; logits [n, V] of the sequences that may sample."""
-        ids, positions, ctx, rows = self._inputs(batch)
-        logits = self._run(ids, positions, ctx, rows, decode_rows(batch, ctx.starts))
-        return logits, self._advance(batch)
-
-    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedKVContext, list[int]]:
-        """The pass's token ids and positions [T], its KV context, and the rows whose logits it needs:
-        the last row of each sequence whose every token will then be in the cache."""
-        ids, positions, starts, rows, end = [], [], [], [], 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed
-            ids += seq.token_ids[start : start + n]
-            positions += range(start, start + n)
-            starts.append(start)
-            end += n
-            if seq.num_uncomputed == n:
-                rows.append(end - 1)
-        ctx = PagedKVContext(self.kv, [s.block_table for s in batch.seqs], starts, batch.num_tokens)
-        return torch.tensor(ids), torch.tensor(positions), ctx, rows
-
-    @torch.inference_mode()
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext, rows: list[int],
-             decode: list[tuple[int, str]] = ()) -> torch.Tensor:
-        """The forward pass itself (on the prefill thread too): logits [len(rows), V]."""
-        hidden = self.model(ids, positions, ctx, decode)  # [T, H]
-        return self.model.logits(hidden[rows])  # [n, V]
-
-    def _advance(self, batch: Batch) -> list[Sequence]:
-        """After a pass: its tokens are in the cache; the sequences that may now sample, in row order."""
+    # ---- after a pass ----
+    def _postprocess(self, batch: Batch, logits: torch.Tensor, seconds: float, decode_tokens: int,
+                     aborted: frozenset[Sequence] = frozenset()) -> list[RequestOutput]:
+        """The pass's tokens are in the cache: sample a token from each row of `logits` [n, V] (the
+        sequences that may now sample, in batch order) but the aborted ones', whose blocks go now."""
         done = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             self.blocks.commit(seq)
             if seq.num_uncomputed == 0:
                 done.append(seq)
-        return done
+        for seq in aborted:
+            self.scheduler.finish(seq)
+        outputs = [self._next_token(seq, row) for seq, row in zip(done, logits) if seq not in aborted]
+        self._account(seconds, sum(batch.num_tokens) - decode_tokens, decode_tokens)
+        return outputs
 
-    def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        """Sample `seq`'s next token from its logits [V]; detokenize it and see whether it finishes."""
         req, params = self.requests[seq.request_id], seq.params
         token = sample(logits, params, req.generator, seq.prompt_ids, seq.output_ids)
         seq.append(token)

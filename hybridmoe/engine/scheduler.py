@@ -54,9 +54,6 @@ class Scheduler:
             raise ValueError(f"a sequence of up to {seq.max_len} tokens cannot fit in the KV cache")
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def finish(self, seq: Sequence) -> None:
         """Remove a running or waiting sequence (finished or aborted) and free its blocks."""
         if seq in self.running:

@@ -44,7 +44,7 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | N
     app.post("/v1/completions")(api.completions)
     app.get("/v1/models")(api.models)
     app.get("/health")(lambda: {"status": "ok"})
-    app.get("/metrics")(lambda: PlainTextResponse(metrics.render(engine.engine, model_name),
+    app.get("/metrics")(lambda: PlainTextResponse(metrics.render(engine.metrics_source, model_name),
                                                   media_type="text/plain; version=0.0.4"))
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(HTTPException)(_http_error)
@@ -93,7 +93,7 @@ class _Api:
         self._authorize(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "hybridmoe",
-                                            "max_model_len": self.engine.engine.max_model_len}]}
+                                            "max_model_len": self.engine.max_model_len}]}
 
     async def chat(self, request: Request):
         req = await self._body(request, ChatRequest)
@@ -110,7 +110,7 @@ class _Api:
         req = await self._body(request, CompletionRequest)
         prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
         if isinstance(prompt, list):
-            vocab = self.engine.engine.model.vocab_size
+            vocab = self.engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise ApiError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", param="prompt")
             prompt_ids = list(prompt)
@@ -119,7 +119,7 @@ class _Api:
         return await self._respond(request, req, prompt_ids, CompletionShape(self.model_name, self.tokenizer))
 
     async def _respond(self, request: Request, req, prompt_ids: list[int], shape):
-        params = sampling_params(req, len(prompt_ids), self.engine.engine.max_model_len)
+        params = sampling_params(req, len(prompt_ids), self.engine.max_model_len)
         outputs = self.engine.generate(prompt_ids, params, shape.id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -159,8 +159,14 @@ async def _whole(request: Request, shape, outputs: AsyncIterator, return_speed: 
 def _result(task: asyncio.Task):
     try:
         return task.result()
-    except ValueError as e:  # the engine refused the request
-        raise ApiError(400, str(e)) from None
+    except ValueError as e:  # a RuntimeError (the engine failed) goes on to _bug: a 500
+        raise _engine_error(e) from None
+
+
+def _engine_error(e: Exception) -> ApiError:
+    """What the engine's stream raised, for the client: a ValueError is a refusal whose message names
+    the fix (a 400); a RuntimeError, the engine failing (a 500)."""
+    return ApiError(400 if isinstance(e, ValueError) else 500, str(e))
 
 
 async def _sse(shape, outputs: AsyncIterator, include_usage: bool, return_speed: bool) -> AsyncIterator[str]:
@@ -178,7 +184,7 @@ async def _sse(shape, outputs: AsyncIterator, include_usage: bool, return_speed:
                 yield _event(shape.envelope(shape.chunk_object, choices, **extra))
                 sent += len(out.text)
     except (ValueError, RuntimeError) as e:  # the headers are sent: the error goes in the stream
-        yield _event(ApiError(400 if isinstance(e, ValueError) else 500, str(e)).body())
+        yield _event(_engine_error(e).body())
     if include_usage and last is not None:
         yield _event(shape.envelope(shape.chunk_object, [], usage=usage(last, return_speed)))
     yield "data: [DONE]\n\n"

@@ -1,8 +1,9 @@
 """The engine on its own thread, and asyncio streams of its outputs for the HTTP handlers.
 
-The engine is single-threaded: only its thread touches it. Handlers send it commands (add, abort)
-through a queue; it delivers each request's outputs to that request's asyncio queue. Between
-steps it takes the commands, so requests join and leave the batch at every step.
+The engine is single-threaded: only its thread drives it. Handlers send it commands (AddRequest,
+Abort: server/messages.py) through a queue; it delivers each request's outputs to that request's
+Sink, an asyncio queue. Between steps it takes the commands, so requests join and leave the batch
+at every step.
 """
 
 from __future__ import annotations
@@ -17,36 +18,53 @@ import torch
 
 from hybridmoe.engine.llm_engine import LLMEngine, RequestOutput
 from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.server.messages import Abort, AddRequest, Command, Sink, Wake
 
 log = logging.getLogger("hybridmoe.server")
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._engine = engine
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
         self._stopping = False
         self._threads = torch.get_num_threads()  # OpenMP settings are per thread: carry them over
         self._thread = threading.Thread(target=self._loop, name="hybridmoe-engine", daemon=True)
+
+    # ---- what the HTTP handlers may read (fixed at construction, or plain counters) ----
+    @property
+    def max_model_len(self) -> int:
+        """Prompt and output together, in tokens."""
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.model.vocab_size
+
+    @property
+    def metrics_source(self) -> LLMEngine:
+        """The engine, for GET /metrics to read its counters from the HTTP thread: plain numbers, read
+        without a lock, so a scrape may see a step half-counted."""
+        return self._engine
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping = True
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         self._thread.join(timeout=10)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them. Leaving early (a disconnect) aborts it."""
-        sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", request_id, prompt_ids, params, (asyncio.get_running_loop(), sink)))
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(AddRequest(request_id, prompt_ids, params, sink))
         finished = False
         try:
             while not finished:
-                out = await sink.get()
+                out = await sink.queue.get()
                 if isinstance(out, BaseException):
                     finished = True
                     raise out
@@ -54,17 +72,17 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(Abort(request_id))
 
     # ---- the engine thread ----
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)
         while not self._stopping:
-            self._take_commands(block=not self.engine.has_unfinished())
-            if not self.engine.has_unfinished():
+            self._take_commands(block=not self._engine.has_unfinished())
+            if not self._engine.has_unfinished():
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._engine.step()
             except Exception as e:  # a bug: fail the requests in flight, keep serving new ones
                 log.exception("engine step failed")
                 self._fail_all(e)
@@ -83,31 +101,28 @@ class AsyncEngine:
         except queue.Empty:
             pass
 
-    def _run_command(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, request_id, prompt_ids, params, sink = cmd
-            self._sinks[request_id] = sink
-            try:
-                self.engine.add_request(prompt_ids, params, request_id)
-            except Exception as e:  # ValueError: refused (a 400); anything else is a bug (a 500)
-                self._deliver(request_id, e if isinstance(e, ValueError) else RuntimeError(str(e)))
+    def _run_command(self, cmd: Command) -> None:
+        match cmd:
+            case AddRequest(request_id, prompt_ids, params, sink):
+                self._sinks[request_id] = sink
+                try:
+                    self._engine.add_request(prompt_ids, params, request_id)
+                except Exception as e:  # ValueError: refused (a 400); anything else is a bug (a 500)
+                    self._deliver(request_id, e if isinstance(e, ValueError) else RuntimeError(str(e)))
+                    self._sinks.pop(request_id, None)
+            case Abort(request_id):
+                self._engine.abort(request_id)
                 self._sinks.pop(request_id, None)
-        elif cmd[0] == "abort":
-            self.engine.abort(cmd[1])
-            self._sinks.pop(cmd[1], None)
+            case Wake():
+                pass  # it woke the loop, which now sees _stopping
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         sink = self._sinks.get(request_id)
-        if sink is None:
-            return
-        loop, q = sink
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
-            pass
+        if sink is not None:
+            sink.put(item)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+        for request_id in list(self._engine.requests):
+            self._engine.abort(request_id)
             self._deliver(request_id, RuntimeError(f"the engine failed: {error}"))
         self._sinks.clear()

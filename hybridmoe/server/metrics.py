@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 from hybridmoe.engine.llm_engine import LLMEngine
@@ -37,29 +36,23 @@ def engine_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
 
 
 def runtime_metrics(runtime) -> list[tuple[str, str, str, float]]:
-    """The numeric fields of `runtime.stats` (hits, misses, copies...), if the expert runtime keeps any."""
+    """The numbers of the expert runtime's `stats.to_dict()` (hits, misses, copies...); none for a
+    dense model (no runtime)."""
+    if runtime is None:
+        return []
+    # The one guard: the plain CPU runtime keeps no stats yet; the runtime protocol will declare `stats`.
     stats = getattr(runtime, "stats", None)
     if stats is None:
         return []
-    if hasattr(stats, "to_dict"):  # experts/runtime_stats.py: totals and rates, flat
-        fields = dict(stats.to_dict())
-    elif dataclasses.is_dataclass(stats):
-        fields = dataclasses.asdict(stats)
-    elif isinstance(stats, dict):
-        fields = stats
-    else:
-        fields = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
-    props = [n for n in dir(type(stats)) if isinstance(getattr(type(stats), n, None), property)]
-    fields.update({n: getattr(stats, n) for n in props if n not in fields})
     return [(f"expert_{name.removeprefix('expert_')}", "gauge", f"expert runtime: {name}", value)
-            for name, value in sorted(fields.items())
+            for name, value in sorted(stats.to_dict().items())
             if isinstance(value, numbers.Real) and not isinstance(value, bool)]
 
 
 def render(engine: LLMEngine, model_name: str) -> str:
     label = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     lines = []
-    for name, kind, help_text, value in engine_metrics(engine) + runtime_metrics(getattr(engine.model, "runtime", None)):
+    for name, kind, help_text, value in engine_metrics(engine) + runtime_metrics(engine.model.runtime):
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
         lines += [f"# HELP hybridmoe_{name} {help_text}", f"# TYPE hybridmoe_{name} {kind}",
                   f'hybridmoe_{name}{{model="{label}"}} {value}']
