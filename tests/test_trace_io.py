@@ -12,7 +12,8 @@ import torch
 
 from hybridmoe.cli.options import attach_observers
 from hybridmoe.engine.generate import generate_ids
-from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.profiles import PROFILES

@@ -115,7 +115,8 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 def bf16_batch_greedy(arch: str, out: Path):
     """A tiny bf16 `arch` model built in `out`, and a function that runs six prompts (1 to 40 tokens)
     through the batching engine with chunked prefill, greedily: to compare a kernel on and off."""
-    from hybridmoe.engine.llm_engine import EngineConfig, LLMEngine
+    from hybridmoe.engine.config import EngineConfig
+    from hybridmoe.engine.llm_engine import LLMEngine
     from hybridmoe.engine.sampler import SamplingParams
     from hybridmoe.loader import load_model
 

@@ -6,16 +6,36 @@ import argparse
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import fields
+from typing import get_args, get_type_hints
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.plan.cache import PLACEMENTS
-from hybridmoe.experts.plan.policies import POLICIES
 from hybridmoe.tuning import WIDE_MODEL
 
 # --dtype names -> torch dtype names (torch is imported only when a model is loaded)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-# Policies a run can use: all but those that need the future (simulation only).
-RUN_POLICIES = tuple(name for name, cls in POLICIES.items() if not cls.needs_future)
+
+
+def config_flags(cls) -> list:
+    """The fields of dataclass `cls` that are flags: those with a help text in their metadata."""
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
+def add_config_flags(group, cls) -> None:
+    """A flag for each such field, named (--max-batch-size from max_batch_size, or metadata "flag"),
+    typed, defaulted and explained by the field, with its "choices" and "metavar" if it has them."""
+    hints = get_type_hints(cls)
+    for f in config_flags(cls):
+        kind = next(t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))  # int | None: int
+        default = "" if f.default is None else f" (default {f.default})"  # None: the help says what it means
+        group.add_argument(f.metadata.get("flag", f"--{f.name.replace('_', '-')}"), dest=f.name, type=kind,
+                           default=f.default, choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"),
+                           help=f.metadata["help"] + default)
+
+
+def config_values(args: argparse.Namespace, cls) -> dict:
+    """The values of `cls`'s flags in `args`, by field name."""
+    return {f.name: getattr(args, f.name) for f in config_flags(cls)}
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -33,18 +53,14 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def add_runtime_options(p: argparse.ArgumentParser) -> None:
     """Options of the expert runtime (where experts run, what watches it): experts/run/."""
+    from hybridmoe.experts.run.hybrid_runtime import HybridConfig  # imports torch: only for model commands
+
     g = p.add_argument_group("expert placement (CPU/GPU)")
-    g.add_argument("--gpu-expert-budget", metavar="SIZE", default=None,
-                   help="GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes (0.1)")
-    g.add_argument("--policy", choices=RUN_POLICIES, default=None,
-                   help="where experts run and what the GPU keeps (default: value with a budget, else cpu)")
-    g.add_argument("--placement", choices=PLACEMENTS, default=None,
-                   help="experts placed on the GPU at start (default: the policy's own)")
+    add_config_flags(g, HybridConfig)
     g.add_argument("--device", choices=("auto", "cuda", "emulated"), default="auto",
                    help="the accelerator: CUDA, or an emulated GPU over CPU memory (auto: CUDA when present)")
     g.add_argument("--calibration", metavar="FILE",
                    help="cost profile from `hybridmoe calibrate` (default: measured once and cached)")
-    g.add_argument("--expert-stats", metavar="FILE", help="activation statistics for placement and warm start")
     g.add_argument("--expert-stats-out", metavar="FILE", help="write this run's activation statistics here")
     g.add_argument("--routing-trace", metavar="FILE",
                    help="take expert choices from this routing trace (JSONL) instead of the router")
@@ -61,9 +77,9 @@ def _device(args: argparse.Namespace) -> str:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible to torch; use --device emulated or leave it out")
-    if args.device == "cuda" or (torch.cuda.is_available() and (args.gpu_expert_budget or args.policy)):
+    if args.device == "cuda" or (torch.cuda.is_available() and (args.budget or args.policy)):
         return "cuda"
-    if args.gpu_expert_budget:
+    if args.budget:
         print("hybridmoe: no CUDA GPU, every expert runs on the CPU (--device emulated emulates one)", file=sys.stderr)
     return "cpu"
 
@@ -75,10 +91,8 @@ def runtime_factory(args: argparse.Namespace):
     from hybridmoe.experts.run.calibrate import load_or_calibrate
     from hybridmoe.experts.run.hybrid_runtime import HybridConfig, make_runtime
 
-    budget = args.gpu_expert_budget or "0"
-    parse_budget(budget, 1.0, 1.0)  # a malformed budget fails now, not after loading
-    config = HybridConfig(policy=args.policy or ("value" if args.gpu_expert_budget else "cpu"), budget=budget,
-                          placement=args.placement, device=_device(args), expert_stats=args.expert_stats)
+    config = HybridConfig(**config_values(args, HybridConfig), device=_device(args))
+    parse_budget(config.budget, 1.0, 1.0)  # a malformed budget fails now, not after loading
 
     def make(shape, dtype):
         cost = None

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import Field, fields
 from pathlib import Path
-from typing import get_args, get_type_hints
 
-from hybridmoe.cli.options import add_model_options, available_cores, finish_runtime, load_from_args, model_path
+from hybridmoe.cli.options import add_config_flags, add_model_options, available_cores, config_values, loaded_model, model_path
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.errors import UserError
 
@@ -25,30 +23,15 @@ def add_parser(sub) -> None:
                                                                 "directory or file name)")
     g.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
     g = p.add_argument_group("engine")
-    add_engine_flags(g)
+    add_config_flags(g, EngineConfig)
     g.add_argument("--overlap-prefill", choices=("auto", "on", "off"), default="auto",
                    help="prefill prompts on a second core while the first decodes (auto: on with the CPU expert "
                         "runtime, one torch thread and at least two cores)")
     p.set_defaults(func=run)
 
 
-def engine_flags() -> list[Field]:
-    """The fields of EngineConfig that are flags: those with a help text (engine/config.py)."""
-    return [f for f in fields(EngineConfig) if "help" in f.metadata]
-
-
-def add_engine_flags(group) -> None:
-    """--max-batch-size and the rest, named, typed, defaulted and explained by EngineConfig's fields."""
-    hints = get_type_hints(EngineConfig)
-    for f in engine_flags():
-        kind = next(t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))  # int | None: int
-        default = "" if f.default is None else f" (default {f.default})"  # None: the help says what it means
-        group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
-                           metavar=f.metadata.get("metavar"), help=f.metadata["help"] + default)
-
-
 def engine_config(args) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in engine_flags()}
+    values = config_values(args, EngineConfig)
     for name, value in values.items():
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} {value}: give a positive number")
@@ -88,14 +71,13 @@ def run(args) -> int:
 
     config = engine_config(args)
     sock = listen(args.host, args.port)
-    model, tokenizer = load_from_args(args)
-    config.overlap_prefill = overlap_prefill(args, model)
-    name = args.served_model_name or Path(model_path(args)).name
-    engine = LLMEngine(model, tokenizer, config)
-    app = create_app(AsyncEngine(engine), tokenizer, name, args.api_key)
-    print(f"hybridmoe: serving '{name}' at http://{args.host}:{args.port}/v1 "
-          f"(context {engine.max_model_len} tokens, batch {config.max_batch_size}"
-          f"{', prefill beside decode' if config.overlap_prefill else ''})", file=sys.stderr)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
-    finish_runtime(model, args)
+    with loaded_model(args) as (model, tokenizer):
+        config.overlap_prefill = overlap_prefill(args, model)
+        name = args.served_model_name or Path(model_path(args)).name
+        engine = LLMEngine(model, tokenizer, config)
+        app = create_app(AsyncEngine(engine), tokenizer, name, args.api_key)
+        print(f"hybridmoe: serving '{name}' at http://{args.host}:{args.port}/v1 "
+              f"(context {engine.max_model_len} tokens, batch {config.max_batch_size}"
+              f"{', prefill beside decode' if config.overlap_prefill else ''})", file=sys.stderr)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0

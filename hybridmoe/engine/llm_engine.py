@@ -146,6 +146,12 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def expert_stats(self) -> dict:
+        """The expert runtime's totals and rates (its `stats.to_dict()`); empty for a dense model."""
+        runtime = self.model.runtime
+        return runtime.stats.to_dict() if runtime is not None else {}
+
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         """Schedule a pass, run the model on it, then sample, detokenize and account its tokens."""

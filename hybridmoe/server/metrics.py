@@ -35,24 +35,18 @@ def engine_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
     ]
 
 
-def runtime_metrics(runtime) -> list[tuple[str, str, str, float]]:
-    """The numbers of the expert runtime's `stats.to_dict()` (hits, misses, copies...); none for a
-    dense model (no runtime)."""
-    if runtime is None:
-        return []
-    # The one guard: the plain CPU runtime keeps no stats yet; the runtime protocol will declare `stats`.
-    stats = getattr(runtime, "stats", None)
-    if stats is None:
-        return []
+def runtime_metrics(stats: dict) -> list[tuple[str, str, str, float]]:
+    """The numbers of the expert runtime's stats (hits, misses, copies...; LLMEngine.expert_stats),
+    none for a dense model."""
     return [(f"expert_{name.removeprefix('expert_')}", "gauge", f"expert runtime: {name}", value)
-            for name, value in sorted(stats.to_dict().items())
+            for name, value in sorted(stats.items())
             if isinstance(value, numbers.Real) and not isinstance(value, bool)]
 
 
 def render(engine: LLMEngine, model_name: str) -> str:
     label = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     lines = []
-    for name, kind, help_text, value in engine_metrics(engine) + runtime_metrics(engine.model.runtime):
+    for name, kind, help_text, value in engine_metrics(engine) + runtime_metrics(engine.expert_stats):
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
         lines += [f"# HELP hybridmoe_{name} {help_text}", f"# TYPE hybridmoe_{name} {kind}",
                   f'hybridmoe_{name}{{model="{label}"}} {value}']

@@ -303,6 +303,10 @@ POLICIES = {
 }
 
 
+# Policies a run of the engine can use: all but those that need the future (simulation only).
+RUN_POLICIES = tuple(name for name, cls in POLICIES.items() if not cls.needs_future)
+
+
 def make_policy(name: str, future=None) -> Policy:
     if name not in POLICIES:
         raise UserError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}")

@@ -15,16 +15,16 @@ or emulated), else the CPU runtime. What is observed never chooses it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from hybridmoe import tuning
 from hybridmoe.errors import UserError
-from hybridmoe.experts.plan.cache import parse_budget
+from hybridmoe.experts.plan.cache import PLACEMENTS, parse_budget
 from hybridmoe.experts.plan.cost_model import CostModel
 from hybridmoe.experts.plan.planner import Plan, Routed, make_planner
-from hybridmoe.experts.plan.policies import make_policy
+from hybridmoe.experts.plan.policies import RUN_POLICIES, make_policy
 from hybridmoe.experts.plan.profiles import PROFILES
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.plan.stats import read_stats
@@ -40,15 +40,28 @@ DTYPE_QUANT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 @dataclass
 class HybridConfig:
-    policy: str = "cpu"
-    budget: str = "0"  # bytes ("6GB") or a fraction of all routed-expert bytes ("0.1")
-    placement: str | None = None  # None: the policy's default
-    device: str = "cpu"  # "cuda" | "emulated" | "cpu" (resolved from "auto" by the caller)
-    expert_stats: str | None = None  # activation statistics to place and warm up from
+    """Where experts run. A field with a help text is also a flag of the model commands (cli/options.py)."""
+
+    policy: str | None = field(default=None, metadata={
+        "help": "where experts run and what the GPU keeps (default: value with a budget, else cpu)",
+        "choices": RUN_POLICIES})
+    budget: str | None = field(default=None, metadata={
+        "flag": "--gpu-expert-budget", "metavar": "SIZE",
+        "help": "GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes (0.1)"})
+    placement: str | None = field(default=None, metadata={
+        "help": "experts placed on the GPU at start (default: the policy's own)", "choices": PLACEMENTS})
+    device: str = "cpu"  # "cuda" | "emulated" | "cpu" (resolved from --device auto by the caller)
+    expert_stats: str | None = field(default=None, metadata={
+        "metavar": "FILE", "help": "activation statistics for placement and warm start"})
     cpu_workers: int | None = None  # CPU expert workers (None: one per torch thread)
     cpu_clock: str = "measured"  # emulated: the CPU side of the virtual clock, "measured" or "model"
     keep_log: bool = False  # emulated: keep every copy and GPU run (tests)
     history: int = 256  # per-step stats kept
+
+    def __post_init__(self):
+        self.budget = "0" if self.budget is None else self.budget
+        if self.policy is None:
+            self.policy = "cpu" if self.budget in ("0", 0) else "value"
 
 
 def make_runtime(shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel | None) -> ExpertRuntime:
