@@ -115,3 +115,25 @@ def test_no_gpu_profile_runs_everything_on_the_cpu():
     r = simulate(lines, OLMOE, cost, SimConfig(policy="value", budget="0.5"))
     assert r.slots == 0 and r.hit_rate == 0
     assert r.expert_ms_per_token == pytest.approx(16 * 8 * cost.t_cpu(1) * 1e3, rel=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "deepseek_v2", "mixtral"])
+def test_the_simulators_shape_has_the_models_dense_layers_between_moe_layers(arch, tmp_path):
+    """Reference: which layers of transformers' own model hold routed experts."""
+    from hybridmoe.loader import load_model
+    from tests.tiny import build_tiny
+
+    hf = build_tiny(arch, tmp_path)
+    sparse = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(getattr(layer, "mlp", None) or
+                                                                          layer.block_sparse_moe, "experts"))
+    shape = get_shape(str(tmp_path / "config.json"))
+    assert shape.experts.moe_layers == sparse
+    assert len(sparse) < len(hf.model.layers) or arch == "mixtral"  # dense layers in between, but Mixtral's
+    assert tuple(block.layer for block in load_model(tmp_path, progress=False).moe_blocks()) == sparse
+
+
+def test_moe_layer_freq_spaces_deepseek_moe_layers():
+    # DeepSeek's rule (its modeling code): MoE from first_k_dense_replace on, every moe_layer_freq-th layer.
+    cfg = {"hidden_size": 8, "moe_intermediate_size": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "num_hidden_layers": 9, "first_k_dense_replace": 1, "moe_layer_freq": 2, "vocab_size": 10}
+    assert shape_from_config(cfg, "ds").experts.moe_layers == (2, 4, 6, 8)
