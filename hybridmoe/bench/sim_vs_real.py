@@ -1,4 +1,4 @@
-"""`hybridmoe bench sim-vs-real`: does the simulator predict what the engine measures? (issue 5, item 6)
+"""`hybridmoe bench sim-vs-real`: does the simulator predict what the engine measures?
 
 Runs a model on the emulated accelerator with the `cpu` policy while recording its routing, then
 replays that trace through `simulate` with the same cost profile and the model's own shape, and

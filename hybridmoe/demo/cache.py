@@ -6,11 +6,13 @@ option like `--experts 32` never picks up a stale build.
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 
 from hybridmoe.demo.build import DEFAULT_SPEC, RECIPE_VERSION, MoESpec, build, is_complete
 from hybridmoe.paths import user_cache_dir
+
+log = logging.getLogger("hybridmoe")
 
 
 def demo_model_path(spec: MoESpec = DEFAULT_SPEC) -> Path:
@@ -22,7 +24,6 @@ def ensure_demo_model(spec: MoESpec = DEFAULT_SPEC) -> Path:
     """The path of the built demo model, building it first (with a one-line notice) if needed."""
     path = demo_model_path(spec)
     if not is_complete(path):
-        print(f"hybridmoe: building the demo model into {path} (once; a few minutes)...",
-              file=sys.stderr)
+        log.warning("building the demo model into %s (once; a few minutes)...", path)
         build(path, spec)
     return path

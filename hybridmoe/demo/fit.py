@@ -9,7 +9,7 @@ model's own hidden states (distillation), layer after layer:
 
 Layers are fitted in order on the calibration text as the MoE model built so far sees it, so each
 refit corrects what earlier layers got wrong instead of letting the errors compound. Figures and
-the variants that did not help: docs/benchmarks.md (demo model section). `python -m hybridmoe.demo.fit`
+the variants that did not help: docs/notes/2026-11-21-demo-model-recipe.md. `python -m hybridmoe.demo.fit`
 reproduces the data shipped in hybridmoe/demo/data.
 """
 
@@ -60,7 +60,7 @@ def fit_layer(x: torch.Tensor, target: torch.Tensor, gate, up, down, spec: MoESp
     model's residual stream needs from this FFN): the layer's MoE, and its output on x [T, H].
     `given` supplies a shipped split and router, leaving only the refit to do. The ridge
     (relative to the activations' mean energy) was chosen on held-out tokens: 0.1-1
-    generalises, 1e-3 overfits (docs/benchmarks.md, demo model section)."""
+    generalises, 1e-3 overfits (docs/notes/2026-11-21-demo-model-recipe.md)."""
     h = activations(x, gate, up)                               # [T, F]
     if given is None:
         shared, experts = split(h, down, spec, seed)

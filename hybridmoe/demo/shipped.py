@@ -4,7 +4,7 @@ only applies them to the dense weights instead of fitting from scratch:
 - corpus.safetensors — token ids of the calibration and evaluation text the dense model wrote;
 - plan-<tag>.safetensors — per layer, the neuron split and the router of a configuration.
 
-`python -m hybridmoe.demo.fit` regenerates both (see docs/benchmarks.md (demo model section)).
+`python -m hybridmoe.demo.fit` regenerates both (see docs/notes/2026-11-21-demo-model-recipe.md).
 """
 
 from __future__ import annotations

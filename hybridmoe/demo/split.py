@@ -64,7 +64,7 @@ def refine_split(h: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
     """Experts [E, n] regrouped to suit a router: each routed neuron moves (at most n per
     expert) to the expert whose tokens, as the router picks them (ids [T, k]), hold the largest
     share of its output energy. Alternating this with retraining the router cut the held-out
-    error after the refit by 5% / 9% in three rounds (layers 3 / 12; docs/benchmarks.md)."""
+    error after the refit (docs/notes/2026-11-21-demo-model-recipe.md)."""
     rest = experts.flatten().sort().values                     # [R]
     energy = (h[:, rest] * down[:, rest].norm(dim=0)).pow(2)   # [T, R]
     chosen = torch.zeros(h.shape[0], experts.shape[0]).scatter(1, picked, 1.0)  # [T, E]

@@ -1,5 +1,5 @@
 """The dense model's residual stream on the calibration text, through hybridmoe's own Llama
-(issue 2: transformers' model classes are the tests' reference, not our code's engine).
+(transformers' model classes are the tests' reference, not our code's engine).
 
 Sequences go in flat, one after another ([T, H], as the engine runs them), so no padding and no
 attention mask: each sequence attends to itself only, through a KV context that hands every

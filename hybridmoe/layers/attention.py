@@ -36,15 +36,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv]; the n queries are the last n positions.
 
     The query heads that share a KV head are stacked as rows of one [g*n, d] matrix per KV head, so K
-    and V are never repeated: repeating them copied the whole history every layer and step, and
-    measured 574 us against 115 us for this (bf16 decode, 32/4 heads of 128, 192 positions, 1 thread).
-    The leading batch dimension matters: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
-    fall back to the unfused math path (a 512-token chunk over 1024 positions, 9/3 heads of 64, fp32,
-    1 thread: 17.8 ms against 49.3 ms; decode at 1100 positions 118 against 203 us).
-
-    Chunks of more than one bf16 query on the CPU take the native kernel instead when it is available
-    (native.prefill_attention: 9/3 heads of 64, 512 queries over 1024 positions, 1 thread: ~4 ms against
-    ~15 ms for this path).
+    and V are never repeated (repeating them copied the whole history every layer and step). The
+    leading batch dimension matters: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
+    fall back to the unfused math path. Chunks of more than one bf16 query on the CPU take the native
+    kernel instead when it is available, several times faster (docs/notes/2026-11-24-measurements-in-code.md, "causal_attention").
     """
     n, heads, d = q.shape
     if n > 1 and native.prefill_applies(q, k, v):
@@ -119,9 +114,8 @@ class Attention(nn.Module):
         Sequences that bring one token take the native kernel, reading K and V from the paged pools
         through their block tables, when the context offers that view (`decode`) and the kernel takes
         these tensors (bf16 on the CPU, native.available()); the others, and every sequence of any
-        other context, causal_attention over their history. Demo model (bf16, 9/3 heads of 64, 1
-        thread), batch-8 decode at ~1040 positions: ~74 us a (layer, sequence) against ~200 us for
-        SDPA, and no gather of a history whose blocks are not consecutive."""
+        other context, causal_attention over their history. The kernel needs no gather of a history
+        whose blocks are not consecutive (docs/notes/2026-11-24-measurements-in-code.md, "Attention.attend")."""
         scale = self.head_dim**-0.5
         out = q.new_empty(q.shape)  # [T, h, d]
         seqs = range(len(ctx.seq_lens))

@@ -1,14 +1,12 @@
 """Dense projections for a few rows at a time: the batched-decode shape.
 
 Used by the attention, MLP and MLA layers and by the models' LM head; experts/ keeps F.linear
-(runtime.expert_ffn says why).
+(experts/run/ffn.py expert_ffn says why).
 
 A decode step of B sequences multiplies B rows by every dense weight. In fp32, torch's default
-kernel (MKL sgemm) is slow at 2 <= B <= 32 on this CPU when the weight comes from memory: on a
-2-core Zen 4 (one thread, weights not in cache) it took 193 us for [8, 576] x [576, 768] and
-15.2 ms for the demo model's LM head [8, 576] x [576, 49152], against 137 us and 8.2 ms for
-oneDNN's linear on the same unpacked weights (3 rows: 198 vs 120 us, 25.8 vs 6.9 ms). One row stays
-on F.linear, so single-sequence decode keeps its exact arithmetic; prefill chunks (many rows) and
+kernel (MKL sgemm) is slow at 2 <= B <= 32 when the weight comes from memory, where oneDNN's linear
+on the same unpacked weights is about 1.5-4x faster (docs/notes/2026-11-24-measurements-in-code.md, "FEW_ROWS"). One row stays on
+F.linear, so single-sequence decode keeps its exact arithmetic; prefill chunks (many rows) and
 other dtypes (bf16 already goes to oneDNN) are unchanged.
 
 Up to native.MAX_ROWS bf16 rows (bf16 decode, one row per sequence) go to the native kernel where it

@@ -98,10 +98,9 @@ class DeepseekV2ForCausalLM(CausalLM):
     def load_weights(self, tensors) -> None:
         # The correction bias only ranks experts, by small margins: bf16 rounding would change choices, so
         # it stays fp32 whatever dtype the model is loaded in (transformers does the same).
-        for layer in self.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
+        for block in self.moe_blocks():
+            if block.scoring == "sigmoid":
+                block.gate.e_score_correction_bias.data = block.gate.e_score_correction_bias.data.float()
         super().load_weights(self._without_mtp(tensors))
 
     def _without_mtp(self, tensors):

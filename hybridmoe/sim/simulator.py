@@ -6,7 +6,7 @@ times are the truth here, since the cost model *is* the hardware. The layer ends
 (plus `dense_s` of attention and the rest, during which the copy stream keeps working); the next
 layer starts then. Copies queued on the copy stream run on across layers.
 
-Fair protocol (issue 5): the first `profile_tokens` steps only build statistics (placement, every
+Fair protocol: the first `profile_tokens` steps only build statistics (placement, every
 policy's warm start, the predictor); figures are reported on the rest, which nobody has seen.
 """
 

@@ -1,6 +1,6 @@
 """How long one routed expert takes on the CPU, on the GPU, and to copy over PCIe.
 
-The formulas are those of shared/DESIGN.md ("cost model"):
+The formulas (docs/architecture.md):
 
     t_cpu(n) = max(bytes / bw_cpu, flops(n) / f_cpu) + c_cpu
     t_gpu(n) = max(bytes / bw_gpu, flops(n) / f_gpu) + c_gpu
@@ -72,15 +72,13 @@ class CostModel:
     # Effective CPU bandwidth per quantisation when it differs from bw_cpu (dequantisation costs).
     bw_cpu_by_quant: dict[str, float] = field(default_factory=dict)
     # One token runs a matrix-vector kernel that streams weights faster than the batched (GEMM)
-    # kernel does at small n (measured: 1536x640 fp32, 1 thread: 0.69 ms at n=1, 1.1-1.6 ms at
-    # n=2..12); 0 = no separate figure, bw_cpu for every n. Set by experts/calibrate.py.
+    # kernel does at small n (docs/notes/2026-11-24-measurements-in-code.md); 0 = no separate figure, bw_cpu for every n. Set by calibration.
     bw_cpu_one: float = 0.0
     # That kernel's fixed seconds per call (it skips the GEMM's set-up); used with bw_cpu_one.
     # None (profiles written before it existed) = c_cpu.
     c_cpu_one: float | None = None
-    # Below this many tokens the CPU works row by row, one matrix-vector pass per token (measured,
-    # MKL 2024.2 on AMD EPYC, fp32, 1 thread: 3072x1024 takes 1.9, 3.9, 5.4 ms at n = 1, 2, 3 and
-    # 3.2 ms at n = 4; a 768x96 expert, which stays in L2, 61, 81, 88 and 83 us). 2 = only n = 1.
+    # Below this many tokens the CPU works row by row, one matrix-vector pass per token (MKL does at
+    # n = 2, 3: the notes above, "cpu_gemm_from"). 2 = only n = 1.
     cpu_gemm_from: int = 2
     # Where the passes after the first re-read the weights from: [capacity bytes, bytes/s] per cache
     # level, innermost first (bandwidth 0 = not measured, as the next level out), then RAM at
@@ -89,8 +87,7 @@ class CostModel:
     bw_cpu_reread: float = 0.0
     c_cpu_reread: float = 0.0
     # Share of the smaller of (streaming, arithmetic) that the batched kernel hides behind the larger:
-    # 1 = the roofline's max, 0 = their sum (measured, fp32, 1 thread: 3072x1024 at n = 4..256 is
-    # 2.51 ms + 0.170 ms per token within 2%, where the max is off by up to 30%).
+    # 1 = the roofline's max, 0 = their sum (measured near 0 on one thread: the notes, "cpu_overlap").
     cpu_overlap: float = 1.0
     # Geometry, filled in by for_expert():
     expert_bytes: float = 0.0
@@ -130,8 +127,8 @@ class CostModel:
 
     def t_reread(self, nbytes: float) -> float:
         """Seconds to stream `nbytes` again, from the innermost cache level that holds them all, else
-        from RAM: a stream larger than a cache evicts itself before it comes round again (measured:
-        3072x1024 fp32, 37.7 MB, re-reads at 21 GB/s next to 19 GB/s from RAM, with a 32 MB L3)."""
+        from RAM: a stream larger than a cache evicts itself before it comes round again (docs/notes/2026-11-24-measurements-in-code.md,
+        "t_reread")."""
         fits = [bw for capacity, bw in self.cpu_caches if nbytes <= capacity]
         bw = next((bw for bw in fits if bw > 0), 0.0) or self.bw_cpu_reread or self.bw_cpu_one
         return nbytes / bw

@@ -230,10 +230,7 @@ class ValuePolicy(Policy):
     def distance(self, key: Key, now: float, arrive: float | None = None) -> float:
         # Used at the next visit with p (which may carry the cross-layer signal, good for that one
         # visit only), at each later one with q (recency, frequency): D = d + (1 - p) * L / q.
-        # With q = p (no cross-layer signal) this is the geometric d + L(1-p)/p of before; using
-        # p for every visit overvalued one-visit prefetches and was 1-4% slower on synthetic traces.
-        # A hazard model (p falling with age, E(a) = 1 + (1 - h(a)) E(a + 1)) was tried instead of
-        # the geometric one and was worse in 5 of 6 synthetic cases: kept simple.
+        # The variants measured against it: docs/notes/2026-11-24-measurements-in-code.md, "The value policy's distance".
         p = max(self.predictor.p_next(key), 1e-3)
         q = max(self.predictor.p_base(key), 1e-3)
         d = self.planner.distance(key[0])

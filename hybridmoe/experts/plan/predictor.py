@@ -85,9 +85,7 @@ class CrossLayer:
         src = self.sets[i]
         f = np.minimum(np.asarray(rate, dtype=float), 1.0)  # [E]
         cond = (self.co[h][i][src] + CROSS_LAYER_PRIOR * f) / (self.n[h][i][src, None] + CROSS_LAYER_PRIOR)  # [|S|, E]
-        # The strongest pull wins: the mean dilutes a strong successor by 1/|S| and was no better
-        # than frequency alone on synthetic traces with planted successors; lift-based and summed
-        # variants measured the same as the max (predictor precision within 0.01).
+        # The strongest pull wins: the mean dilutes a strong successor by 1/|S| (docs/notes/2026-11-24-measurements-in-code.md).
         return cond.max(axis=0)
 
 

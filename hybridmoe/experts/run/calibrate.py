@@ -34,10 +34,10 @@ from hybridmoe.tuning import ROTATE_BYTES
 log = logging.getLogger("hybridmoe")
 
 # (hidden, intermediate), from 0.2 MB to 75 MB in fp32: the per-call constant c_cpu is only
-# visible on small experts (a 576x48 one streams 0.33 MB in ~15 us) and the bandwidth only on large
-# ones, beyond the last-level cache (32 MB here). A fit on large shapes alone put c_cpu at 0.40 ms
-# and predicted the demo model's 576x48 experts 10x too slow. The held-out shapes lie between
-# them: a small, a medium and a beyond-L3 one. The model's own shape joins the fit when known.
+# visible on small experts and the bandwidth only on large ones, beyond the last-level cache (a fit
+# on large shapes alone predicted small experts 10x too slow: docs/notes/, "Calibration shapes").
+# The held-out shapes lie between them: a small, a medium and a beyond-L3 one. The model's own
+# shape joins the fit when known.
 FIT_SHAPES = ((256, 64), (512, 128), (1024, 256), (2048, 768), (4096, 1536))
 CHECK_SHAPES = ((768, 96), (1536, 640), (3072, 1024))
 QUICK_CHECK_SHAPES = ((768, 96), (3072, 1024))
@@ -209,8 +209,7 @@ def _sample(kind: str, hidden: int, inter: int, n: int, dtype, seconds: float, w
 
 def _weight(hidden: int, inter: int, model: tuple[int, int] | None) -> float:
     """The model's own shape counts as much as all the standard ones together: the profile is for
-    it, and effective bandwidth varies by shape more than the roofline can follow (measured, fp32,
-    one thread: 13 GB/s at 512x128, 18 at 576x48, 21 at 3072x1024)."""
+    it, and effective bandwidth varies by shape more than the roofline can follow (docs/notes/2026-11-24-measurements-in-code.md)."""
     return float(len(FIT_SHAPES)) if model == (hidden, inter) else 1.0
 
 

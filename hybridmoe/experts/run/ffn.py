@@ -33,8 +33,8 @@ def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, tor
     flat = topk_ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)  # [T*K]
     k = topk_ids.shape[1]
-    # Rows and columns for all assignments at once, then sliced per expert: a `//` and a `%` per expert
-    # cost 128 small ops per layer at prefill (integer remainder alone measured 33 us a call here).
+    # Rows and columns for all assignments at once, then sliced per expert: a `//` and a `%` per
+    # expert would cost 128 small ops per layer at prefill.
     rows, cols = order // k, order % k  # [T*K] each
     counts = torch.bincount(flat).tolist()  # one sync per layer
     groups, start = [], 0
@@ -51,10 +51,8 @@ def combine_grouped(x: torch.Tensor, groups, ys: list[torch.Tensor], topk_weight
     fp32, each token's terms added in increasing expert id.
 
     index_add_ adds its source rows in order, so one call for all experts is bit for bit the
-    per-expert loop. One call is faster for a decode batch (a batch-8 decode of the demo model uses
-    ~15 experts in each of 30 layers: 0.60 -> 0.50 ms per layer; 32 tokens: 1.02 -> 0.95 ms) and slower
-    for a prefill chunk, whose [T*K, H] terms outgrow the cache (64 tokens: 1.7 -> 2.7 ms, 128: 2.7 ->
-    4.6 ms), which keeps the loop."""
+    per-expert loop. One call is faster for a decode batch and slower for a prefill chunk, whose
+    [T*K, H] terms outgrow the cache, which keeps the loop (docs/notes/2026-11-24-measurements-in-code.md, "FEW_TOKENS")."""
     out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
     if x.shape[0] > tuning.FEW_TOKENS:
         for (_, rows, cols), y in zip(groups, ys):

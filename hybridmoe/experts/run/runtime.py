@@ -69,6 +69,10 @@ class ExpertRuntime(Protocol):
     def close(self) -> None: ...
 
 
+class _ThreadStep(threading.local):
+    step: Step | None = None  # the step in progress on this thread
+
+
 class BaseRuntime:
     """Steps, observers, stats and the CPU side, shared by both runtimes; subclasses say in `_layer`
     where each expert of a layer runs."""
@@ -83,7 +87,7 @@ class BaseRuntime:
         self.cpu = CPUExperts(cpu_workers)
         self.stats = stats
         self.observers: list[Observer] = [stats]
-        self._local = threading.local()  # .step: the Step in progress on this thread
+        self._local = _ThreadStep()
         self._closed = False
 
     def finish_loading(self) -> None:
@@ -103,7 +107,7 @@ class BaseRuntime:
 
     def forward(self, layer, x, topk_ids, topk_weights, hint=None):
         """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert outputs."""
-        step = getattr(self._local, "step", None)
+        step = self._local.step
         if step is None:
             raise RuntimeError("an MoE layer ran outside a step: the model's forward must call begin_step first")
         o = self.ordinal[layer]
