@@ -17,12 +17,14 @@ class HFConfig:
         self.data = dict(data)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "HFConfig":
+    def from_file(cls, path: str | Path) -> HFConfig:
         path = Path(path)
         try:
             return cls(json.loads(path.read_text()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFileError(f"{path}: cannot read it as JSON ({e}); restore the model's config.json") from None
+            raise ModelFileError(
+                f"{path}: cannot read it as JSON ({e}); restore the model's config.json"
+            ) from None
 
     def get(self, *names: str, default=_MISSING):
         for name in names:
@@ -30,7 +32,9 @@ class HFConfig:
             if value is not None:
                 return value
         if default is _MISSING:
-            raise ModelFileError(f"config.json has no {' / '.join(names)}; the model directory is incomplete")
+            raise ModelFileError(
+                f"config.json has no {' / '.join(names)}; the model directory is incomplete"
+            )
         return default
 
     @property
@@ -43,4 +47,6 @@ class HFConfig:
         return self.data.get("model_type", "")
 
     def head_dim(self) -> int:
-        return self.get("head_dim", default=None) or self.get("hidden_size") // self.get("num_attention_heads")
+        return self.get("head_dim", default=None) or self.get("hidden_size") // self.get(
+            "num_attention_heads"
+        )

@@ -19,15 +19,27 @@ from safetensors.torch import load_file
 
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {  # config.json model_type -> llama.cpp architecture
-    "llama": gguf.MODEL_ARCH.LLAMA, "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
-    "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+    "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
+    "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
 }
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, drop: str | None = None,
-               arch_name: str | None = None, legacy_experts: bool = False) -> Path:
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    qtype: Q = Q.F32,
+    drop: str | None = None,
+    arch_name: str | None = None,
+    legacy_experts: bool = False,
+) -> Path:
     """Convert the checkpoint in `hf_dir` (config.json + model.safetensors) to the GGUF file `out`.
     `drop` leaves out the GGUF tensor of that name and `arch_name` overrides general.architecture
     (both for the bad-input tests); `legacy_experts` writes one tensor per expert, blk.N.ffn_up.E.weight,
@@ -37,7 +49,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, drop: str | None = Non
     writer = gguf.GGUFWriter(str(out), arch_name or gguf.MODEL_ARCH_NAMES[arch])
     write_metadata(writer, cfg)
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
-    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])  # for dense MLP layers
+    dense = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"]
+    )  # for dense MLP layers
     for hf_name, tensor in llama_cpp_tensors(load_file(str(hf_dir / "model.safetensors")), cfg):
         if legacy_experts and tensor.dim() == 3:
             _, layer, stack, _ = names.get_name(hf_name, try_suffixes=(".weight",)).split(".")
@@ -46,7 +60,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, drop: str | None = Non
                 add_tensor(writer, name, expert.float().numpy(), qtype)
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or dense.get_name(
-            hf_name, try_suffixes=(".weight", ".bias"))
+            hf_name, try_suffixes=(".weight", ".bias")
+        )
         assert name is not None, hf_name
         if name != drop:
             add_tensor(writer, name, tensor.float().numpy(), qtype)
@@ -79,7 +94,9 @@ def llama_cpp_tensors(state: dict[str, torch.Tensor], cfg: dict):
             continue
         if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
-        if GGUF_ARCH[cfg["model_type"]] == gguf.MODEL_ARCH.LLAMA and re.search(r"\.(q|k)_proj\.(weight|bias)$", name):
+        if GGUF_ARCH[cfg["model_type"]] == gguf.MODEL_ARCH.LLAMA and re.search(
+            r"\.(q|k)_proj\.(weight|bias)$", name
+        ):
             heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
             t = permute_rows(t, heads)
         if name.endswith("kv_b_proj.weight"):
@@ -93,7 +110,11 @@ def llama_cpp_tensors(state: dict[str, torch.Tensor], cfg: dict):
 
 def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Per head, rows (2, D/2) -> (D/2, 2): the interleaved pairs of GPT-J RoPE that llama.cpp's llama uses."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def split_kv_b(name: str, w: torch.Tensor, cfg: dict):
@@ -113,14 +134,20 @@ def write_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
     w.add_head_count(heads)
     mla = cfg["model_type"].startswith("deepseek")  # MLA is written as MQA: one KV head
     w.add_head_count_kv(1 if mla else cfg.get("num_key_value_heads") or heads)
-    w.add_rope_freq_base(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    w.add_rope_freq_base(
+        cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    )
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     write_rope_scaling(w, cfg)
     w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("head_dim") and not mla:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    if (experts := cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")):
+    if (
+        experts := cfg.get("num_local_experts")
+        or cfg.get("num_experts")
+        or cfg.get("n_routed_experts")
+    ):
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("moe_intermediate_size"):
@@ -168,5 +195,10 @@ def write_deepseek_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
     if cfg.get("n_group") is not None:
         w.add_expert_group_count(cfg["n_group"])
         w.add_expert_group_used_count(cfg["topk_group"])
-    sigmoid = cfg.get("scoring_func", "sigmoid" if cfg["model_type"] == "deepseek_v3" else "softmax") == "sigmoid"
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    sigmoid = (
+        cfg.get("scoring_func", "sigmoid" if cfg["model_type"] == "deepseek_v3" else "softmax")
+        == "sigmoid"
+    )
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
+    )

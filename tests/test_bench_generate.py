@@ -7,12 +7,32 @@ from hybridmoe.cli import main
 
 def test_make_model_then_bench_generate_reports_both_engines(tmp_path, capsys):
     model = tmp_path / "bench-model"
-    assert main(["bench", "make-model", "--shape", "tiny", "--layers", "2", "--out", str(model)]) == 0
+    assert (
+        main(["bench", "make-model", "--shape", "tiny", "--layers", "2", "--out", str(model)]) == 0
+    )
     assert (model / "config.json").exists() and list(model.glob("*.safetensors"))
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+    assert not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".")
+    ]  # no temporary directory left
     capsys.readouterr()
-    code = main(["bench", "generate", "--model", str(model), "--prompt-len", "5", "--max-tokens", "4",
-                 "--repeats", "2", "--warmup", "1", "--compare-transformers", "--json"])
+    code = main(
+        [
+            "bench",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt-len",
+            "5",
+            "--max-tokens",
+            "4",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--compare-transformers",
+            "--json",
+        ]
+    )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["prompt_len"] == 5 and result["max_tokens"] == 4 and result["dtype"] == "bf16"
@@ -26,12 +46,46 @@ def test_make_model_then_bench_generate_reports_both_engines(tmp_path, capsys):
 
 def test_bench_generate_without_transformers_prints_a_table(tmp_path, capsys):
     model = tmp_path / "m"
-    main(["bench", "make-model", "--shape", "tiny", "--layers", "1", "--out", str(model), "--dtype", "fp32"])
+    main(
+        [
+            "bench",
+            "make-model",
+            "--shape",
+            "tiny",
+            "--layers",
+            "1",
+            "--out",
+            str(model),
+            "--dtype",
+            "fp32",
+        ]
+    )
     capsys.readouterr()
-    assert main(["bench", "generate", "--model", str(model), "--dtype", "fp32", "--prompt-len", "3",
-                 "--max-tokens", "2", "--repeats", "1", "--warmup", "0"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "generate",
+                "--model",
+                str(model),
+                "--dtype",
+                "fp32",
+                "--prompt-len",
+                "3",
+                "--max-tokens",
+                "2",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "hybridmoe" in out and "decode tok/s" in out and "transformers" not in out.splitlines()[-1]
+    assert (
+        "hybridmoe" in out and "decode tok/s" in out and "transformers" not in out.splitlines()[-1]
+    )
 
 
 def test_make_model_refuses_an_existing_directory(tmp_path, capsys):

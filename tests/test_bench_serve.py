@@ -17,14 +17,22 @@ from tests.served_model import ServerThread, tiny_chat_model
 
 
 def timing(sent, chunks, prompt, completion, prefill=None, decode=None):
-    return RequestTiming(prompt_tokens=prompt, completion_tokens=completion, sent=sent, chunks=list(chunks),
-                         server_prefill_s=prefill, server_decode_s=decode)
+    return RequestTiming(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        sent=sent,
+        chunks=list(chunks),
+        server_prefill_s=prefill,
+        server_decode_s=decode,
+    )
 
 
 def test_the_window_aggregate_spans_first_token_to_last_and_the_sum_adds_each_requests_speed():
     rng = random.Random()
     a_first, b_first = rng.uniform(1, 2), rng.uniform(5, 6)
-    a = timing(0.0, [a_first + 0.1 * i for i in range(11)], prompt=100, completion=11)  # 10 decode tokens in 1 s
+    a = timing(
+        0.0, [a_first + 0.1 * i for i in range(11)], prompt=100, completion=11
+    )  # 10 decode tokens in 1 s
     b = timing(0.0, [b_first + 0.2 * i for i in range(21)], prompt=300, completion=21)  # 20 in 4 s
     r = summarise(128, 2, [a, b])
     window = b.chunks[-1] - a.chunks[0]
@@ -33,16 +41,27 @@ def test_the_window_aggregate_spans_first_token_to_last_and_the_sum_adds_each_re
     assert r["prefill_tps_sum"] == pytest.approx(100 / a_first + 300 / b_first)
     assert r["prefill_tps_aggregate"] == pytest.approx(400 / b_first)
     assert r["speed_times"] == "client"
-    assert r["decode_tps_sum"] > r["decode_tps_aggregate"]  # b's decode waited for a's window to open
+    assert (
+        r["decode_tps_sum"] > r["decode_tps_aggregate"]
+    )  # b's decode waited for a's window to open
 
 
 def test_the_sum_takes_the_servers_phase_times_when_it_reports_them():
     prefill, decode = random.uniform(0.5, 1.5), random.uniform(2.0, 3.0)
-    a = timing(0.0, [2.0 + 0.1 * i for i in range(9)], prompt=64, completion=9, prefill=prefill, decode=decode)
+    a = timing(
+        0.0,
+        [2.0 + 0.1 * i for i in range(9)],
+        prompt=64,
+        completion=9,
+        prefill=prefill,
+        decode=decode,
+    )
     r = summarise(64, 1, [a])
     assert r["decode_tps_sum"] == pytest.approx(8 / decode)  # not the client's 8 / 0.8
     assert r["prefill_tps_sum"] == pytest.approx(64 / prefill)
-    assert r["decode_tps_per_request"] == pytest.approx(8 / 0.8)  # the client's own clock, unchanged
+    assert r["decode_tps_per_request"] == pytest.approx(
+        8 / 0.8
+    )  # the client's own clock, unchanged
     assert r["speed_times"] == "server"
     a.server_decode_s = None  # one request without server times: the level says so
     assert summarise(64, 1, [a])["speed_times"] == "client"
@@ -52,8 +71,11 @@ def test_the_sum_takes_the_servers_phase_times_when_it_reports_them():
 def test_a_level_against_a_real_server_uses_its_reported_times():
     path = tiny_chat_model()
     tok = load_tokenizer(path)
-    engine = LLMEngine(load_model(path, progress=False), tok,
-                       EngineConfig(max_batch_size=4, max_tokens_per_step=64, kv_cache_tokens=2048))
+    engine = LLMEngine(
+        load_model(path, progress=False),
+        tok,
+        EngineConfig(max_batch_size=4, max_tokens_per_step=64, kv_cache_tokens=2048),
+    )
     args = argparse.Namespace(url=None, api_key=None, max_tokens=6, vocab=49152, timeout=120)
     with ServerThread(create_app(AsyncEngine(engine), tok, "tiny")) as server:
         args.url = server.url

@@ -47,7 +47,9 @@ def test_a_repeated_prefix_takes_the_cached_full_blocks_but_never_the_last_token
     compute(bm, a, len(a))
     b = seq(system + [3], "b")
     assert bm.match_prefix(b) == 8 and b.block_table == a.block_table[:2]
-    c = seq(list(a.token_ids), "c")  # identical to a (12 tokens = 3 full blocks): the last block is recomputed
+    c = seq(
+        list(a.token_ids), "c"
+    )  # identical to a (12 tokens = 3 full blocks): the last block is recomputed
     assert bm.match_prefix(c) == 8
     check_invariants(bm, [a, b, c])
     assert bm.blocks[a.block_table[0]].ref_count == 3

@@ -58,7 +58,12 @@ def test_cache_slots_pins_and_in_flight_copies():
     c = ExpertCache(3)
     c.place([(0, 1)], pinned=True)
     c.insert((0, 2), ready_at=5.0)
-    assert c.is_ready((0, 1), 0.0) and (0, 2) in c and not c.is_ready((0, 2), 4.9) and c.is_ready((0, 2), 5.0)
+    assert (
+        c.is_ready((0, 1), 0.0)
+        and (0, 2) in c
+        and not c.is_ready((0, 2), 4.9)
+        and c.is_ready((0, 2), 5.0)
+    )
     slot = c.insert((1, 1), ready_at=1.0)
     assert c.free_count() == 0
     assert c.insert((1, 2), ready_at=2.0, evict=(1, 1)) == slot  # the victim's slot is reused

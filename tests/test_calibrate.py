@@ -9,16 +9,18 @@ import pytest
 import torch
 
 from hybridmoe.cli import main
-from hybridmoe.experts.run import calibrate as cal
 from hybridmoe.experts.plan.cost_fit import Sample, fit
 from hybridmoe.experts.plan.cost_model import CostModel
 from hybridmoe.experts.plan.shape import ExpertShape
+from hybridmoe.experts.run import calibrate as cal
 
 
 @pytest.fixture
 def small_shapes(monkeypatch):
     """Small experts and few token counts: the same code path in a second."""
-    monkeypatch.setattr(cal, "FIT_SHAPES", ((512, 256), (1536, 768)))  # 1.5 and 14 MB: time grows with size
+    monkeypatch.setattr(
+        cal, "FIT_SHAPES", ((512, 256), (1536, 768))
+    )  # 1.5 and 14 MB: time grows with size
     monkeypatch.setattr(cal, "CHECK_SHAPES", ((1024, 512),))
     monkeypatch.setattr(cal, "QUICK_CHECK_SHAPES", ((1024, 512),))
     monkeypatch.setattr(cal, "QUICK_FIT_TOKENS", (1, 4, 16, 64))
@@ -34,9 +36,13 @@ def test_calibrate_writes_a_profile_the_engine_loads(small_shapes, tmp_path):
     assert profile.bw_cpu > 0 and profile.f_cpu > 0 and profile.c_cpu >= 0 and not profile.has_gpu
     data = json.loads(out.read_text())
     assert data["dtype"] == "float32" and data["checks"]
-    assert {(c["hidden"], c["intermediate"]) for c in data["checks"]} == {(1024, 512)}  # held out of the fit
+    assert {(c["hidden"], c["intermediate"]) for c in data["checks"]} == {
+        (1024, 512)
+    }  # held out of the fit
     assert all(c["measured"] > 0 and c["predicted"] > 0 for c in data["checks"])
-    assert {(s.bytes, s.n_tokens) for s in result.samples}.isdisjoint({(1024 * 512 * 12, n) for n in (3, 48)})
+    assert {(s.bytes, s.n_tokens) for s in result.samples}.isdisjoint(
+        {(1024 * 512 * 12, n) for n in (3, 48)}
+    )
 
 
 def test_the_check_uses_the_runtime_cost_formula():
@@ -58,15 +64,31 @@ def _by_hand(kind, b, fl, n, k):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fit_recovers_the_constants_that_made_the_samples(seed):
     rng = np.random.default_rng(seed)
-    known = {"bw": rng.uniform(5e9, 30e9), "f": rng.uniform(3e10, 3e11), "c": rng.uniform(5e-6, 5e-5),
-             "c_one": rng.uniform(1e-6, 3e-5)}
+    known = {
+        "bw": rng.uniform(5e9, 30e9),
+        "f": rng.uniform(3e10, 3e11),
+        "c": rng.uniform(5e-6, 5e-5),
+        "c_one": rng.uniform(1e-6, 3e-5),
+    }
     known["bw_one"] = known["bw"] * rng.uniform(1.0, 2.5)
     samples = []
-    for hidden, inter in ((256, 64), (576, 48), (1024, 256), (4096, 1536)):  # 0.2 to 75 MB: small and large
+    for hidden, inter in (
+        (256, 64),
+        (576, 48),
+        (1024, 256),
+        (4096, 1536),
+    ):  # 0.2 to 75 MB: small and large
         b, params = 3 * hidden * inter * 4, 3 * hidden * inter
         for n in (1, 2, 4, 8, 32, 128, 512):
-            samples.append(Sample("cpu", n, _by_hand("cpu", b, 2.0 * params * n, n, known), bytes=b,
-                                  flops=2.0 * params * n))
+            samples.append(
+                Sample(
+                    "cpu",
+                    n,
+                    _by_hand("cpu", b, 2.0 * params * n, n, known),
+                    bytes=b,
+                    flops=2.0 * params * n,
+                )
+            )
     p = fit(samples)
     got = {"bw": p.bw_cpu, "f": p.f_cpu, "c": p.c_cpu, "bw_one": p.bw_cpu_one, "c_one": p.c_cpu_one}
     for name, value in known.items():
@@ -91,15 +113,22 @@ def test_first_start_measures_once_then_reads_the_cache(monkeypatch, tmp_path):
 
     def fake(dtype, quick=False, progress=True, cuda=None, model=None):
         calls.append((quick, model))
-        return cal.Calibration(CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype)
+        return cal.Calibration(
+            CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype
+        )
 
     monkeypatch.setattr(cal, "calibrate", fake)
     first = cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48))
     second = cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48))
     other = cal.load_or_calibrate(None, torch.float32, progress=False, model=(2048, 768))
-    assert calls == [(True, (576, 48)), (True, (2048, 768))] and first.bw_cpu == second.bw_cpu == other.bw_cpu
+    assert (
+        calls == [(True, (576, 48)), (True, (2048, 768))]
+        and first.bw_cpu == second.bw_cpu == other.bw_cpu
+    )
     assert cal.default_profile_path(torch.float32, (576, 48)).is_relative_to(tmp_path / "hybridmoe")
-    assert cal.default_profile_path(torch.float32, (576, 48)) != cal.default_profile_path(torch.float32)
+    assert cal.default_profile_path(torch.float32, (576, 48)) != cal.default_profile_path(
+        torch.float32
+    )
 
 
 def test_first_start_measures_again_over_a_profile_of_an_older_format(monkeypatch, tmp_path):
@@ -109,24 +138,43 @@ def test_first_start_measures_again_over_a_profile_of_an_older_format(monkeypatc
 
     def fake(dtype, quick=False, progress=True, cuda=None, model=None):
         calls.append(model)
-        return cal.Calibration(CostModel(bw_cpu=2e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype)
+        return cal.Calibration(
+            CostModel(bw_cpu=2e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype
+        )
 
     monkeypatch.setattr(cal, "calibrate", fake)
     path = cal.default_profile_path(torch.float32, (576, 48))
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({**CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=1e-5).to_json(), "version": 1}))
-    assert cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48)).bw_cpu == 2e10
-    assert cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48)).bw_cpu == 2e10
+    path.write_text(
+        json.dumps({**CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=1e-5).to_json(), "version": 1})
+    )
+    assert (
+        cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48)).bw_cpu == 2e10
+    )
+    assert (
+        cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48)).bw_cpu == 2e10
+    )
     assert calls == [(576, 48)] and json.loads(path.read_text())["version"] == 2
 
 
 def test_cache_sizes_are_read_from_sysfs(tmp_path, monkeypatch):
     """L1 is left out; a private L2 counts once per thread, the shared L3 once."""
-    for index, (level, kind, size, cpus) in enumerate([(1, "Data", "48K", "0"), (1, "Instruction", "32K", "0"),
-                                                       (2, "Unified", "1024K", "0"), (3, "Unified", "32768K", "0-3")]):
+    for index, (level, kind, size, cpus) in enumerate(
+        [
+            (1, "Data", "48K", "0"),
+            (1, "Instruction", "32K", "0"),
+            (2, "Unified", "1024K", "0"),
+            (3, "Unified", "32768K", "0-3"),
+        ]
+    ):
         d = tmp_path / f"index{index}"
         d.mkdir()
-        for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", cpus)):
+        for name, value in (
+            ("level", level),
+            ("type", kind),
+            ("size", size),
+            ("shared_cpu_list", cpus),
+        ):
             (d / name).write_text(f"{value}\n")
     monkeypatch.setattr(cal.os, "cpu_count", lambda: 4)
     assert cal.cpu_caches(1, tmp_path) == (2**20, 32 * 2**20)
@@ -147,22 +195,58 @@ def test_calibrate_command(small_shapes, tmp_path, capsys, monkeypatch):
 def test_generate_with_runtime_options_prints_stats(tiny_chat_model, tmp_path, capsys):
     profile, trace, stats = tmp_path / "p.json", tmp_path / "t.jsonl", tmp_path / "s.json"
     CostModel(bw_cpu=2e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated").save(profile)
-    code = main(["generate", "--model", str(tiny_chat_model), "--prompt", "Hello there, how are you?", "--max-tokens", "5",
-                 "--temperature", "0", "--device", "emulated", "--gpu-expert-budget", "0.5", "--stats",
-                 "--calibration", str(profile), "--record-trace", str(trace), "--expert-stats-out", str(stats)])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_chat_model),
+            "--prompt",
+            "Hello there, how are you?",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--device",
+            "emulated",
+            "--gpu-expert-budget",
+            "0.5",
+            "--stats",
+            "--calibration",
+            str(profile),
+            "--record-trace",
+            str(trace),
+            "--expert-stats-out",
+            str(stats),
+        ]
+    )
     assert code == 0
     err = capsys.readouterr().err
     assert "expert runtime: emulated, policy value" in err and "hits" in err
     assert len(trace.read_text().splitlines()) == 4 and json.loads(stats.read_text())["tokens"] > 4
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--gpu-expert-budget", "lots"], "GPU expert budget"),
-    (["--calibration", "/nonexistent/p.json"], "calibrate"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--gpu-expert-budget", "lots"], "GPU expert budget"),
+        (["--calibration", "/nonexistent/p.json"], "calibrate"),
+    ],
+)
 def test_bad_runtime_options_are_one_line_errors(tiny_chat_model, capsys, args, fragment):
-    code = main(["generate", "--model", str(tiny_chat_model), "--prompt", "Hi", "--max-tokens", "2",
-                 "--device", "emulated", *args])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_chat_model),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "2",
+            "--device",
+            "emulated",
+            *args,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and "Traceback" not in err
 
@@ -174,7 +258,9 @@ def test_the_models_own_shape_is_fitted_closer_when_it_weighs_more():
     own_b, other = 3 * 576 * 48 * 4, (3 * 256 * 64 * 4, 3 * 2048 * 768 * 4, 3 * 4096 * 1536 * 4)
 
     def samples(weight):
-        rows = [Sample("cpu", 1, own_b / own_bw + 1e-5, bytes=own_b, flops=own_b / 2, weight=weight)]
+        rows = [
+            Sample("cpu", 1, own_b / own_bw + 1e-5, bytes=own_b, flops=own_b / 2, weight=weight)
+        ]
         return rows + [Sample("cpu", 1, b / other_bw + 1e-5, bytes=b, flops=b / 2) for b in other]
 
     def own_error(weight):

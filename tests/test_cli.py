@@ -28,19 +28,49 @@ def test_help_on_every_subcommand(name, capsys):
 
 def test_generate_streams_text_and_reports_speed(tiny_chat_model):
     out = subprocess.run(
-        [sys.executable, "-m", "hybridmoe", "generate", "--model", str(tiny_chat_model), "--chat",
-         "--prompt", "Hello", "--max-tokens", "8", "--temperature", "0"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "hybridmoe",
+            "generate",
+            "--model",
+            str(tiny_chat_model),
+            "--chat",
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert "decode: 8 tokens" in out.stderr and "tok/s" in out.stderr  # random weights never hit EOS here
+    assert (
+        "decode: 8 tokens" in out.stderr and "tok/s" in out.stderr
+    )  # random weights never hit EOS here
     assert len(out.stdout) > 1  # the streamed text (whatever random weights say) and a newline
 
 
 def test_generate_greedy_is_deterministic_and_seeded_sampling_reproducible(tiny_chat_model, capsys):
     def run(*extra):
-        assert main(["generate", "--model", str(tiny_chat_model), "--prompt", "Once", "--max-tokens", "6",
-                     *extra]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--model",
+                    str(tiny_chat_model),
+                    "--prompt",
+                    "Once",
+                    "--max-tokens",
+                    "6",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         return capsys.readouterr().out
 
     assert run("--temperature", "0") == run("--temperature", "0")
@@ -49,33 +79,55 @@ def test_generate_greedy_is_deterministic_and_seeded_sampling_reproducible(tiny_
 
 def test_chat_loop_answers_each_line_until_eof(tiny_chat_model):
     out = subprocess.run(
-        [sys.executable, "-m", "hybridmoe", "chat", "--model", str(tiny_chat_model), "--max-tokens", "4"],
-        input="Hi\n/reset\nHow are you?\n", capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "hybridmoe",
+            "chat",
+            "--model",
+            str(tiny_chat_model),
+            "--max-tokens",
+            "4",
+        ],
+        input="Hi\n/reset\nHow are you?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("> ") == 4  # three lines read, then EOF at the fourth prompt
     assert out.stderr.count("tok/s]") == 2  # two answers (the /reset line is a command)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--max-tokens", "0"], "--max-tokens"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--top-p", "0"], "--top-p"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+    ],
+)
 def test_bad_sampling_options_are_one_line_errors(tiny_chat_model, capsys, args, fragment):
     assert main(["generate", "--model", str(tiny_chat_model), "--prompt", "x", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("extra, beside", [
-    ([], True),  # the CPU runtime on one thread: prefill on a second core (this machine has two or more)
-    (["--threads", "2"], False),  # decode already uses both cores
-    (["--device", "emulated"], False),  # the hybrid runtime keeps per-pass state
-    (["--overlap-prefill", "off"], False),
-])
-def test_serve_puts_prefill_beside_decode_only_where_two_passes_can_run_at_once(tiny_chat_model, one_torch_thread,
-                                                                                extra, beside):
+@pytest.mark.parametrize(
+    "extra, beside",
+    [
+        (
+            [],
+            True,
+        ),  # the CPU runtime on one thread: prefill on a second core (this machine has two or more)
+        (["--threads", "2"], False),  # decode already uses both cores
+        (["--device", "emulated"], False),  # the hybrid runtime keeps per-pass state
+        (["--overlap-prefill", "off"], False),
+    ],
+)
+def test_serve_puts_prefill_beside_decode_only_where_two_passes_can_run_at_once(
+    tiny_chat_model, one_torch_thread, extra, beside
+):
     from hybridmoe.cli.options import available_cores, load_from_args
     from hybridmoe.cli.serve import overlap_prefill
 
@@ -85,7 +137,18 @@ def test_serve_puts_prefill_beside_decode_only_where_two_passes_can_run_at_once(
 
 
 def test_serve_refuses_overlap_on_where_it_cannot_run(tiny_chat_model, one_torch_thread, capsys):
-    code = main(["serve", "--model", str(tiny_chat_model), "--port", "0", "--device", "emulated",
-                 "--overlap-prefill", "on"])
+    code = main(
+        [
+            "serve",
+            "--model",
+            str(tiny_chat_model),
+            "--port",
+            "0",
+            "--device",
+            "emulated",
+            "--overlap-prefill",
+            "on",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--overlap-prefill on needs" in err and "Traceback" not in err

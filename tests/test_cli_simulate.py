@@ -26,11 +26,34 @@ def short_trace(tmp_path_factory):
 
 
 def test_simulate_json_has_the_promised_fields(short_trace, capsys):
-    code = main(["simulate", "--trace", short_trace, "--model-shape", "olmoe-1b-7b", "--hardware", "rtx4090-ddr5",
-                 "--gpu-expert-budget", "0.25", "--policy", "value", "--quant", "q4", "--json"])
+    code = main(
+        [
+            "simulate",
+            "--trace",
+            short_trace,
+            "--model-shape",
+            "olmoe-1b-7b",
+            "--hardware",
+            "rtx4090-ddr5",
+            "--gpu-expert-budget",
+            "0.25",
+            "--policy",
+            "value",
+            "--quant",
+            "q4",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("policy", "hit_rate", "expert_ms_per_token", "tokens_per_s", "pct_of_oracle_speed", "belady_min_hit_rate"):
+    for key in (
+        "policy",
+        "hit_rate",
+        "expert_ms_per_token",
+        "tokens_per_s",
+        "pct_of_oracle_speed",
+        "belady_min_hit_rate",
+    ):
         assert key in out
     assert out["policy"] == "value" and out["tokens"] == 30
     assert out["tokens_per_s"] == pytest.approx(1e3 / out["expert_ms_per_token"])
@@ -38,17 +61,47 @@ def test_simulate_json_has_the_promised_fields(short_trace, capsys):
 
 
 def test_simulate_text_report(short_trace, capsys):
-    assert main(["simulate", "--trace", short_trace, "--model-shape", "olmoe-1b-7b", "--policy", "static",
-                 "--no-oracle"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                short_trace,
+                "--model-shape",
+                "olmoe-1b-7b",
+                "--policy",
+                "static",
+                "--no-oracle",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "ms/token" in out and "hit rate" in out and "policy static" in out
 
 
 def test_sweep_writes_table_and_png(short_trace, tmp_path, capsys):
     png = tmp_path / "sweep.png"
-    code = main(["simulate", "--trace", short_trace, "--model-shape", "olmoe-1b-7b", "--sweep", "--quant", "q4",
-                 "--hardware", "rtx4090-ddr5,rtx4060-8gb-ddr5", "--budgets", "0.1,0.5", "--policies", "static,value,oracle",
-                 "--plot", str(png)])
+    code = main(
+        [
+            "simulate",
+            "--trace",
+            short_trace,
+            "--model-shape",
+            "olmoe-1b-7b",
+            "--sweep",
+            "--quant",
+            "q4",
+            "--hardware",
+            "rtx4090-ddr5,rtx4060-8gb-ddr5",
+            "--budgets",
+            "0.1,0.5",
+            "--policies",
+            "static,value,oracle",
+            "--plot",
+            str(png),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert out.count("rtx4060-8gb-ddr5") == 6 and "oracle" in out
@@ -66,26 +119,62 @@ def test_bad_budget_and_unknown_hardware_are_exit_code_2(short_trace):
     base = ["simulate", "--trace", short_trace, "--model-shape", "olmoe-1b-7b", "--no-oracle"]
     assert main(base + ["--gpu-expert-budget", "lots"]) == 2
     assert main(base + ["--hardware", "rtx9090"]) == 2
-    assert main(["simulate", "--model-shape", "olmoe-1b-7b"]) == 2  # neither --trace nor --synthetic
+    assert (
+        main(["simulate", "--model-shape", "olmoe-1b-7b"]) == 2
+    )  # neither --trace nor --synthetic
 
 
 def test_bad_trace_from_a_subprocess_gives_one_line_and_no_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tok": 1, "layers": "nope"}\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "hybridmoe", "simulate", "--trace", str(bad), "--model-shape", "olmoe-1b-7b"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridmoe",
+            "simulate",
+            "--trace",
+            str(bad),
+            "--model-shape",
+            "olmoe-1b-7b",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "line 1" in proc.stderr
 
 
 def test_plan_recommends_a_quantisation_that_fits(capsys):
-    code = main(["plan", "--hardware", "rtx4060-8gb-ddr5", "--model-shape", "olmoe-1b-7b", "--json"])
+    code = main(
+        ["plan", "--hardware", "rtx4060-8gb-ddr5", "--model-shape", "olmoe-1b-7b", "--json"]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert {o["quant"] for o in out["options"]} == {"bf16", "q8", "q4"}
     q4 = next(o for o in out["options"] if o["quant"] == "q4")
     bf16 = next(o for o in out["options"] if o["quant"] == "bf16")
     assert q4["expert_budget"] > bf16["expert_budget"]  # smaller experts, more of them fit in 8 GB
-    assert out["best"]["fits_ram"] and out["best"]["tokens_per_s"] == max(o["tokens_per_s"] for o in out["options"])
-    assert main(["plan", "--hardware", "rtx4090-ddr5", "--model-shape", "deepseek-v3", "--ram", "64", "--vram", "-1"]) == 2
+    assert out["best"]["fits_ram"] and out["best"]["tokens_per_s"] == max(
+        o["tokens_per_s"] for o in out["options"]
+    )
+    assert (
+        main(
+            [
+                "plan",
+                "--hardware",
+                "rtx4090-ddr5",
+                "--model-shape",
+                "deepseek-v3",
+                "--ram",
+                "64",
+                "--vram",
+                "-1",
+            ]
+        )
+        == 2
+    )

@@ -13,7 +13,9 @@ from hybridmoe.experts.plan.cost_model import CostModel, quant_bytes
 from hybridmoe.experts.plan.profiles import PROFILES, get_profile
 from hybridmoe.experts.plan.shape import ExpertShape
 
-QWEN3 = ExpertShape(hidden=2048, intermediate=768, num_experts=128, top_k=8, moe_layers=tuple(range(48)))
+QWEN3 = ExpertShape(
+    hidden=2048, intermediate=768, num_experts=128, top_k=8, moe_layers=tuple(range(48))
+)
 
 
 def test_expert_bytes_match_design_figures():
@@ -26,8 +28,20 @@ def test_expert_bytes_match_design_figures():
 
 
 def test_times_follow_the_roofline_formulas():
-    m = CostModel(bw_cpu=50e9, f_cpu=1e12, c_cpu=1e-5, bw_gpu=1e12, f_gpu=1e14, c_gpu=5e-6,
-                  bw_pcie=25e9, c_copy=1e-5, c_act=2e-6, expert_bytes=1e7, flops_per_token=2e7, hidden=1000)
+    m = CostModel(
+        bw_cpu=50e9,
+        f_cpu=1e12,
+        c_cpu=1e-5,
+        bw_gpu=1e12,
+        f_gpu=1e14,
+        c_gpu=5e-6,
+        bw_pcie=25e9,
+        c_copy=1e-5,
+        c_act=2e-6,
+        expert_bytes=1e7,
+        flops_per_token=2e7,
+        hidden=1000,
+    )
     assert m.t_cpu(1) == pytest.approx(1e7 / 50e9 + 1e-5)  # memory-bound: 200 us + 10 us
     assert m.t_cpu(1000) == pytest.approx(1000 * 2e7 / 1e12 + 1e-5)  # compute-bound: 20 ms
     assert m.t_gpu(1) == pytest.approx(1e-5 + 5e-6)
@@ -52,13 +66,31 @@ def synthetic_samples(truth: CostModel, shape: ExpertShape, quant: str, noise: f
         out.append(Sample("cpu", n, m.t_cpu(n) * (1 + rng.uniform(-noise, noise))))
         out.append(Sample("gpu", n, m.t_gpu(n) * (1 + rng.uniform(-noise, noise))))
     for scale in (0.25, 0.5, 1.0, 2.0):
-        out.append(Sample("copy", 1, (m.expert_bytes * scale / truth.bw_pcie + truth.c_copy), bytes=m.expert_bytes * scale))
+        out.append(
+            Sample(
+                "copy",
+                1,
+                (m.expert_bytes * scale / truth.bw_pcie + truth.c_copy),
+                bytes=m.expert_bytes * scale,
+            )
+        )
     return out
 
 
 def test_fit_recovers_known_constants_from_noisy_samples():
-    truth = CostModel(bw_cpu=30e9, f_cpu=0.4e12, c_cpu=20e-6, bw_gpu=800e9, f_gpu=100e12, c_gpu=8e-6, bw_pcie=20e9, c_copy=15e-6)
-    fitted = fit(synthetic_samples(truth, QWEN3, "bf16", noise=0.02, seed=1), shape=QWEN3, quant="bf16")
+    truth = CostModel(
+        bw_cpu=30e9,
+        f_cpu=0.4e12,
+        c_cpu=20e-6,
+        bw_gpu=800e9,
+        f_gpu=100e12,
+        c_gpu=8e-6,
+        bw_pcie=20e9,
+        c_copy=15e-6,
+    )
+    fitted = fit(
+        synthetic_samples(truth, QWEN3, "bf16", noise=0.02, seed=1), shape=QWEN3, quant="bf16"
+    )
     assert fitted.bw_cpu == pytest.approx(truth.bw_cpu, rel=0.1)
     assert fitted.f_cpu == pytest.approx(truth.f_cpu, rel=0.1)
     assert fitted.bw_pcie == pytest.approx(truth.bw_pcie, rel=0.01)
@@ -70,7 +102,11 @@ def test_fit_recovers_known_constants_from_noisy_samples():
 
 
 def test_fit_without_gpu_samples_gives_a_cpu_only_model():
-    samples = [s for s in synthetic_samples(PROFILES["rtx4090-ddr5"], QWEN3, "bf16", 0.0, 2) if s.kind == "cpu"]
+    samples = [
+        s
+        for s in synthetic_samples(PROFILES["rtx4090-ddr5"], QWEN3, "bf16", 0.0, 2)
+        if s.kind == "cpu"
+    ]
     assert not fit(samples, shape=QWEN3).has_gpu
     with pytest.raises(UserError):
         fit([])
@@ -97,7 +133,13 @@ def test_bad_profiles_are_user_errors(tmp_path):
 
 
 def test_named_profiles_exist_and_are_ordered_sensibly():
-    for name in ("rtx4090-ddr5", "rtx3090-ddr4", "rtx4060-8gb-ddr5", "h100-spr", "this-machine-2core"):
+    for name in (
+        "rtx4090-ddr5",
+        "rtx3090-ddr4",
+        "rtx4060-8gb-ddr5",
+        "h100-spr",
+        "this-machine-2core",
+    ):
         assert name in PROFILES
     p = {k: v.for_expert(QWEN3, "bf16") for k, v in PROFILES.items() if v.has_gpu}
     # At batch 1 a copy costs more than running the expert on the CPU (DESIGN: ~2.5x on DDR5 + PCIe 4).

@@ -35,10 +35,19 @@ def random_constants(rng: np.random.Generator, end: int) -> dict:
     up to 10-40 tokens as on real CPUs, and the batched kernel's bandwidth shows above the rows."""
     bw = rng.uniform(5e9, 30e9)
     bw_one = bw * rng.uniform(1.0, 2.5)
-    return {"bw": bw, "f": bw * rng.uniform(5, 20), "c": rng.uniform(5e-6, 5e-5),
-            "overlap": float(rng.choice([0.0, 0.3, 0.5, 1.0])), "end": end,
-            "bw_one": bw_one, "c_one": rng.uniform(1e-6, 3e-5), "l2": rng.uniform(40e9, 100e9),
-            "l3": rng.uniform(20e9, 40e9), "ram": bw_one * rng.uniform(0.9, 1.3), "c_re": rng.uniform(0, 5e-6)}
+    return {
+        "bw": bw,
+        "f": bw * rng.uniform(5, 20),
+        "c": rng.uniform(5e-6, 5e-5),
+        "overlap": float(rng.choice([0.0, 0.3, 0.5, 1.0])),
+        "end": end,
+        "bw_one": bw_one,
+        "c_one": rng.uniform(1e-6, 3e-5),
+        "l2": rng.uniform(40e9, 100e9),
+        "l3": rng.uniform(20e9, 40e9),
+        "ram": bw_one * rng.uniform(0.9, 1.3),
+        "c_re": rng.uniform(0, 5e-6),
+    }
 
 
 def samples(k: dict, rng: np.random.Generator, noise: float = 0.0, shapes=SHAPES) -> list[Sample]:
@@ -52,13 +61,28 @@ def samples(k: dict, rng: np.random.Generator, noise: float = 0.0, shapes=SHAPES
 
 
 def model(k: dict) -> CostModel:
-    return CostModel(bw_cpu=k["bw"], f_cpu=k["f"], c_cpu=k["c"], cpu_overlap=k["overlap"], cpu_gemm_from=k["end"],
-                     bw_cpu_one=k["bw_one"], c_cpu_one=k["c_one"], cpu_caches=[[CACHES[0], k["l2"]], [CACHES[1], k["l3"]]],
-                     bw_cpu_reread=k["ram"], c_cpu_reread=k["c_re"])
+    return CostModel(
+        bw_cpu=k["bw"],
+        f_cpu=k["f"],
+        c_cpu=k["c"],
+        cpu_overlap=k["overlap"],
+        cpu_gemm_from=k["end"],
+        bw_cpu_one=k["bw_one"],
+        c_cpu_one=k["c_one"],
+        cpu_caches=[[CACHES[0], k["l2"]], [CACHES[1], k["l3"]]],
+        bw_cpu_reread=k["ram"],
+        c_cpu_reread=k["c_re"],
+    )
 
 
 def costed(m: CostModel, hidden: int, inter: int) -> CostModel:
-    return CostModel(**{**m.__dict__, "expert_bytes": 12.0 * hidden * inter, "flops_per_token": 6.0 * hidden * inter})
+    return CostModel(
+        **{
+            **m.__dict__,
+            "expert_bytes": 12.0 * hidden * inter,
+            "flops_per_token": 6.0 * hidden * inter,
+        }
+    )
 
 
 def test_t_cpu_is_both_regimes_as_written_out_by_hand():
@@ -72,9 +96,13 @@ def test_t_cpu_is_both_regimes_as_written_out_by_hand():
 
 
 def test_an_unmeasured_cache_level_costs_as_the_next_one_out():
-    m = CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=0, bw_cpu_one=2e10, cpu_caches=[[MiB, 0.0], [32 * MiB, 4e10]])
+    m = CostModel(
+        bw_cpu=1e10, f_cpu=1e11, c_cpu=0, bw_cpu_one=2e10, cpu_caches=[[MiB, 0.0], [32 * MiB, 4e10]]
+    )
     assert m.t_reread(0.5 * MiB) == pytest.approx(0.5 * MiB / 4e10)
-    assert m.t_reread(64 * MiB) == pytest.approx(64 * MiB / 2e10)  # beyond every level, no RAM figure: bw_cpu_one
+    assert m.t_reread(64 * MiB) == pytest.approx(
+        64 * MiB / 2e10
+    )  # beyond every level, no RAM figure: bw_cpu_one
 
 
 @pytest.mark.parametrize("end", [3, 4, 8])
@@ -82,9 +110,19 @@ def test_fit_recovers_the_regimes_that_made_the_samples(end):
     rng = np.random.default_rng()
     k = random_constants(rng, end)
     p = fit(samples(k, rng), caches=CACHES)
-    got = {"bw": p.bw_cpu, "f": p.f_cpu, "c": p.c_cpu, "overlap": p.cpu_overlap, "end": p.cpu_gemm_from,
-           "bw_one": p.bw_cpu_one, "c_one": p.c_cpu_one, "l2": p.cpu_caches[0][1], "l3": p.cpu_caches[1][1],
-           "ram": p.bw_cpu_reread, "c_re": p.c_cpu_reread}
+    got = {
+        "bw": p.bw_cpu,
+        "f": p.f_cpu,
+        "c": p.c_cpu,
+        "overlap": p.cpu_overlap,
+        "end": p.cpu_gemm_from,
+        "bw_one": p.bw_cpu_one,
+        "c_one": p.c_cpu_one,
+        "l2": p.cpu_caches[0][1],
+        "l3": p.cpu_caches[1][1],
+        "ram": p.bw_cpu_reread,
+        "c_re": p.c_cpu_reread,
+    }
     for name, value in k.items():
         assert got[name] == pytest.approx(value, rel=0.01, abs=1e-8), name
 
@@ -98,7 +136,11 @@ def test_noisy_fit_predicts_shapes_it_never_saw(end):
     for hidden, inter in HELD_OUT:
         for n in (1, 3, 12, 48, 192):
             want = by_hand(12.0 * hidden * inter, 6.0 * hidden * inter * n, n, k)
-            assert costed(p, hidden, inter).t_cpu(n) == pytest.approx(want, rel=0.1), (hidden, inter, n)
+            assert costed(p, hidden, inter).t_cpu(n) == pytest.approx(want, rel=0.1), (
+                hidden,
+                inter,
+                n,
+            )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -112,8 +154,16 @@ def test_a_plain_roofline_is_not_given_a_row_regime(seed):
 
 
 def test_version_1_profiles_load_with_the_formulas_they_were_fitted_for(tmp_path):
-    v1 = {"format": "hybridmoe-cost-profile", "version": 1, "bw_cpu": 1e10, "f_cpu": 1e11, "c_cpu": 1e-5,
-          "bw_cpu_one": 2e10, "c_cpu_one": 5e-6, "name": "calibrated"}
+    v1 = {
+        "format": "hybridmoe-cost-profile",
+        "version": 1,
+        "bw_cpu": 1e10,
+        "f_cpu": 1e11,
+        "c_cpu": 1e-5,
+        "bw_cpu_one": 2e10,
+        "c_cpu_one": 5e-6,
+        "name": "calibrated",
+    }
     path = tmp_path / "old.json"
     path.write_text(json.dumps(v1))
     m = CostModel.load(path)

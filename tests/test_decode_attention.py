@@ -11,7 +11,9 @@ from hybridmoe import native
 from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from tests.tiny import bf16_batch_greedy
 
-needs_kernels = pytest.mark.skipif(not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16")
+needs_kernels = pytest.mark.skipif(
+    not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16"
+)
 
 LENGTHS = [1, 15, 16, 17, 1100]
 
@@ -20,7 +22,10 @@ def reference(q, k, v, scale):
     """q: [h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [h, dv] in float64; query head i uses KV head
     i // (h // kvh), as transformers' repeat_kv."""
     groups = q.shape[0] // k.shape[1]
-    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)  # [L, h, d]
+    k, v = (
+        k.double().repeat_interleave(groups, 1),
+        v.double().repeat_interleave(groups, 1),
+    )  # [L, h, d]
     p = (torch.einsum("hd,lhd->hl", q.double(), k) * scale).softmax(-1)  # [h, L]
     return torch.einsum("hl,lhd->hd", p, v)
 
@@ -43,7 +48,9 @@ def paged_batch(heads, kv_heads, d, dv, block_size, gen, lengths=LENGTHS):
 
 def history(pool, table, length, block_size):
     pos = torch.arange(length)
-    return pool[torch.tensor(table)[pos // block_size] * block_size + pos % block_size]  # [L, kvh, d]
+    return pool[
+        torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+    ]  # [L, kvh, d]
 
 
 def run_kernel(q, k_pool, v_pool, tables, lengths, block_size, scale, out):
@@ -52,9 +59,18 @@ def run_kernel(q, k_pool, v_pool, tables, lengths, block_size, scale, out):
         starts.append(starts[-1] + len(t))
     int32 = dict(dtype=torch.int32)
     rows = torch.arange(1, 2 * len(lengths), 2, **int32)
-    native.decode_attention(q, k_pool, v_pool, torch.tensor([b for t in tables for b in t], **int32),
-                            torch.tensor(starts, **int32), torch.tensor(lengths, **int32), rows, block_size, scale,
-                            out)
+    native.decode_attention(
+        q,
+        k_pool,
+        v_pool,
+        torch.tensor([b for t in tables for b in t], **int32),
+        torch.tensor(starts, **int32),
+        torch.tensor(lengths, **int32),
+        rows,
+        block_size,
+        scale,
+        out,
+    )
 
 
 # MHA and GQA; head sizes that are multiples of 32 and ones that are not (masked tails), dv != d
@@ -71,7 +87,10 @@ def test_kernel_matches_softmax_attention_in_float64(heads, kv_heads, d, dv, blo
     out = torch.full((len(q), heads, dv), 7.0)  # [2S, h, dv] fp32
     run_kernel(q, k_pool, v_pool, tables, LENGTHS, block_size, scale, out)
     for s, (table, length) in enumerate(zip(tables, LENGTHS)):
-        k, v = history(k_pool, table, length, block_size), history(v_pool, table, length, block_size)
+        k, v = (
+            history(k_pool, table, length, block_size),
+            history(v_pool, table, length, block_size),
+        )
         want = reference(q[2 * s + 1], k, v, scale)
         # fp32 sums of exact bf16 products, exp to ~2e-7: far below bf16's 4e-3
         assert (out[2 * s + 1].double() - want).abs().max() < 1e-5, (s, length)
@@ -90,17 +109,26 @@ def test_large_scores_do_not_overflow_the_softmax():
     out = torch.zeros(len(q), 4, 64)
     run_kernel(q, k_pool, v_pool, tables, [3, 300], 16, 0.125, out)
     for s, (table, length) in enumerate(zip(tables, [3, 300])):
-        want = reference(q[2 * s + 1], history(k_pool, table, length, 16), history(v_pool, table, length, 16), 0.125)
+        want = reference(
+            q[2 * s + 1],
+            history(k_pool, table, length, 16),
+            history(v_pool, table, length, 16),
+            0.125,
+        )
         assert torch.isfinite(out[2 * s + 1]).all()
-        assert (out[2 * s + 1].double() - want).abs().max() < 1e-3  # scores near ties: fp32 rounding of s
+        assert (
+            out[2 * s + 1].double() - want
+        ).abs().max() < 1e-3  # scores near ties: fp32 rounding of s
 
 
 class Counting:
     def __init__(self, monkeypatch):
         self.calls, real = [], native.decode_attention
+
         def spy(*args):
             self.calls.append(len(args[6]))  # sequences in the call
             real(*args)
+
         monkeypatch.setattr(native, "decode_attention", spy)
 
 
@@ -136,8 +164,11 @@ def test_the_layer_takes_the_kernel_for_one_token_sequences_only(monkeypatch):
     # histories: fill the pools as earlier steps would have
     before = PagedKVContext(cache, tables, [0, 0, 0], starts)
     with torch.inference_mode():
-        layer(torch.randn(sum(starts), 256, generator=gen).to(torch.bfloat16), (torch.ones(sum(starts), 64),
-              torch.zeros(sum(starts), 64)), before)
+        layer(
+            torch.randn(sum(starts), 256, generator=gen).to(torch.bfloat16),
+            (torch.ones(sum(starts), 64), torch.zeros(sum(starts), 64)),
+            before,
+        )
         pools = tuple(p.clone() for p in cache.pools[0])
         spy = Counting(monkeypatch)
         got = layer(x, cos_sin, PagedKVContext(cache, tables, starts, seq_lens))
@@ -146,7 +177,9 @@ def test_the_layer_takes_the_kernel_for_one_token_sequences_only(monkeypatch):
         monkeypatch.setattr(native, "attention_applies", lambda *a: False)
         want = layer(x, cos_sin, PagedKVContext(cache, tables, starts, seq_lens))
     assert spy.calls == [2]
-    assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2e-3 * want.abs().max().item())
+    assert torch.allclose(
+        got.float(), want.float(), rtol=2**-6, atol=2e-3 * want.abs().max().item()
+    )
     assert torch.equal(got[2:], want[2:])  # the prefill chunk's rows: the same path both times
 
 
@@ -159,15 +192,24 @@ def test_other_contexts_and_dtypes_keep_torchs_path(monkeypatch):
         # a context without the paged view
         layer = attention_layer(torch.bfloat16)
         caches = [SequenceKV(), SequenceKV()]
-        layer(torch.randn(5, 256, generator=gen).to(torch.bfloat16), (torch.ones(5, 64), torch.zeros(5, 64)),
-              BatchKVContext(caches, [3, 2]))
-        layer(torch.randn(2, 256, generator=gen).to(torch.bfloat16), (torch.ones(2, 64), torch.zeros(2, 64)),
-              BatchKVContext(caches, [1, 1]))
+        layer(
+            torch.randn(5, 256, generator=gen).to(torch.bfloat16),
+            (torch.ones(5, 64), torch.zeros(5, 64)),
+            BatchKVContext(caches, [3, 2]),
+        )
+        layer(
+            torch.randn(2, 256, generator=gen).to(torch.bfloat16),
+            (torch.ones(2, 64), torch.zeros(2, 64)),
+            BatchKVContext(caches, [1, 1]),
+        )
         # fp32 pools
         layer = attention_layer(torch.float32)
         cache = PagedKVCache(num_blocks=8, block_size=4)
-        layer(torch.randn(2, 256, generator=gen), (torch.ones(2, 64), torch.zeros(2, 64)),
-              PagedKVContext(cache, [[1], [4, 2]], [2, 5], [1, 1]))
+        layer(
+            torch.randn(2, 256, generator=gen),
+            (torch.ones(2, 64), torch.zeros(2, 64)),
+            PagedKVContext(cache, [[1], [4, 2]], [2, 5], [1, 1]),
+        )
     assert spy.calls == []
 
 

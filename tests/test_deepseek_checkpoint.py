@@ -11,7 +11,11 @@ from tests.tiny import build_tiny
 def test_deepseek_v3_loads_past_its_mtp_layer(tmp_path):
     build_tiny("deepseek_v3", tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k}
+    mtp = {
+        k.replace("layers.2.", "layers.3."): v.clone()
+        for k, v in tensors.items()
+        if ".layers.2." in k
+    }
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)  # an MTP-only tensor
     save_file({**tensors, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     model = load_model(tmp_path, progress=False)

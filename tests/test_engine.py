@@ -28,7 +28,7 @@ def pair(request, tmp_path_factory):
 def hf_greedy(ref, prompt, n):
     ref.generation_config.eos_token_id = None  # the engines here run without EOS too (eos_ids=())
     ids = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def random_prompts(count, seed, lo=1, hi=40, vocab=96):
@@ -52,7 +52,9 @@ def test_batched_chunked_greedy_equals_transformers_one_by_one(pair, overlap):
     ref, model = pair
     prompts = random_prompts(6, seed=1)
     want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    eng = engine(model, max_batch_size=4, max_tokens_per_step=24, overlap_prefill=overlap)  # chunked prompts
+    eng = engine(
+        model, max_batch_size=4, max_tokens_per_step=24, overlap_prefill=overlap
+    )  # chunked prompts
     assert eng.generate(prompts, GREEDY, max_steps=500) == want
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
@@ -76,7 +78,9 @@ def test_preemption_under_a_tiny_kv_budget_completes_every_request_correctly(pai
     ref, model = pair
     prompts = random_prompts(5, seed=4, lo=10, hi=30)
     want = [hf_greedy(ref, p, 20) for p in prompts]
-    eng = engine(model, kv_cache_tokens=64, max_batch_size=5, max_tokens_per_step=64, overlap_prefill=overlap)
+    eng = engine(
+        model, kv_cache_tokens=64, max_batch_size=5, max_tokens_per_step=64, overlap_prefill=overlap
+    )
     got = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0), max_steps=2000)
     assert eng.scheduler.num_preemptions > 0
     assert got == want
@@ -108,7 +112,9 @@ def test_a_seeded_sample_does_not_depend_on_the_batch(pair, overlap):
     prompts = random_prompts(4, seed=6)
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=123)
     alone = engine(model).generate([prompts[0]], params)[0]
-    together = engine(model, max_tokens_per_step=16, overlap_prefill=overlap).generate(prompts, params)[0]
+    together = engine(model, max_tokens_per_step=16, overlap_prefill=overlap).generate(
+        prompts, params
+    )[0]
     assert alone == together
 
 
@@ -140,10 +146,14 @@ def test_prefill_chunks_run_on_prefill_threads_and_decode_steps_keep_the_callers
     ref, model = pair
     prompts = random_prompts(4, seed=5, lo=20, hi=40)
     want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    eng = engine(model, max_batch_size=4, max_tokens_per_step=48, prefill_threads=2, threads_from_tokens=16)
+    eng = engine(
+        model, max_batch_size=4, max_tokens_per_step=48, prefill_threads=2, threads_from_tokens=16
+    )
     seen = []  # (new tokens, torch threads) of every forward pass
     forward = model.forward
-    model.forward = lambda ids, *a, **kw: seen.append((len(ids), torch.get_num_threads())) or forward(ids, *a, **kw)
+    model.forward = lambda ids, *a, **kw: (
+        seen.append((len(ids), torch.get_num_threads())) or forward(ids, *a, **kw)
+    )
     try:
         got = eng.generate(prompts, GREEDY, max_steps=500)
     finally:

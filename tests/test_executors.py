@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.accelerators import EmulatedAccelerator, HostOnly, Staging
 from hybridmoe.experts.run.cpu_pool import CPUPool
-from hybridmoe.experts.plan.profiles import PROFILES
 from hybridmoe.experts.run.ffn import expert_ffn
-from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.store import ExpertStore
 
 SHAPE = ExpertShape(hidden=16, intermediate=8, num_experts=4, top_k=2, moe_layers=(0, 1))
@@ -21,8 +21,13 @@ def random_store(seed: int = 0) -> ExpertStore:
     store = ExpertStore(SHAPE, torch.float32, pin=False)
     for layer in SHAPE.moe_layers:
         for e in range(SHAPE.num_experts):
-            store.put(layer, e, torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g),
-                      torch.randn(16, 8, generator=g))
+            store.put(
+                layer,
+                e,
+                torch.randn(8, 16, generator=g),
+                torch.randn(8, 16, generator=g),
+                torch.randn(16, 8, generator=g),
+            )
     return store
 
 
@@ -97,7 +102,9 @@ def test_staging_copies_are_not_kept_and_work_within_the_layer():
     assert isinstance(a, Staging) and a != b
     x = torch.randn(3, 16)
     ya, yb = acc.gather([acc.run(x, 0, 1, a), acc.run(x, 0, 2, b)])
-    assert torch.equal(ya, expert_ffn(x, store.get(0, 1))) and torch.equal(yb, expert_ffn(x, store.get(0, 2)))
+    assert torch.equal(ya, expert_ffn(x, store.get(0, 1))) and torch.equal(
+        yb, expert_ffn(x, store.get(0, 2))
+    )
     acc.end_layer(0.0)
     acc.begin_layer()
     assert acc.copy(1, 0, None) == a  # staging buffers are reused layer after layer
@@ -116,7 +123,9 @@ def test_the_layer_ends_with_the_later_of_cpu_and_gpu():
 
 def test_the_emulator_needs_gpu_constants_and_host_only_refuses_gpu_work():
     with pytest.raises(ValueError):
-        EmulatedAccelerator(random_store(), 1, PROFILES["this-machine-2core"].for_expert(SHAPE, "fp32"))
+        EmulatedAccelerator(
+            random_store(), 1, PROFILES["this-machine-2core"].for_expert(SHAPE, "fp32")
+        )
     host = HostOnly()
     with pytest.raises(RuntimeError):
         host.copy(0, 0, 0)

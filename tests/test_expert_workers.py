@@ -14,8 +14,13 @@ def _runtime(seed: int) -> CPURuntime:
     shape = ExpertShape(hidden=32, intermediate=16, num_experts=6, top_k=3, moe_layers=(0,))
     r = CPURuntime(shape, torch.float32)
     for e in range(shape.num_experts):
-        r.store.put(0, e, torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen),
-                    torch.randn(32, 16, generator=gen))
+        r.store.put(
+            0,
+            e,
+            torch.randn(16, 32, generator=gen),
+            torch.randn(16, 32, generator=gen),
+            torch.randn(32, 16, generator=gen),
+        )
     r.finish_loading()
     return r
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from hybridmoe.config import HFConfig
-from tests.contiguous_kv import forward_step
-from tests.contiguous_kv import SequenceKV
 from hybridmoe.loader import gguf_file, load_model, model_config
 from tests.conftest import smollm2_gguf
+from tests.contiguous_kv import SequenceKV, forward_step
 from tests.gguf_writer import GGUF_ARCH, Q, permute_rows, write_gguf
 from tests.tiny import BUILDERS, build_tiny, hf_logits
 
@@ -61,7 +60,9 @@ def test_gguf_logits_match_transformers(arch, qtype, tmp_path):
     if qtype == Q.F16:
         round_through_f16(ref)
     ours = load_model(path, progress=False)
-    ids = torch.randint(0, ref.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = torch.randint(
+        0, ref.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3)
+    ).tolist()
     want = hf_logits(ref, ids)[8:]  # [8, V]
     got = our_logits(ours, ids)
     assert rel_err(got, want) <= 1e-4
@@ -85,11 +86,15 @@ def test_legacy_per_expert_mixtral_gguf_loads(tmp_path):
     path = write_gguf(tmp_path, tmp_path / "model.gguf", legacy_experts=True)
     assert any(t.name == "blk.0.ffn_up.7.weight" for t in gguf.GGUFReader(str(path)).tensors)
     ids = list(range(4, 20))
-    assert rel_err(our_logits(load_model(path, progress=False), ids), hf_logits(ref, ids)[8:]) <= 1e-4
+    assert (
+        rel_err(our_logits(load_model(path, progress=False), ids), hf_logits(ref, ids)[8:]) <= 1e-4
+    )
 
 
 def test_count_tensors_is_what_iter_tensors_yields(tmp_path):
-    tiny_reference("deepseek_v3", tmp_path)  # stacked experts and split kv_b: counts differ from the file's
+    tiny_reference(
+        "deepseek_v3", tmp_path
+    )  # stacked experts and split kv_b: counts differ from the file's
     path = write_gguf(tmp_path, tmp_path / "model.gguf")
     yielded = list(gguf_file.iter_tensors(path, model_config(path)))
     assert gguf_file.count_tensors(path) == len(yielded) != len(gguf.GGUFReader(str(path)).tensors)
@@ -100,11 +105,27 @@ def test_gguf_config_matches_config_json(arch, tmp_path):
     tiny_reference(arch, tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     ours = model_config(write_gguf(tmp_path, tmp_path / "model.gguf")).data
-    keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
-            "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace",
-            "routed_scaling_factor", "n_group", "topk_group",
-            "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-            "shared_expert_intermediate_size", "clip_qkv"]
+    keys = [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts_per_tok",
+        "n_shared_experts",
+        "first_k_dense_replace",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "shared_expert_intermediate_size",
+        "clip_qkv",
+    ]
     if not arch.startswith("deepseek"):  # MLA is stored as MQA: one KV head in the file
         keys.append("num_key_value_heads")
     for key in keys:
@@ -118,10 +139,14 @@ def test_gguf_config_matches_config_json(arch, tmp_path):
 
 def expert_count(cfg: dict):
     """Architectures name it differently (and transformers writes aliases); any one will do."""
-    return next((cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if cfg.get(k)), None)
+    return next(
+        (cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if cfg.get(k)),
+        None,
+    )
 
 
 # ---- quantized blocks, against a dequantizer written from the format spec (ggml-quants.c layouts) ----
+
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16).astype(np.float32)
@@ -131,7 +156,10 @@ def ref_dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
     """raw: [n_blocks, block_bytes] uint8 -> [n_blocks, values] float32."""
     if qtype == Q.Q8_0:  # d:f16, qs:int8[32]; x = d * q
         return _f16(raw[:, :2]) * raw[:, 2:].view(np.int8).astype(np.float32)
-    if qtype in (Q.Q4_0, Q.Q4_1):  # d:f16, (m:f16), qs:u8[16]; low nibbles are x[0:16], high x[16:32]
+    if qtype in (
+        Q.Q4_0,
+        Q.Q4_1,
+    ):  # d:f16, (m:f16), qs:u8[16]; low nibbles are x[0:16], high x[16:32]
         head = 2 if qtype == Q.Q4_0 else 4
         qs = raw[:, head:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
@@ -145,7 +173,12 @@ def ref_dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
 
 def ref_q4_k(raw: np.ndarray) -> np.ndarray:
     """Q4_K super-block (256 values): d, dmin: f16; scales: 12 bytes of 6-bit (scale, min) x 8; qs: 128 bytes."""
-    d, dmin, sc, qs = _f16(raw[:, 0:2]), _f16(raw[:, 2:4]), raw[:, 4:16].astype(np.int32), raw[:, 16:]
+    d, dmin, sc, qs = (
+        _f16(raw[:, 0:2]),
+        _f16(raw[:, 2:4]),
+        raw[:, 4:16].astype(np.int32),
+        raw[:, 16:],
+    )
     scale = np.empty((raw.shape[0], 8), np.float32)
     mins = np.empty_like(scale)
     for j in range(8):
@@ -156,10 +189,10 @@ def ref_q4_k(raw: np.ndarray) -> np.ndarray:
             mins[:, j] = (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
     out = []
     for chunk in range(4):  # 64 values each: low nibbles of 32 bytes, then their high nibbles
-        q = qs[:, 32 * chunk: 32 * chunk + 32]
+        q = qs[:, 32 * chunk : 32 * chunk + 32]
         for half, nib in enumerate((q & 0x0F, q >> 4)):
             j = 2 * chunk + half
-            out.append(d * scale[:, j:j + 1] * nib.astype(np.float32) - dmin * mins[:, j:j + 1])
+            out.append(d * scale[:, j : j + 1] * nib.astype(np.float32) - dmin * mins[:, j : j + 1])
     return np.concatenate(out, axis=1)
 
 
@@ -198,13 +231,24 @@ def _ours_in_gguf_layout(ours: dict, name: str, shape: tuple, cfg) -> torch.Tens
     _, layer, base, _ = name.split(".")
     if base.endswith("_exps"):
         role = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}[base]
-        return torch.stack([ours[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{role}.weight"]
-                            for e in range(shape[0])])
-    hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate_inp": "block_sparse_moe.gate"}[base]
+        return torch.stack(
+            [
+                ours[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{role}.weight"]
+                for e in range(shape[0])
+            ]
+        )
+    hf = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate_inp": "block_sparse_moe.gate",
+    }[base]
     w = ours[f"model.layers.{layer}.{hf}.weight"]
     if base in ("attn_q", "attn_k"):
-        w = permute_rows(w, cfg.get("num_attention_heads" if base == "attn_q" else "num_key_value_heads"))
+        w = permute_rows(
+            w, cfg.get("num_attention_heads" if base == "attn_q" else "num_key_value_heads")
+        )
     return w
 
 
@@ -227,21 +271,30 @@ def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (rows * cols // block_values, block_bytes), dtype=np.uint8)
-    scale_at = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [block_bytes - 2]}[qtype]  # where the f16 d/dmin live
+    scale_at = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [block_bytes - 2]}[
+        qtype
+    ]  # where the f16 d/dmin live
     for at in scale_at:
-        raw[:, at:at + 2] = rng.uniform(0.001, 0.01, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+        raw[:, at : at + 2] = (
+            rng.uniform(0.001, 0.01, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+        )
     path = tmp_path / "k.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_dtype=qtype)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     (got,) = [t for _, t in gguf_file.iter_tensors(path, _K_QUANT_CFG)]
     assert got.shape == (rows, cols) and torch.isfinite(got).all()
-    torch.testing.assert_close(got, torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype)))
+    torch.testing.assert_close(
+        got, torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype))
+    )
     if qtype == Q.Q4_K:  # and an independent reference for one K-quant
-        torch.testing.assert_close(got.reshape(-1, 256), torch.from_numpy(ref_q4_k(raw)), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            got.reshape(-1, 256), torch.from_numpy(ref_q4_k(raw)), rtol=1e-6, atol=1e-6
+        )
 
 
 # ---- the real file: SmolLM2-135M-Instruct Q4_1 (llama arch, tied embeddings) ----
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -261,7 +314,9 @@ def test_smollm2_logits_match_transformers_gguf_load(smollm2, monkeypatch):
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
     monkeypatch.setattr(gguf, "GGUFReader", gguf_file.Reader)
     path, tok, ours = smollm2
-    ref = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ref = LlamaForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ids = tok.encode("The quick brown fox jumps over the lazy dog because")
     with torch.inference_mode():
         want = ref(torch.tensor([ids])).logits[0, -4:].float()  # [4, V]
@@ -280,6 +335,7 @@ def test_smollm2_knows_the_capital_of_france(smollm2):
 
 
 # ---- damaged files: one line naming the file and the problem ----
+
 
 @pytest.fixture
 def good_gguf(tmp_path):
@@ -338,8 +394,22 @@ def test_cli_exits_2_with_one_line_on_a_truncated_gguf(good_gguf):
     from pathlib import Path
 
     good_gguf.write_bytes(good_gguf.read_bytes()[:-1000])
-    run = subprocess.run([sys.executable, "-m", "hybridmoe", "generate", "--model", str(good_gguf), "--prompt", "hi"],
-                         capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridmoe",
+            "generate",
+            "--model",
+            str(good_gguf),
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+    )
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]
@@ -356,8 +426,16 @@ def test_gguf_peak_rss_while_loading_is_at_most_1_5x_weights(tmp_path):
     from tests.test_load_memory import SCRIPT  # the same measurement as for safetensors
 
     torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    cfg = MixtralConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
     MixtralForCausalLM(cfg).save_pretrained(tmp_path)  # ~170 MB fp32, ~85 MB as F16 GGUF
     big = write_gguf(tmp_path, tmp_path / "big.gguf", Q.F16)
     (tmp_path / "model.safetensors").unlink()
@@ -365,8 +443,12 @@ def test_gguf_peak_rss_while_loading_is_at_most_1_5x_weights(tmp_path):
     tiny.mkdir()
     tiny_reference("mixtral", tiny)
     small = write_gguf(tiny, tiny / "tiny.gguf")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(big), str(small)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(big), str(small)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = json.loads(out.stdout)
     assert m["weights"] > 150e6  # everything was loaded, as fp32
     assert (m["peak"] - m["base"]) / m["weights"] <= 1.5, m

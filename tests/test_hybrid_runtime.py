@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from hybridmoe.engine.generate import generate_ids
-from tests.contiguous_kv import forward_step
-from tests.contiguous_kv import SequenceKV
 from hybridmoe.engine.sampler import SamplingParams
-from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.loader import load_model
+from tests.contiguous_kv import SequenceKV, forward_step
 from tests.tiny import BUILDERS, build_tiny
 
 ARCHS = [a for a in ("mixtral", "qwen3_moe", "deepseek_v3") if a in BUILDERS]
@@ -40,9 +39,14 @@ def tiny_dir(tmp_path_factory):
 
 
 def hybrid_model(path, **options):
-    config = HybridConfig(**{"device": "emulated", "cpu_clock": "model", "keep_log": True, **options})
-    return load_model(path, runtime_factory=lambda shape, dtype: HybridRuntime(shape, dtype, config, COST),
-                      progress=False)
+    config = HybridConfig(
+        **{"device": "emulated", "cpu_clock": "model", "keep_log": True, **options}
+    )
+    return load_model(
+        path,
+        runtime_factory=lambda shape, dtype: HybridRuntime(shape, dtype, config, COST),
+        progress=False,
+    )
 
 
 def greedy_tokens(model, prompt=PROMPT) -> list[int]:
@@ -61,7 +65,9 @@ def test_placement_never_changes_the_output(arch, tiny_dir):
     for policy in POLICIES:
         for budget in BUDGETS:
             model = hybrid_model(path, policy=policy, budget=budget)
-            assert torch.equal(prompt_logits(model), reference_logits), f"{policy} at budget {budget}: logits differ"
+            assert torch.equal(prompt_logits(model), reference_logits), (
+                f"{policy} at budget {budget}: logits differ"
+            )
             assert greedy_tokens(model) == reference, f"{policy} at budget {budget}: tokens differ"
             runtime = model.runtime
             runtime.acc.check()
@@ -74,9 +80,17 @@ def test_the_demo_model_too(demo_model):
     path = demo_model
     prompt = list(range(100, 112))
     reference = list(generate_ids(load_model(path, progress=False), prompt, GREEDY))
-    for policy, budget in (("static", "0.1"), ("hybrimoe", "0.1"), ("lru", "0.5"), ("value", "0.1"), ("value", "0.5")):
+    for policy, budget in (
+        ("static", "0.1"),
+        ("hybrimoe", "0.1"),
+        ("lru", "0.5"),
+        ("value", "0.1"),
+        ("value", "0.5"),
+    ):
         model = hybrid_model(path, policy=policy, budget=budget)
-        assert list(generate_ids(model, prompt, GREEDY)) == reference, f"{policy} at budget {budget}"
+        assert list(generate_ids(model, prompt, GREEDY)) == reference, (
+            f"{policy} at budget {budget}"
+        )
         model.runtime.acc.check()
         model.runtime.close()
 
@@ -132,9 +146,14 @@ def test_stats_add_up(tiny_dir):
     assert t["hits"] + t["misses"] == t["routed"]
     assert t["cpu_runs"] + t["gpu_runs"] == t["routed"]
     assert t["prefetches_used"] <= t["prefetches_issued"]
-    assert t["bytes_copied"] == (t["demand_copies"] + t["prefetches_issued"]) * runtime.store.expert_nbytes()
+    assert (
+        t["bytes_copied"]
+        == (t["demand_copies"] + t["prefetches_issued"]) * runtime.store.expert_nbytes()
+    )
     assert sum(step["routed"] for step in stats.history) == t["routed"]
-    assert [step["tokens"] for step in stats.history] == [len(PROMPT)] + [1] * (GREEDY.max_tokens - 1)
+    assert [step["tokens"] for step in stats.history] == [len(PROMPT)] + [1] * (
+        GREEDY.max_tokens - 1
+    )
     d = stats.to_dict()
     assert 0.0 <= d["hit_rate"] <= 1.0 and d["slots"] == runtime.planner.cache.slots
     assert "hits" in stats.summary()
@@ -148,7 +167,11 @@ def test_cpu_policy_and_no_accelerator_run_everything_on_the_cpu(tiny_dir):
     model = hybrid_model(path, policy="value", budget="0.5", device="cpu", cpu_clock="measured")
     assert greedy_tokens(model) == reference
     t = model.runtime.stats.total
-    assert t["gpu_runs"] == 0 and t["cpu_runs"] == t["routed"] and model.runtime.planner.cache.slots == 0
+    assert (
+        t["gpu_runs"] == 0
+        and t["cpu_runs"] == t["routed"]
+        and model.runtime.planner.cache.slots == 0
+    )
     model.runtime.close()
 
 
@@ -173,7 +196,9 @@ def test_expert_stats_round_trip_into_frequency_placement(tiny_dir, tmp_path):
     k = model.runtime.shape.top_k
     assert stats.tokens == len(PROMPT) + GREEDY.max_tokens - 1
     assert all(sum(row) == stats.tokens * k for row in stats.counts)
-    placed = hybrid_model(path, policy="static", budget="0.25", placement="frequency", expert_stats=str(out))
+    placed = hybrid_model(
+        path, policy="static", budget="0.25", placement="frequency", expert_stats=str(out)
+    )
     cache = placed.runtime.planner.cache
     assert set(cache.slot_of) == set(stats.ranked()[: cache.slots])
     placed.runtime.close()
@@ -184,7 +209,9 @@ def test_expert_stats_round_trip_into_frequency_placement(tiny_dir, tmp_path):
 def test_the_cuda_path_gives_the_cpu_tokens(policy, tiny_dir):
     path = tiny_dir("mixtral")
     reference = greedy_tokens(load_model(path, progress=False))
-    model = hybrid_model(path, policy=policy, budget="0.5", device="cuda", keep_log=False, cpu_clock="measured")
+    model = hybrid_model(
+        path, policy=policy, budget="0.5", device="cuda", keep_log=False, cpu_clock="measured"
+    )
     assert greedy_tokens(model) == reference
     assert model.runtime.stats.total["gpu_runs"] > 0
     model.runtime.close()

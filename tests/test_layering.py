@@ -19,7 +19,17 @@ FORBIDDEN = {
     "layers": {"models", "engine", "server", "sim", "cli", "bench"},
     "models": {"engine", "server", "sim", "cli", "bench"},
     "engine": {"server", "sim", "cli", "bench"},
-    "sim": {"layers", "models", "engine", "server", "cli", "bench", "experts.run", "native", "loader"},
+    "sim": {
+        "layers",
+        "models",
+        "engine",
+        "server",
+        "cli",
+        "bench",
+        "experts.run",
+        "native",
+        "loader",
+    },
     "experts/plan": {"experts.run", "native", "loader", "layers", "models"},
 }
 
@@ -58,8 +68,13 @@ def test_no_package_imports_one_above_it(package):
 
 
 def test_the_planning_wing_and_the_simulator_name_no_torch():
-    wrong = {str(p.relative_to(PACKAGE)): sorted(m for m in imported_modules(p) if m.split(".")[0] == "torch")
-             for folder in ("experts/plan", "sim") for p in sorted((PACKAGE / folder).rglob("*.py"))}
+    wrong = {
+        str(p.relative_to(PACKAGE)): sorted(
+            m for m in imported_modules(p) if m.split(".")[0] == "torch"
+        )
+        for folder in ("experts/plan", "sim")
+        for p in sorted((PACKAGE / folder).rglob("*.py"))
+    }
     assert not {k: v for k, v in wrong.items() if v}
 
 
@@ -68,15 +83,25 @@ NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
 
 def run_without_torch(code: str, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", NO_TORCH + code], cwd=tmp_path, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", NO_TORCH + code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
 
 
 def test_every_module_of_plan_and_sim_imports_without_torch(tmp_path):
-    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-               for folder in ("experts/plan", "sim") for p in sorted((PACKAGE / folder).rglob("*.py"))]
-    done = run_without_torch(f"import importlib\nfor m in {modules!r}: importlib.import_module(m)\nprint('ok')",
-                             tmp_path)
+    modules = [
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for folder in ("experts/plan", "sim")
+        for p in sorted((PACKAGE / folder).rglob("*.py"))
+    ]
+    done = run_without_torch(
+        f"import importlib\nfor m in {modules!r}: importlib.import_module(m)\nprint('ok')", tmp_path
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 

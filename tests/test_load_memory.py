@@ -33,14 +33,28 @@ def test_peak_rss_while_loading_is_at_most_1_5x_weights(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
-                        num_experts_per_tok=2)
-    MixtralForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="40MB")  # ~170 MB in several shards
+    cfg = MixtralConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+    MixtralForCausalLM(cfg).save_pretrained(
+        tmp_path, max_shard_size="40MB"
+    )  # ~170 MB in several shards
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     tiny = tmp_path / "tiny"
     build_tiny("mixtral", tiny)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(tiny)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), str(tiny)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = json.loads(out.stdout)
     on_disk = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))  # top level only
     assert abs(m["weights"] - on_disk) < 0.01 * on_disk  # everything was loaded

@@ -8,8 +8,18 @@ from hybridmoe.layers.attention import causal_attention
 from hybridmoe.layers.mla import MLAttention
 from hybridmoe.layers.rotary import Rotary, rope_parameters
 
-CFG = HFConfig(dict(hidden_size=64, num_attention_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                    v_head_dim=12, kv_lora_rank=32, q_lora_rank=None, rope_theta=10000.0))
+CFG = HFConfig(
+    dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        rope_theta=10000.0,
+    )
+)
 
 
 def test_absorbed_attention_equals_expanded_attention():

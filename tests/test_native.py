@@ -15,7 +15,9 @@ from hybridmoe.experts.run.ffn import expert_ffn
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
 
-needs_kernels = pytest.mark.skipif(not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16")
+needs_kernels = pytest.mark.skipif(
+    not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16"
+)
 
 
 def bf16(*shape, gen):
@@ -25,16 +27,20 @@ def bf16(*shape, gen):
 def assert_close_to_float64(got, w, x):
     """got: [M, N] fp32 against x @ w^T in float64; bf16 products are exact, only the fp32 sums round."""
     ref = x.double() @ w.double().t()  # [M, N]
-    scale = x.double().abs() @ w.double().abs().t()  # [M, N]: the bound the fp32 sums' rounding scales with
+    scale = (
+        x.double().abs() @ w.double().abs().t()
+    )  # [M, N]: the bound the fp32 sums' rounding scales with
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert torch.all((got.double() - ref).abs() <= 1e-6 * scale + 1e-30)
 
 
 # Odd shapes exercise the masked tail of a row and the weight rows left after blocks of four; every
 # row count the x rows left after blocks of four. The large shape at a few row counts.
-GEMM_CASES = ([(rows, cols, m) for rows, cols in [(7, 100), (4, 32), (5, 31), (3, 1), (6, 48)]
-               for m in range(1, native.MAX_ROWS + 1)]
-              + [(1536, 2048, m) for m in (1, 3, 4, 5, 8, 16, native.MAX_ROWS)])
+GEMM_CASES = [
+    (rows, cols, m)
+    for rows, cols in [(7, 100), (4, 32), (5, 31), (3, 1), (6, 48)]
+    for m in range(1, native.MAX_ROWS + 1)
+] + [(1536, 2048, m) for m in (1, 3, 4, 5, 8, 16, native.MAX_ROWS)]
 
 
 @needs_kernels
@@ -67,7 +73,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 def swiglu_reference(x, gate_up, down):
     """[M, H] in float64 with the kernel's one bf16 rounding of silu(g) * u."""
     g, u = (x.double() @ gate_up.double().t()).chunk(2, dim=-1)  # [M, I] each
-    h = (F.silu(g) * u).to(torch.bfloat16)  # [M, I]: the kernel rounds its down projection's input once
+    h = (F.silu(g) * u).to(
+        torch.bfloat16
+    )  # [M, I]: the kernel rounds its down projection's input once
     return h.double() @ down.double().t()  # [M, H]
 
 
@@ -76,7 +84,11 @@ def swiglu_reference(x, gate_up, down):
 @pytest.mark.parametrize("hidden, inter", [(256, 96), (100, 48), (64, 5)])
 def test_expert_matches_swiglu_with_one_bf16_rounding(m, hidden, inter):
     gen = torch.Generator().manual_seed(m * 7 + hidden + inter)
-    gate_up, down, x = bf16(2 * inter, hidden, gen=gen) / 8, bf16(hidden, inter, gen=gen) / 8, bf16(m, hidden, gen=gen)
+    gate_up, down, x = (
+        bf16(2 * inter, hidden, gen=gen) / 8,
+        bf16(hidden, inter, gen=gen) / 8,
+        bf16(m, hidden, gen=gen),
+    )
     ref = swiglu_reference(x, gate_up, down)
     got = native.expert(x, gate_up, down)
     assert got.dtype == torch.float32 and got.shape == (m, hidden)
@@ -93,10 +105,12 @@ def test_expert_matches_swiglu_with_one_bf16_rounding(m, hidden, inter):
 @pytest.fixture
 def torch_only(monkeypatch):
     """Within the test, the native path switched off as HYBRIDMOE_NATIVE=0 does (available() False)."""
+
     def run(fn, *args):
         with monkeypatch.context() as m:
             m.setattr(native.bf16, "available", lambda: False)
             return fn(*args)
+
     return run
 
 
@@ -112,7 +126,7 @@ def test_linear_takes_the_kernel_for_a_few_bf16_rows(m, torch_only):
     assert got.dtype == torch.bfloat16 and got.shape == (m, 67) and torch.equal(got, ref)
     # within one bf16 rounding of torch's path
     assert torch.equal(off, F.linear(x, w, b))
-    assert torch.allclose(got.float(), off.float(), rtol=2 ** -7, atol=1e-2)
+    assert torch.allclose(got.float(), off.float(), rtol=2**-7, atol=1e-2)
     # leading dimensions are kept
     assert torch.equal(linear(x.view(1, m, 130), w, b), got.view(1, m, 67))
 
@@ -129,7 +143,10 @@ def test_linear_with_more_threads_keeps_onednn_above_its_threshold(monkeypatch):
     gen = torch.Generator().manual_seed(6)
     w = bf16(64, 128, gen=gen)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    few, more = bf16(THREADED_NATIVE_ROWS, 128, gen=gen), bf16(THREADED_NATIVE_ROWS + 1, 128, gen=gen)
+    few, more = (
+        bf16(THREADED_NATIVE_ROWS, 128, gen=gen),
+        bf16(THREADED_NATIVE_ROWS + 1, 128, gen=gen),
+    )
     with torch.inference_mode():
         assert torch.equal(linear(few, w), native.gemm(few, w).to(torch.bfloat16))
         assert torch.equal(linear(more, w), F.linear(more, w))
@@ -146,7 +163,7 @@ def test_expert_ffn_takes_the_kernel_for_a_few_bf16_tokens(m, torch_only):
     assert torch.equal(y, native.expert(x, weights.gate_up, weights.down).to(torch.bfloat16))
     # torch's path rounds gate and up to bf16 too: the two agree to a few bf16 roundings
     off = torch_only(expert_ffn, x, weights)
-    assert torch.allclose(y.float(), off.float(), rtol=2 ** -6, atol=2e-2 * off.abs().max().item())
+    assert torch.allclose(y.float(), off.float(), rtol=2**-6, atol=2e-2 * off.abs().max().item())
     # more tokens stay on torch's path
     many = bf16(native.MAX_ROWS + 1, 130, gen=gen)
     assert torch.equal(expert_ffn(many, weights), torch_only(expert_ffn, many, weights))
@@ -154,15 +171,23 @@ def test_expert_ffn_takes_the_kernel_for_a_few_bf16_tokens(m, torch_only):
 
 def _available_in_subprocess(env: dict) -> str:
     code = "from hybridmoe import native; print(native.available())"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
 def test_switched_off_or_without_a_compiler_torch_keeps_the_work(tmp_path):
     assert _available_in_subprocess({"HYBRIDMOE_NATIVE": "0"}) == "False"
     # a fresh cache and no compiler: nothing to load, no error, and no half-written library left behind
-    assert _available_in_subprocess({"XDG_CACHE_HOME": str(tmp_path), "CC": "/nonexistent/cc"}) == "False"
+    assert (
+        _available_in_subprocess({"XDG_CACHE_HOME": str(tmp_path), "CC": "/nonexistent/cc"})
+        == "False"
+    )
     assert not list((tmp_path / "hybridmoe" / "native").glob("*.so"))
 
 

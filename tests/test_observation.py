@@ -33,24 +33,50 @@ def run(argv: list[str], threads: int) -> dict:
 
     runtime.cpu.start = noted
     tokens = list(generate_ids(model, PROMPT, GREEDY))
-    seen = {"runtime": type(runtime).__name__, "reentrant": runtime.reentrant,
-            "overlap": overlap_unsupported(model), "paths": paths, "tokens": tokens}
+    seen = {
+        "runtime": type(runtime).__name__,
+        "reentrant": runtime.reentrant,
+        "overlap": overlap_unsupported(model),
+        "paths": paths,
+        "tokens": tokens,
+    }
     finish_runtime(model, args)
     return seen
 
 
-@pytest.mark.parametrize("placement", [[], ["--device", "emulated", "--gpu-expert-budget", "0.5"]],
-                         ids=["cpu", "emulated-gpu"])
+@pytest.mark.parametrize(
+    "placement",
+    [[], ["--device", "emulated", "--gpu-expert-budget", "0.5"]],
+    ids=["cpu", "emulated-gpu"],
+)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_observing_a_run_does_not_change_it(tiny_chat_model, tmp_path, monkeypatch, placement, threads):
+def test_observing_a_run_does_not_change_it(
+    tiny_chat_model, tmp_path, monkeypatch, placement, threads
+):
     from hybridmoe import tuning
 
-    monkeypatch.setattr(tuning, "WORKERS_MIN_BYTES", 0)  # tiny experts: let two threads use the workers
+    monkeypatch.setattr(
+        tuning, "WORKERS_MIN_BYTES", 0
+    )  # tiny experts: let two threads use the workers
     profile = tmp_path / "profile.json"
     CostModel(bw_cpu=2e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated").save(profile)
-    base = ["generate", "--model", str(tiny_chat_model), "--prompt", "x", "--calibration", str(profile), *placement]
-    watched = base + ["--stats", "--record-trace", str(tmp_path / "t.jsonl"),
-                      "--expert-stats-out", str(tmp_path / "s.json")]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_chat_model),
+        "--prompt",
+        "x",
+        "--calibration",
+        str(profile),
+        *placement,
+    ]
+    watched = base + [
+        "--stats",
+        "--record-trace",
+        str(tmp_path / "t.jsonl"),
+        "--expert-stats-out",
+        str(tmp_path / "s.json"),
+    ]
     before = torch.get_num_threads()
     try:
         plain, observed = run(base, threads), run(watched, threads)
@@ -59,4 +85,6 @@ def test_observing_a_run_does_not_change_it(tiny_chat_model, tmp_path, monkeypat
     assert observed == plain
     if threads == 2:  # both CPU paths were exercised, not only the inline one
         assert {name for name, _ in plain["paths"]} >= {"CPUBatch"}
-    assert (tmp_path / "t.jsonl").read_text() and (tmp_path / "s.json").read_text()  # and it was watched
+    assert (tmp_path / "t.jsonl").read_text() and (
+        tmp_path / "s.json"
+    ).read_text()  # and it was watched

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from hybridmoe.engine.generate import generate_ids
-from tests.contiguous_kv import forward_step
-from tests.contiguous_kv import SequenceKV
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader import load_model
+from tests.contiguous_kv import SequenceKV, forward_step
 from tests.tiny import BUILDERS, build_tiny, hf_logits
 
 ARCHS = sorted(BUILDERS)
@@ -47,8 +46,13 @@ def test_prefill_and_16_decode_steps_match_transformers(pair):
 def test_32_greedy_tokens_match_transformers(pair):
     ref, ours = pair
     prompt = [3, 17, 42, 5, 9]
-    want = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                        min_new_tokens=32, pad_token_id=0)[0, len(prompt):].tolist()
+    want = ref.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=32,
+        do_sample=False,
+        min_new_tokens=32,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     got = list(generate_ids(ours, prompt, SamplingParams(max_tokens=32, temperature=0)))
     assert got == want
 

@@ -22,10 +22,17 @@ def cost_model(cpu_us: float, copy_us: float, gpu_us: float) -> CostModel:
     """A cost model whose batch-1 times are the given microseconds (1 MB experts)."""
     nbytes = 1e6
     return CostModel(
-        bw_cpu=nbytes / (cpu_us * 1e-6), f_cpu=2e12, c_cpu=0.0,
-        bw_gpu=nbytes / (gpu_us * 1e-6), f_gpu=50e12, c_gpu=0.0,
-        bw_pcie=nbytes / (copy_us * 1e-6), c_copy=0.0,
-        expert_bytes=nbytes, flops_per_token=2e6 * 50, hidden=64,
+        bw_cpu=nbytes / (cpu_us * 1e-6),
+        f_cpu=2e12,
+        c_cpu=0.0,
+        bw_gpu=nbytes / (gpu_us * 1e-6),
+        f_gpu=50e12,
+        c_gpu=0.0,
+        bw_pcie=nbytes / (copy_us * 1e-6),
+        c_copy=0.0,
+        expert_bytes=nbytes,
+        flops_per_token=2e6 * 50,
+        hidden=64,
     )
 
 
@@ -36,7 +43,10 @@ costs = st.builds(
     st.floats(1, 30),
 )
 routed_layer = st.lists(
-    st.tuples(st.integers(0, E - 1), st.integers(1, 64)), min_size=1, max_size=6, unique_by=lambda t: t[0]
+    st.tuples(st.integers(0, E - 1), st.integers(1, 64)),
+    min_size=1,
+    max_size=6,
+    unique_by=lambda t: t[0],
 ).map(lambda xs: [Routed(e, n, 1.0 / len(xs)) for e, n in xs])
 
 
@@ -64,7 +74,9 @@ def check_plan(planner: Planner, plan, routed, pinned_before, ready_before) -> N
         assert c.evicted not in {(plan.layer, r.expert) for r in plan.gpu_hits + plan.gpu_copied}
     copy_ready = {c.expert: c.ready for c in plan.copies}
     for r in plan.gpu_hits:
-        assert ready_before.get((plan.layer, r.expert), 1e18) <= plan.now, "a hit is resident and ready"
+        assert ready_before.get((plan.layer, r.expert), 1e18) <= plan.now, (
+            "a hit is resident and ready"
+        )
     # Replay the GPU queue: hits first, then copied experts in order of readiness.
     t = plan.now + sum(planner.cost.t_gpu(r.n_tokens) for r in plan.gpu_hits)
     for r in sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert]):

@@ -20,7 +20,9 @@ def planner_for(policy, slots, dynamic=(), pinned=(), cost=None):
     cache = ExpertCache(slots)
     cache.place(list(pinned), pinned=True)
     cache.place(list(dynamic), pinned=False)
-    return Planner(cost or cost_model(100, 250, 5), cache, policy, Predictor(LAYERS, E, 2), PlannerConfig())
+    return Planner(
+        cost or cost_model(100, 250, 5), cache, policy, Predictor(LAYERS, E, 2), PlannerConfig()
+    )
 
 
 def run_steps(planner, steps, gap=1.0):
@@ -41,7 +43,9 @@ def run_steps(planner, steps, gap=1.0):
 def test_cpu_policy_never_touches_the_gpu():
     planner = planner_for(make_policy("cpu"), 4, dynamic=[(0, 1)])
     plans = run_steps(planner, [[[1, 2], [3]], [[1], [4, 5]]])
-    assert all(not p.gpu_hits and not p.gpu_copied and not p.copies and not p.prefetches for p in plans)
+    assert all(
+        not p.gpu_hits and not p.gpu_copied and not p.copies and not p.prefetches for p in plans
+    )
 
 
 def test_static_keeps_its_set_and_never_copies():
@@ -133,7 +137,16 @@ def test_unknown_policy_and_belady_without_future_are_user_errors():
         make_policy("magic")
     with pytest.raises(UserError, match="simulate"):
         make_policy("belady")
-    assert set(POLICIES) == {"cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value", "belady"}
+    assert set(POLICIES) == {
+        "cpu",
+        "static",
+        "fiddler",
+        "hybrimoe",
+        "lru",
+        "lfu",
+        "value",
+        "belady",
+    }
 
 
 def test_only_our_policy_learns_cross_layer_routing():

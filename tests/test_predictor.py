@@ -11,7 +11,17 @@ L, E, K = 4, 32, 4
 
 
 def planted(tokens, seed, cross=0.8):
-    cfg = SynthConfig(layers=L, experts=E, top_k=K, tokens=tokens, skew=1.0, locality=0.3, cross=cross, fanout=1, seed=seed)
+    cfg = SynthConfig(
+        layers=L,
+        experts=E,
+        top_k=K,
+        tokens=tokens,
+        skew=1.0,
+        locality=0.3,
+        cross=cross,
+        fanout=1,
+        seed=seed,
+    )
     return cfg, generate(cfg)
 
 
@@ -73,7 +83,10 @@ def test_cross_layer_predictor_costs_little_without_correlation():
 
 def test_p_base_ignores_the_cross_layer_signal():
     _, lines = planted(200, seed=7)
-    with_x, without = Predictor(list(range(L)), E, K, cross_layer=True), Predictor(list(range(L)), E, K)
+    with_x, without = (
+        Predictor(list(range(L)), E, K, cross_layer=True),
+        Predictor(list(range(L)), E, K),
+    )
     for line in lines:
         with_x.begin_step()
         without.begin_step()

@@ -11,14 +11,19 @@ from hybridmoe import native
 from hybridmoe.layers import attention
 from tests.tiny import bf16_batch_greedy
 
-needs_kernels = pytest.mark.skipif(not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16")
+needs_kernels = pytest.mark.skipif(
+    not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16"
+)
 
 
 def reference(q, k, v, scale):
     """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv] in float64; query i sits at position
     L - n + i and sees keys 0..L-n+i; query head i uses KV head i // (h // kvh)."""
     n, L, groups = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)  # [L, h, d]
+    k, v = (
+        k.double().repeat_interleave(groups, 1),
+        v.double().repeat_interleave(groups, 1),
+    )  # [L, h, d]
     scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale  # [h, n, L]
     visible = torch.arange(L)[None, :] <= torch.arange(n)[:, None] + (L - n)  # [n, L]
     return torch.einsum("hnl,lhd->nhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
@@ -33,10 +38,28 @@ def inputs(n, L, heads, kv_heads, d, dv, seed):
 
 
 # MHA and GQA; head sizes that are multiples of 32 and ones that are not (odd, masked tails), dv != d
-LAYOUTS = [(9, 3, 64, 64), (32, 4, 128, 128), (4, 4, 64, 64), (8, 2, 80, 80), (6, 3, 16, 40), (4, 4, 23, 12)]
+LAYOUTS = [
+    (9, 3, 64, 64),
+    (32, 4, 128, 128),
+    (4, 4, 64, 64),
+    (8, 2, 80, 80),
+    (6, 3, 16, 40),
+    (4, 4, 23, 12),
+]
 # (n, L): single queries, a fresh prompt (L = n), a later chunk (L > n); n off the 64-key and
 # 48-row blocks, and chunks long enough that whole key blocks lie above some rows' diagonal
-CHUNKS = [(1, 1), (1, 70), (2, 2), (3, 3), (3, 130), (17, 17), (50, 50), (130, 130), (37, 200), (100, 301)]
+CHUNKS = [
+    (1, 1),
+    (1, 70),
+    (2, 2),
+    (3, 3),
+    (3, 130),
+    (17, 17),
+    (50, 50),
+    (130, 130),
+    (37, 200),
+    (100, 301),
+]
 
 
 @needs_kernels
@@ -62,7 +85,9 @@ def test_a_query_sees_the_same_keys_whatever_chunk_it_came_in():
     q, k, v = inputs(200, 260, 9, 3, 64, 64, seed=7)
     chunk = native.prefill_attention(q, k, v, 0.125, out_dtype=torch.float32)
     for i in [0, 1, 15, 16, 47, 63, 64, 100, 199]:
-        alone = native.prefill_attention(q[i : i + 1], k[: 61 + i], v[: 61 + i], 0.125, out_dtype=torch.float32)
+        alone = native.prefill_attention(
+            q[i : i + 1], k[: 61 + i], v[: 61 + i], 0.125, out_dtype=torch.float32
+        )
         torch.testing.assert_close(chunk[i], alone[0], rtol=1e-5, atol=1e-6)
 
 
@@ -81,17 +106,23 @@ def test_histories_may_be_strided_views():
 @needs_kernels
 def test_large_scores_do_not_overflow_the_softmax():
     q, k, v = inputs(70, 150, 4, 2, 64, 64, seed=5)
-    q = q * 300  # scores in the thousands: exp without the running maximum subtracted would overflow
+    q = (
+        q * 300
+    )  # scores in the thousands: exp without the running maximum subtracted would overflow
     got = native.prefill_attention(q, k, v, 0.125, out_dtype=torch.float32)
     assert torch.isfinite(got).all()
-    assert (got.double() - reference(q, k, v, 0.125)).abs().max() < 1e-3  # near ties: fp32 rounding of s
+    assert (
+        got.double() - reference(q, k, v, 0.125)
+    ).abs().max() < 1e-3  # near ties: fp32 rounding of s
 
 
 @needs_kernels
 def test_causal_attention_takes_the_kernel_for_bf16_chunks_only(monkeypatch):
     calls = []
     real = native.prefill_attention
-    monkeypatch.setattr(native, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(
+        native, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
     for n, dtype in [(5, torch.bfloat16), (1, torch.bfloat16), (5, torch.float32)]:
         q, k, v = (t.to(dtype) for t in inputs(n, 9, 4, 2, 32, 32, seed=n))
         want = reference(q, k, v, 0.2)
@@ -102,12 +133,16 @@ def test_causal_attention_takes_the_kernel_for_bf16_chunks_only(monkeypatch):
 
 @needs_kernels
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v2"])  # heads of 16, 32 (GQA); MLA
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3_moe", "deepseek_v2"]
+)  # heads of 16, 32 (GQA); MLA
 def test_engine_greedy_output_is_that_of_torchs_attention(arch, tmp_path, monkeypatch):
     generate = bf16_batch_greedy(arch, tmp_path)
     calls = []
     real = native.prefill_attention
-    monkeypatch.setattr(native, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(
+        native, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
     with_kernel = generate()
     assert calls and max(calls) > 16  # prompts' chunks went through the kernel
     monkeypatch.setattr(native, "prefill_applies", lambda *a: False)

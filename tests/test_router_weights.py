@@ -42,7 +42,9 @@ def hand_weights(block, x: torch.Tensor, ids: torch.Tensor, arch: str, cfg) -> t
     if arch == "deepseek_v2":  # softmax scores, no normalisation in this config, scaled
         assert not cfg.get("norm_topk_prob")
         return w * cfg.get("routed_scaling_factor")
-    return w / w.sum(-1, keepdim=True) if cfg.get("norm_topk_prob", default=arch == "mixtral") else w
+    return (
+        w / w.sum(-1, keepdim=True) if cfg.get("norm_topk_prob", default=arch == "mixtral") else w
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -51,9 +53,13 @@ def test_weights_at_any_ids_equal_a_hand_computed_router(arch, blocks):
     torch.manual_seed(7)
     for i, block in enumerate(moes):
         if arch == "deepseek_v3":  # a bias that changes choices must not change weights
-            block.gate.e_score_correction_bias.data = torch.randn_like(block.gate.e_score_correction_bias) * 0.5
+            block.gate.e_score_correction_bias.data = (
+                torch.randn_like(block.gate.e_score_correction_bias) * 0.5
+            )
         x = torch.randn(9, block.gate.in_features)  # [T, H]
-        ids = random_ids(9, block.gate.out_features, block.top_k, seed=i)  # [T, K], not the router's choice
+        ids = random_ids(
+            9, block.gate.out_features, block.top_k, seed=i
+        )  # [T, K], not the router's choice
         torch.testing.assert_close(block.weights_at(x, ids), hand_weights(block, x, ids, arch, cfg))
 
 
@@ -73,7 +79,9 @@ def test_router_probs_rank_the_chosen_experts_first(arch, blocks):
     torch.manual_seed(9)
     for block in moes:
         if arch == "deepseek_v3":  # positive, so that no kept expert scores 0 like a dropped group
-            block.gate.e_score_correction_bias.data = torch.rand_like(block.gate.e_score_correction_bias) * 0.5
+            block.gate.e_score_correction_bias.data = (
+                torch.rand_like(block.gate.e_score_correction_bias) * 0.5
+            )
         x = torch.randn(9, block.gate.in_features)
         ids, _ = block.route(x)
         probs = block.router_probs(x)  # [T, E]

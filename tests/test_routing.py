@@ -5,7 +5,9 @@ import torch
 from hybridmoe.layers.moe import sigmoid_group_topk, softmax_group_topk
 
 
-def _reference_groups(choice: torch.Tensor, n_group: int, topk_group: int, top2: bool) -> list[set[int]]:
+def _reference_groups(
+    choice: torch.Tensor, n_group: int, topk_group: int, top2: bool
+) -> list[set[int]]:
     """Per token, the kept groups, computed one token at a time."""
     kept = []
     for row in choice:
@@ -18,7 +20,9 @@ def _reference_groups(choice: torch.Tensor, n_group: int, topk_group: int, top2:
 def test_v3_router_picks_within_kept_groups_and_weighs_by_unbiased_scores():
     torch.manual_seed(1)
     logits, bias = torch.randn(50, 16), torch.randn(16) * 0.3
-    ids, w = sigmoid_group_topk(logits, bias, k=3, n_group=4, topk_group=2, renormalize=False, scale=2.0)
+    ids, w = sigmoid_group_topk(
+        logits, bias, k=3, n_group=4, topk_group=2, renormalize=False, scale=2.0
+    )
     kept = _reference_groups(logits.sigmoid() + bias, 4, 2, top2=True)
     for t in range(50):
         assert {e // 4 for e in ids[t].tolist()} <= kept[t]

@@ -47,9 +47,27 @@ def server(tmp_path):
     calibration = tmp_path / "cost.json"
     PROFILES["this-machine-2core"].save(calibration)  # no calibration run in the test
     trace, port = tmp_path / "trace.jsonl", free_port()
-    cmd = [sys.executable, "-m", "hybridmoe", "serve", "--model", str(tiny_chat_model()), "--port", str(port),
-           "--served-model-name", "m", "--threads", "1", "--calibration", str(calibration), "--record-trace", str(trace)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridmoe",
+        "serve",
+        "--model",
+        str(tiny_chat_model()),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+        "--threads",
+        "1",
+        "--calibration",
+        str(calibration),
+        "--record-trace",
+        str(trace),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ}
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
@@ -61,14 +79,22 @@ def server(tmp_path):
 
 
 def complete(url: str, prompt: str) -> dict:
-    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return httpx.post(url + "/v1/completions", json=body, timeout=120).json()
 
 
 def test_a_killed_server_leaves_each_concurrent_request_recorded_under_its_id(server):
     url, proc, trace = server
     with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda p: complete(url, p), ["Once upon a time", "The capital of France"]))
+        answers = list(
+            pool.map(lambda p: complete(url, p), ["Once upon a time", "The capital of France"])
+        )
     assert all(a["usage"]["completion_tokens"] == MAX_TOKENS for a in answers), answers
     proc.send_signal(signal.SIGKILL)  # no shutdown: what is in the file was written as it decoded
     proc.wait(timeout=30)

@@ -24,6 +24,10 @@ def test_the_pipeline_runs_and_both_drivers_of_the_planner_agree(tmp_path):
     assert real["decode_tokens"] == sim["trace_tokens"] == MAX_TOKENS - 1
     figures = [*real.values(), *sim.values()]
     assert all(math.isfinite(v) and v >= 0 for v in figures)
-    assert real["measured_ms_per_token"] >= real["cpu_busy_ms_per_token"] > 0  # the layer clock includes the CPU
-    assert sim["simulated_ms_per_token"] == pytest.approx(real["runtime_predicted_ms_per_token"], rel=0.05)
+    assert (
+        real["measured_ms_per_token"] >= real["cpu_busy_ms_per_token"] > 0
+    )  # the layer clock includes the CPU
+    assert sim["simulated_ms_per_token"] == pytest.approx(
+        real["runtime_predicted_ms_per_token"], rel=0.05
+    )
     assert 0 <= sim["consecutive_overlap"] <= 1

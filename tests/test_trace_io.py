@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hybridmoe.cli.options import attach_observers
-from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.errors import UserError
@@ -45,16 +45,23 @@ def run(path, **options) -> list[int]:
 
 def hybrid_model(path, routing_trace=None, record_trace=None, **options):
     config = HybridConfig(**{"device": "emulated", "cpu_clock": "model", **options})
-    model = load_model(path, runtime_factory=lambda s, d: HybridRuntime(s, d, config, PROFILES["this-machine-2core"]),
-                       progress=False)
+    model = load_model(
+        path,
+        runtime_factory=lambda s, d: HybridRuntime(s, d, config, PROFILES["this-machine-2core"]),
+        progress=False,
+    )
     attach_observers(model, routing_trace, record_trace)
     return model
 
 
-def random_trace(path: Path, lines: int, layers: int = 2, experts: int = 8, k: int = 2, seed: int = 0) -> list[list[list[int]]]:
+def random_trace(
+    path: Path, lines: int, layers: int = 2, experts: int = 8, k: int = 2, seed: int = 0
+) -> list[list[list[int]]]:
     rng = random.Random(seed)
     rows = [[rng.sample(range(experts), k) for _ in range(layers)] for _ in range(lines)]
-    path.write_text("".join(json.dumps({"tok": i + 1, "layers": r}) + "\n" for i, r in enumerate(rows)))
+    path.write_text(
+        "".join(json.dumps({"tok": i + 1, "layers": r}) + "\n" for i, r in enumerate(rows))
+    )
     return rows
 
 
@@ -65,9 +72,13 @@ def test_a_recorded_trace_reads_back(mixtral_dir, tmp_path):
     assert len(lines) == GREEDY.max_tokens - 1  # one line per decode step; the prompt is not one
     assert [line.tok for line in lines] == list(range(1, len(lines) + 1))
     for line in lines:
-        assert len(line.layers) == 2 and all(len(ids) == 2 and len(set(ids)) == 2 for ids in line.layers)
+        assert len(line.layers) == 2 and all(
+            len(ids) == 2 and len(set(ids)) == 2 for ids in line.layers
+        )
         assert line.req == "generate"  # the engine names the request (engine/generate.py's id)
-        assert all(sum(p) == pytest.approx(1.0, abs=1e-5) for p in line.probs)  # Mixtral renormalises
+        assert all(
+            sum(p) == pytest.approx(1.0, abs=1e-5) for p in line.probs
+        )  # Mixtral renormalises
 
 
 def test_placement_does_not_change_the_recorded_routing(mixtral_dir, tmp_path):
@@ -126,7 +137,9 @@ def test_concurrent_requests_are_recorded_under_their_ids_as_if_alone(mixtral_di
     lines = read_trace(out)
     assert {line.req for line in lines} == {"a", "b"}
     assert len(lines) == 2 * (GREEDY.max_tokens - 1)
-    assert any(x.req != y.req for x, y in zip(lines, lines[1:3]))  # really batched: the ids interleave
+    assert any(
+        x.req != y.req for x, y in zip(lines, lines[1:3])
+    )  # really batched: the ids interleave
     for name in prompts:
         assert [line.layers for line in lines if line.req == name] == alone[name]
 
@@ -145,12 +158,19 @@ def test_recorder_writes_the_rows_the_engine_names(tmp_path):
     rec.on_layer(step, 0, ids, torch.ones(3, 2), {})
     rec.close()
     lines = read_trace(out)
-    assert [(line.req, line.layers) for line in lines] == [("a", [[1, 2], [2, 3]]), ("b", [[5, 6], [6, 7]])]
+    assert [(line.req, line.layers) for line in lines] == [
+        ("a", [[1, 2], [2, 3]]),
+        ("b", [[5, 6], [6, 7]]),
+    ]
 
 
 def test_the_olmoe_trace_replays_on_a_model_of_its_shape():
     # 18 MoE layers: deeper than the trace's 16
-    replay = RoutingReplay.from_file(shared_trace("olmoe-1b-7b_299tok.jsonl"), list(range(18)), num_experts=64, top_k=8)
+    replay = RoutingReplay.from_file(
+        shared_trace("olmoe-1b-7b_299tok.jsonl"), list(range(18)), num_experts=64, top_k=8
+    )
     replay.begin_step(Step(2, []))
     assert replay.ids(0).shape == (2, 8)
-    assert replay.ids(17).tolist() == replay.ids(1).tolist()  # deeper models cycle the trace's layers
+    assert (
+        replay.ids(17).tolist() == replay.ids(1).tolist()
+    )  # deeper models cycle the trace's layers

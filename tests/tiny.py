@@ -7,62 +7,124 @@ from pathlib import Path
 import torch
 
 TINY_COMMON = dict(
-    vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+    vocab_size=96,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
 )
 
 
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(**TINY_COMMON, intermediate_size=96, tie_word_embeddings=True))
+    return LlamaForCausalLM(
+        LlamaConfig(**TINY_COMMON, intermediate_size=96, tie_word_embeddings=True)
+    )
 
 
 def _mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(**TINY_COMMON, intermediate_size=48, num_local_experts=8,
-                                            num_experts_per_tok=2, tie_word_embeddings=False))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            **TINY_COMMON,
+            intermediate_size=48,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _qwen3_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     # 3 layers: layer 0 dense (mlp_only_layers), 1 and 2 sparse; head_dim 32 != hidden / heads
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        **{**TINY_COMMON, "num_hidden_layers": 3}, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False))
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **{**TINY_COMMON, "num_hidden_layers": 3},
+            head_dim=32,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _olmoe():
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
     # clip_qkv low enough that some q/k/v values are clamped
-    return OlmoeForCausalLM(OlmoeConfig(**{**TINY_COMMON, "rms_norm_eps": 1e-5}, intermediate_size=32, num_experts=8,
-                                        num_experts_per_tok=2, clip_qkv=1.0, pad_token_id=0, eos_token_id=1,
-                                        tie_word_embeddings=False))
+    return OlmoeForCausalLM(
+        OlmoeConfig(
+            **{**TINY_COMMON, "rms_norm_eps": 1e-5},
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            clip_qkv=1.0,
+            pad_token_id=0,
+            eos_token_id=1,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _qwen2_moe():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     # 4 layers, decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense; biases on q/k/v only
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        **{**TINY_COMMON, "num_hidden_layers": 4}, intermediate_size=96, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
-        norm_topk_prob=False, tie_word_embeddings=False))
+    return Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            **{**TINY_COMMON, "num_hidden_layers": 4},
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 # DeepSeek: MLA (nope 8 + rope 8 query/key dims, values 12), YaRN with mscale != mscale_all_dim so that
 # both the cos/sin factor and the softmax scale matter; layer 0 dense, 1-2 MoE with a shared expert;
 # 8 experts in 4 groups of which 2 are kept, so group-limited routing changes choices.
 DEEPSEEK_COMMON = dict(
-    **{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, intermediate_size=96,
-    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-    first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-    n_group=4, topk_group=2, routed_scaling_factor=1.5, tie_word_embeddings=False,
-    rope_scaling=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
-                      beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8),
+    **{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=1.5,
+    tie_word_embeddings=False,
+    rope_scaling=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=8.0,
+        original_max_position_embeddings=32,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+    ),
 )
 
 
@@ -70,24 +132,38 @@ def _deepseek_v2():
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     # V2 scores a group by its best expert: with one group kept, both experts come from it
-    cfg = DeepseekV2Config(**{**DEEPSEEK_COMMON, "topk_group": 1}, q_lora_rank=None,
-                           topk_method="group_limited_greedy", norm_topk_prob=False)
+    cfg = DeepseekV2Config(
+        **{**DEEPSEEK_COMMON, "topk_group": 1},
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        norm_topk_prob=False,
+    )
     return DeepseekV2ForCausalLM(cfg)
 
 
 def _deepseek_v3():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_COMMON, q_lora_rank=24, norm_topk_prob=True,
-                                                   rope_interleave=True))
+    model = DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            **DEEPSEEK_COMMON, q_lora_rank=24, norm_topk_prob=True, rope_interleave=True
+        )
+    )
     with torch.no_grad():  # a load-balancing bias that changes choices (sigmoid scores lie in 0..1)
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
     return model
 
 
-BUILDERS = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "qwen2_moe": _qwen2_moe,
-            "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
+BUILDERS = {
+    "llama": _llama,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
+    "qwen2_moe": _qwen2_moe,
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
+}
 
 
 def build_tiny(arch: str, out: Path, seed: int = 0):
@@ -100,7 +176,9 @@ def build_tiny(arch: str, out: Path, seed: int = 0):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".gate.weight") or "router" in name:
                 p.normal_(0, 0.5)
-            elif name.endswith(".bias") or "shared_expert_gate" in name:  # HF initialises these to ~0
+            elif (
+                name.endswith(".bias") or "shared_expert_gate" in name
+            ):  # HF initialises these to ~0
                 p.normal_(0, 0.5)
     model.save_pretrained(out)
     return model
@@ -126,7 +204,12 @@ def bf16_batch_greedy(arch: str, out: Path):
     prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (1, 5, 17, 33, 9, 40)]
 
     def generate() -> list[list[int]]:
-        eng = LLMEngine(model, None, EngineConfig(block_size=4, max_batch_size=4, max_tokens_per_step=24), eos_ids=())
+        eng = LLMEngine(
+            model,
+            None,
+            EngineConfig(block_size=4, max_batch_size=4, max_tokens_per_step=24),
+            eos_ids=(),
+        )
         return eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0), max_steps=500)
 
     return generate

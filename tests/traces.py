@@ -16,4 +16,6 @@ def shared_trace(name: str) -> Path:
         path = parent / "shared" / "traces" / name
         if path.is_file():
             return path
-    pytest.fail(f"{name} is not in any shared/traces/ beside {ROOT}; the tests need the shared routing traces")
+    pytest.fail(
+        f"{name} is not in any shared/traces/ beside {ROOT}; the tests need the shared routing traces"
+    )

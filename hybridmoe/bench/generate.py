@@ -22,19 +22,36 @@ from hybridmoe.cli.options import DTYPES, compute_dtype
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="prefill and decode tok/s of a model (optionally vs transformers)",
-                       description="Measure prefill and decode tokens per second of one model: a random prompt, "
-                                   "greedy decoding, warm-up runs excluded, the median of repeats.")
-    p.add_argument("--model", metavar="PATH", required=True, help="Hugging Face directory or .gguf file")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and compute dtype (default bf16)")
+    p = sub.add_parser(
+        "generate",
+        help="prefill and decode tok/s of a model (optionally vs transformers)",
+        description="Measure prefill and decode tokens per second of one model: a random prompt, "
+        "greedy decoding, warm-up runs excluded, the median of repeats.",
+    )
+    p.add_argument(
+        "--model", metavar="PATH", required=True, help="Hugging Face directory or .gguf file"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="weights and compute dtype (default bf16)",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
-    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per run (default 64)")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="generated tokens per run (default 64)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured runs per engine (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured runs before them (default 1)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: all cores)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
-    p.add_argument("--compare-transformers", action="store_true",
-                   help="also load the weights into transformers' own model class and measure it in this run")
+    p.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="also load the weights into transformers' own model class and measure it in this run",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -62,12 +79,18 @@ def measure(engines: dict, prompt: list[int], max_tokens: int, repeats: int, war
             engine(prompt, max_tokens)
     runs = {name: {"prefill_runs": [], "decode_runs": []} for name in engines}
     for i in range(repeats):
-        for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
+        for name in list(engines) if i % 2 == 0 else list(reversed(engines)):
             prefill_s, decode_s, steps = engines[name](prompt, max_tokens)
             runs[name]["prefill_runs"].append(len(prompt) / prefill_s)
             runs[name]["decode_runs"].append(steps / decode_s if steps else 0.0)
-    return {name: {"prefill_tps": statistics.median(r["prefill_runs"]),
-                   "decode_tps": statistics.median(r["decode_runs"]), **r} for name, r in runs.items()}
+    return {
+        name: {
+            "prefill_tps": statistics.median(r["prefill_runs"]),
+            "decode_tps": statistics.median(r["decode_runs"]),
+            **r,
+        }
+        for name, r in runs.items()
+    }
 
 
 def hybridmoe_engine(model):
@@ -121,10 +144,20 @@ def run_benchmark(args) -> dict:
     vocab = model_config(args.model).get("vocab_size")
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
-    result = {"model": str(args.model), "dtype": args.dtype, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "warmup": args.warmup,
-              "threads": torch.get_num_threads(), "date": date.today().isoformat(), "machine": machine()}
-    engines = {"hybridmoe": hybridmoe_engine(load_model(args.model, dtype=dtype, progress=not args.json))}
+    result = {
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+        "date": date.today().isoformat(),
+        "machine": machine(),
+    }
+    engines = {
+        "hybridmoe": hybridmoe_engine(load_model(args.model, dtype=dtype, progress=not args.json))
+    }
     if args.compare_transformers:
         engines["transformers"] = transformers_engine(load_transformers(args.model, dtype))
     result.update(measure(engines, prompt, args.max_tokens, args.repeats, args.warmup))
@@ -139,9 +172,15 @@ def run_benchmark(args) -> dict:
 
 def machine() -> dict:
     """What the figures depend on; the load average shows whether other processes shared the cores."""
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "load_avg_1min": round(os.getloadavg()[0], 2), "omp_wait_policy": env.omp_wait_policy()}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+        "omp_wait_policy": env.omp_wait_policy(),
+    }
 
 
 def run(args) -> int:
@@ -149,9 +188,11 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['model']}  {result['dtype']}  prompt {result['prompt_len']}  decode {result['max_tokens']} tokens"
-          f"  threads {result['threads']}  median of {result['repeats']}"
-          f"  load average {result['machine']['load_avg_1min']} -> {result['load_avg_1min_after']}")
+    print(
+        f"{result['model']}  {result['dtype']}  prompt {result['prompt_len']}  decode {result['max_tokens']} tokens"
+        f"  threads {result['threads']}  median of {result['repeats']}"
+        f"  load average {result['machine']['load_avg_1min']} -> {result['load_avg_1min_after']}"
+    )
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>15}")
     for engine in ("hybridmoe", "transformers"):
         r = result[engine]

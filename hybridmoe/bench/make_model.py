@@ -6,12 +6,19 @@ from hybridmoe.bench.model import SHAPES
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("make-model", help="write a random-weight model with the layer shapes of a real MoE",
-                       description="Build a random-weight model with a real MoE's layer shapes using transformers' "
-                                   "own class, and save it (atomically) as a Hugging Face directory.")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b", help="whose layer shapes")
+    p = sub.add_parser(
+        "make-model",
+        help="write a random-weight model with the layer shapes of a real MoE",
+        description="Build a random-weight model with a real MoE's layer shapes using transformers' "
+        "own class, and save it (atomically) as a Hugging Face directory.",
+    )
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b", help="whose layer shapes"
+    )
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to create (must not exist)")
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="directory to create (must not exist)"
+    )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -26,8 +33,13 @@ def run(args) -> int:
     if args.layers < 1:
         raise UserError(f"--layers {args.layers}: give at least 1")
     try:
-        out = make_model(args.shape, args.layers, args.out, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype],
-                         args.seed)
+        out = make_model(
+            args.shape,
+            args.layers,
+            args.out,
+            {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype],
+            args.seed,
+        )
     except FileExistsError as e:
         raise UserError(str(e)) from None
     print(out)

@@ -36,19 +36,38 @@ from hybridmoe.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="prefill/decode tok/s, TTFT and inter-token latency of a running server",
-                       description="Benchmark a running `hybridmoe serve` (or any OpenAI-compatible server that "
-                                   "accepts token-id prompts and ignore_eos) at several prompt lengths and "
-                                   "concurrency levels.")
-    p.add_argument("--url", default="http://127.0.0.1:10002", help="server base URL (default http://127.0.0.1:10002)")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    p = sub.add_parser(
+        "serve",
+        help="prefill/decode tok/s, TTFT and inter-token latency of a running server",
+        description="Benchmark a running `hybridmoe serve` (or any OpenAI-compatible server that "
+        "accepts token-id prompts and ignore_eos) at several prompt lengths and "
+        "concurrency levels.",
+    )
+    p.add_argument(
+        "--url",
+        default="http://127.0.0.1:10002",
+        help="server base URL (default http://127.0.0.1:10002)",
+    )
+    p.add_argument(
+        "--model", default=None, help="model name to send (default: the first of /v1/models)"
+    )
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--prompt-lens", default="128,1024", help="comma-separated prompt lengths in tokens")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens each request decodes (default 128)")
-    p.add_argument("--concurrency", default="1,4,8", help="comma-separated numbers of simultaneous requests")
-    p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn from [100, VOCAB)")
+    p.add_argument(
+        "--prompt-lens", default="128,1024", help="comma-separated prompt lengths in tokens"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens each request decodes (default 128)"
+    )
+    p.add_argument(
+        "--concurrency", default="1,4,8", help="comma-separated numbers of simultaneous requests"
+    )
+    p.add_argument(
+        "--vocab", type=int, default=32000, help="prompt token ids are drawn from [100, VOCAB)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for one level (default 1800)")
+    p.add_argument(
+        "--timeout", type=float, default=1800, help="seconds allowed for one level (default 1800)"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=run)
 
@@ -63,7 +82,9 @@ class RequestTiming:
     completion_tokens: int = 0
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)  # arrival time of each chunk with new text
-    server_prefill_s: float | None = None  # usage.prefill_time and usage.decode_time, when the server sends them
+    server_prefill_s: float | None = (
+        None  # usage.prefill_time and usage.decode_time, when the server sends them
+    )
     server_decode_s: float | None = None
 
     @property
@@ -81,12 +102,18 @@ class RequestTiming:
     @property
     def reported_prefill_tps(self) -> float:
         """Prompt tokens / prefill time, the server's time when it reports one."""
-        return _rate(self.prompt_tokens, self.ttft if self.server_prefill_s is None else self.server_prefill_s)
+        return _rate(
+            self.prompt_tokens,
+            self.ttft if self.server_prefill_s is None else self.server_prefill_s,
+        )
 
     @property
     def reported_decode_tps(self) -> float:
         """Decode tokens / decode time, the server's time when it reports one."""
-        return _rate(self.completion_tokens - 1, self.decode_s if self.server_decode_s is None else self.server_decode_s)
+        return _rate(
+            self.completion_tokens - 1,
+            self.decode_s if self.server_decode_s is None else self.server_decode_s,
+        )
 
     @property
     def itl(self) -> list[float]:
@@ -97,19 +124,31 @@ def _ints(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--{what} {text!r}: give comma-separated whole numbers, like 1,4,8") from None
+        raise UserError(
+            f"--{what} {text!r}: give comma-separated whole numbers, like 1,4,8"
+        ) from None
     if not values or min(values) < 1:
         raise UserError(f"--{what} {text!r}: give positive whole numbers")
     return values
 
 
 async def _one(client, model: str, prompt: list[int], max_tokens: int) -> RequestTiming:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "return_speed": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_speed": True,
+    }
     t = RequestTiming(sent=time.perf_counter())
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raise UserError(f"the server answered {r.status_code}: {(await r.aread()).decode()[:300]}")
+            raise UserError(
+                f"the server answered {r.status_code}: {(await r.aread()).decode()[:300]}"
+            )
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -139,20 +178,35 @@ def summarise(prompt_len: int, concurrency: int, timings: list[RequestTiming]) -
     itl = [x for t in timings for x in t.itl]
     ttft = [t.ttft for t in timings]
     return {
-        "prompt_len": prompt_len, "concurrency": concurrency, "requests": len(timings),
+        "prompt_len": prompt_len,
+        "concurrency": concurrency,
+        "requests": len(timings),
         "prompt_tokens": sum(t.prompt_tokens for t in timings),
         "completion_tokens": sum(t.completion_tokens for t in timings),
         "prefill_tps_per_request": statistics.mean(t.prompt_tokens / t.ttft for t in timings),
         "decode_tps_per_request": statistics.mean(t.decode_tps for t in timings),
         "prefill_tps_aggregate": sum(t.prompt_tokens for t in timings) / prefill_span,
-        "decode_tps_aggregate": sum(t.completion_tokens - 1 for t in timings) / decode_span if decode_span else 0.0,
+        "decode_tps_aggregate": sum(t.completion_tokens - 1 for t in timings) / decode_span
+        if decode_span
+        else 0.0,
         # KTransformers' "total prefill/decode speed": the sum of the requests' own speeds
         "prefill_tps_sum": sum(t.reported_prefill_tps for t in timings),
         "decode_tps_sum": sum(t.reported_decode_tps for t in timings),
-        "speed_times": "server" if all(t.server_decode_s is not None for t in timings) else "client",
-        "ttft_s": {"mean": statistics.mean(ttft), "p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
-        "itl_ms": {"mean": 1e3 * statistics.mean(itl) if itl else 0.0, "p50": 1e3 * _pct(itl, 50),
-                   "p90": 1e3 * _pct(itl, 90), "p99": 1e3 * _pct(itl, 99)},
+        "speed_times": "server"
+        if all(t.server_decode_s is not None for t in timings)
+        else "client",
+        "ttft_s": {
+            "mean": statistics.mean(ttft),
+            "p50": _pct(ttft, 50),
+            "p90": _pct(ttft, 90),
+            "p99": _pct(ttft, 99),
+        },
+        "itl_ms": {
+            "mean": 1e3 * statistics.mean(itl) if itl else 0.0,
+            "p50": 1e3 * _pct(itl, 50),
+            "p90": 1e3 * _pct(itl, 90),
+            "p99": 1e3 * _pct(itl, 99),
+        },
         "wall_s": max(t.chunks[-1] for t in timings) - first,
     }
 
@@ -160,11 +214,17 @@ def summarise(prompt_len: int, concurrency: int, timings: list[RequestTiming]) -
 async def _level(args, model: str, prompt_len: int, concurrency: int, rng: random.Random) -> dict:
     import httpx
 
-    prompts = [[rng.randrange(100, args.vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
+    prompts = [
+        [rng.randrange(100, args.vocab) for _ in range(prompt_len)] for _ in range(concurrency)
+    ]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout) as client:
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=headers, timeout=args.timeout
+    ) as client:
         timings = await asyncio.wait_for(
-            asyncio.gather(*(_one(client, model, p, args.max_tokens) for p in prompts)), timeout=args.timeout)
+            asyncio.gather(*(_one(client, model, p, args.max_tokens) for p in prompts)),
+            timeout=args.timeout,
+        )
     return summarise(prompt_len, concurrency, list(timings))
 
 
@@ -175,33 +235,48 @@ def _model_name(args) -> str:
     try:
         r = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     except httpx.HTTPError as e:
-        raise UserError(f"cannot reach {args.url} ({e}); start `hybridmoe serve` or pass --url") from None
+        raise UserError(
+            f"cannot reach {args.url} ({e}); start `hybridmoe serve` or pass --url"
+        ) from None
     if r.status_code != 200:
         raise UserError(f"{args.url}/v1/models answered {r.status_code}; check --api-key")
     return args.model or r.json()["data"][0]["id"]
 
 
 def _print_table(results: list[dict]) -> None:
-    print(f"{'prompt':>6} {'conc':>4} | {'prefill tok/s':>13} {'(window)':>8} {'(sum)':>8} | {'decode tok/s':>12} "
-          f"{'(window)':>8} {'(sum)':>8} | {'TTFT p50 s':>10} {'p90':>7} | {'ITL p50 ms':>10} {'p90':>7} {'p99':>7}")
+    print(
+        f"{'prompt':>6} {'conc':>4} | {'prefill tok/s':>13} {'(window)':>8} {'(sum)':>8} | {'decode tok/s':>12} "
+        f"{'(window)':>8} {'(sum)':>8} | {'TTFT p50 s':>10} {'p90':>7} | {'ITL p50 ms':>10} {'p90':>7} {'p99':>7}"
+    )
     for r in results:
-        print(f"{r['prompt_len']:>6} {r['concurrency']:>4} | {r['prefill_tps_per_request']:>13.1f} "
-              f"{r['prefill_tps_aggregate']:>8.1f} {r['prefill_tps_sum']:>8.1f} | {r['decode_tps_per_request']:>12.2f} "
-              f"{r['decode_tps_aggregate']:>8.2f} {r['decode_tps_sum']:>8.2f} | "
-              f"{r['ttft_s']['p50']:>10.3f} {r['ttft_s']['p90']:>7.3f} | {r['itl_ms']['p50']:>10.1f} "
-              f"{r['itl_ms']['p90']:>7.1f} {r['itl_ms']['p99']:>7.1f}")
+        print(
+            f"{r['prompt_len']:>6} {r['concurrency']:>4} | {r['prefill_tps_per_request']:>13.1f} "
+            f"{r['prefill_tps_aggregate']:>8.1f} {r['prefill_tps_sum']:>8.1f} | {r['decode_tps_per_request']:>12.2f} "
+            f"{r['decode_tps_aggregate']:>8.2f} {r['decode_tps_sum']:>8.2f} | "
+            f"{r['ttft_s']['p50']:>10.3f} {r['ttft_s']['p90']:>7.3f} | {r['itl_ms']['p50']:>10.1f} "
+            f"{r['itl_ms']['p90']:>7.1f} {r['itl_ms']['p99']:>7.1f}"
+        )
     times = {r["speed_times"] for r in results}
-    print("window: all tokens / the span they took (the first token to the last, across requests); "
-          f"sum: each request's own tok/s added up, as KTransformers' test_speed.py (times from the {'/'.join(times)})")
+    print(
+        "window: all tokens / the span they took (the first token to the last, across requests); "
+        f"sum: each request's own tok/s added up, as KTransformers' test_speed.py (times from the {'/'.join(times)})"
+    )
 
 
 def run(args) -> int:
-    prompt_lens, levels = _ints(args.prompt_lens, "prompt-lens"), _ints(args.concurrency, "concurrency")
+    prompt_lens, levels = (
+        _ints(args.prompt_lens, "prompt-lens"),
+        _ints(args.concurrency, "concurrency"),
+    )
     if args.max_tokens < 2:
-        raise UserError(f"--max-tokens {args.max_tokens}: give at least 2 (decode speed needs two tokens)")
+        raise UserError(
+            f"--max-tokens {args.max_tokens}: give at least 2 (decode speed needs two tokens)"
+        )
     model = _model_name(args)
     rng = random.Random(args.seed)
-    asyncio.run(_level(args, model, 8, 1, rng))  # warm-up: first-touch allocations, kernel selection
+    asyncio.run(
+        _level(args, model, 8, 1, rng)
+    )  # warm-up: first-touch allocations, kernel selection
     results = []
     for prompt_len in prompt_lens:
         for concurrency in levels:
@@ -209,8 +284,18 @@ def run(args) -> int:
             if not args.json:
                 print(f"done: prompt {prompt_len}, concurrency {concurrency}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"url": args.url, "model": model, "max_tokens": args.max_tokens, "client": platform.node(),
-                          "results": results}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "url": args.url,
+                    "model": model,
+                    "max_tokens": args.max_tokens,
+                    "client": platform.node(),
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     else:
         _print_table(results)
     return 0

@@ -14,8 +14,11 @@ BENCHMARKS = {
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: generation speed, serving, benchmark models",
-                       description="Benchmarks (not tests). Run `hybridmoe bench SUB --help` for each.")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: generation speed, serving, benchmark models",
+        description="Benchmarks (not tests). Run `hybridmoe bench SUB --help` for each.",
+    )
     benches = p.add_subparsers(dest="bench", metavar="SUB")
     benches.required = True
     for module in BENCHMARKS.values():

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import sys
 
-from hybridmoe.cli.options import add_model_options, add_sampling_options, loaded_model, sampling_from_args
+from hybridmoe.cli.options import (
+    add_model_options,
+    add_sampling_options,
+    loaded_model,
+    sampling_from_args,
+)
 from hybridmoe.engine.generate import GenerationStats, generate_text
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("chat", help="chat interactively with a model",
-                       description="Chat with a model in the terminal. Empty line or Ctrl-D quits; /reset forgets.")
+    p = sub.add_parser(
+        "chat",
+        help="chat interactively with a model",
+        description="Chat with a model in the terminal. Empty line or Ctrl-D quits; /reset forgets.",
+    )
     add_model_options(p)
     p.add_argument("--system", default=None, help="system message")
     add_sampling_options(p, max_tokens=512)
@@ -43,5 +51,7 @@ def chat(model, tok, params, args) -> int:
             reply.append(text)
             sys.stdout.write(text)
             sys.stdout.flush()
-        print(f"\n[{stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s]", file=sys.stderr)
+        print(
+            f"\n[{stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s]", file=sys.stderr
+        )
         messages.append({"role": "assistant", "content": "".join(reply)})

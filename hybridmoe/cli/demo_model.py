@@ -12,19 +12,41 @@ from hybridmoe.errors import UserError
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo-model", help="build the demo MoE (SmolLM2-135M split into experts)",
+        "demo-model",
+        help="build the demo MoE (SmolLM2-135M split into experts)",
         description="Turn SmolLM2-135M-Instruct into a sparse MoE saved as a Hugging Face "
-                    "directory (Mixtral, or Qwen2-MoE with a shared expert).")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: the user cache, reused by every command)")
-    p.add_argument("--experts", type=int, default=DEFAULT_SPEC.experts,
-                   help=f"routed experts per layer ({DEFAULT_SPEC.experts})")
-    p.add_argument("--top-k", type=int, default=DEFAULT_SPEC.top_k, help=f"routed experts per token ({DEFAULT_SPEC.top_k})")
-    p.add_argument("--shared", type=float, default=DEFAULT_SPEC.shared,
-                   help=f"fraction of each FFN's neurons in an always-active shared expert ({DEFAULT_SPEC.shared}; 0: none)")
+        "directory (Mixtral, or Qwen2-MoE with a shared expert).",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: the user cache, reused by every command)",
+    )
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=DEFAULT_SPEC.experts,
+        help=f"routed experts per layer ({DEFAULT_SPEC.experts})",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=DEFAULT_SPEC.top_k,
+        help=f"routed experts per token ({DEFAULT_SPEC.top_k})",
+    )
+    p.add_argument(
+        "--shared",
+        type=float,
+        default=DEFAULT_SPEC.shared,
+        help=f"fraction of each FFN's neurons in an always-active shared expert ({DEFAULT_SPEC.shared}; 0: none)",
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if the output exists")
-    p.add_argument("--evaluate", action="store_true",
-                   help="measure perplexity, agreement with the dense model and routing statistics")
+    p.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="measure perplexity, agreement with the dense model and routing statistics",
+    )
     p.set_defaults(func=run)
 
 
@@ -41,11 +63,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo model already built at {out} (--force rebuilds it)", file=sys.stderr)
     else:
         if out.exists() and any(out.iterdir()) and not is_complete(out) and not args.force:
-            raise UserError(f"--out {out} is a non-empty directory that is not a demo model; "
-                            "pick another path or pass --force.")
+            raise UserError(
+                f"--out {out} is a non-empty directory that is not a demo model; "
+                "pick another path or pass --force."
+            )
         build(out, spec)
-        print(f"built the demo model ({spec.active_fraction():.0%} of each FFN active) at {out}",
-              file=sys.stderr)
+        print(
+            f"built the demo model ({spec.active_fraction():.0%} of each FFN active) at {out}",
+            file=sys.stderr,
+        )
     print(out)
     if args.evaluate:
         from hybridmoe.demo.quality import report

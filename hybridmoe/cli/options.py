@@ -26,11 +26,21 @@ def add_config_flags(group, cls) -> None:
     typed, defaulted and explained by the field, with its "choices" and "metavar" if it has them."""
     hints = get_type_hints(cls)
     for f in config_flags(cls):
-        kind = next(t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))  # int | None: int
-        default = "" if f.default is None else f" (default {f.default})"  # None: the help says what it means
-        group.add_argument(f.metadata.get("flag", f"--{f.name.replace('_', '-')}"), dest=f.name, type=kind,
-                           default=f.default, choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"),
-                           help=f.metadata["help"] + default)
+        kind = next(
+            t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)
+        )  # int | None: int
+        default = (
+            "" if f.default is None else f" (default {f.default})"
+        )  # None: the help says what it means
+        group.add_argument(
+            f.metadata.get("flag", f"--{f.name.replace('_', '-')}"),
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            choices=f.metadata.get("choices"),
+            metavar=f.metadata.get("metavar"),
+            help=f.metadata["help"] + default,
+        )
 
 
 def config_values(args: argparse.Namespace, cls) -> dict:
@@ -40,32 +50,65 @@ def config_values(args: argparse.Namespace, cls) -> dict:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", metavar="PATH",
-                   help="Hugging Face directory or .gguf file (default: the built-in demo model, built on first use)")
-    g.add_argument("--tokenizer", metavar="DIR", help="take the tokenizer and chat template from this directory")
-    g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="weights and compute dtype (auto: bfloat16 where the CPU multiplies bf16 natively, "
-                        "AVX512-BF16 or AMX, else float32)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: 1 for models narrower than "
-                   f"{WIDE_MODEL} hidden units, else all cores)")
+    g.add_argument(
+        "--model",
+        metavar="PATH",
+        help="Hugging Face directory or .gguf file (default: the built-in demo model, built on first use)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="take the tokenizer and chat template from this directory",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["auto", *sorted(DTYPES)],
+        default="auto",
+        help="weights and compute dtype (auto: bfloat16 where the CPU multiplies bf16 natively, "
+        "AVX512-BF16 or AMX, else float32)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: 1 for models narrower than "
+        f"{WIDE_MODEL} hidden units, else all cores)",
+    )
     add_runtime_options(p)
 
 
 def add_runtime_options(p: argparse.ArgumentParser) -> None:
     """Options of the expert runtime (where experts run, what watches it): experts/run/."""
-    from hybridmoe.experts.run.hybrid_runtime import HybridConfig  # imports torch: only for model commands
+    from hybridmoe.experts.run.hybrid_runtime import (
+        HybridConfig,
+    )  # imports torch: only for model commands
 
     g = p.add_argument_group("expert placement (CPU/GPU)")
     add_config_flags(g, HybridConfig)
-    g.add_argument("--device", choices=("auto", "cuda", "emulated"), default="auto",
-                   help="the accelerator: CUDA, or an emulated GPU over CPU memory (auto: CUDA when present)")
-    g.add_argument("--calibration", metavar="FILE",
-                   help="cost profile from `hybridmoe calibrate` (default: measured once and cached)")
-    g.add_argument("--expert-stats-out", metavar="FILE", help="write this run's activation statistics here")
-    g.add_argument("--routing-trace", metavar="FILE",
-                   help="take expert choices from this routing trace (JSONL) instead of the router")
-    g.add_argument("--record-trace", metavar="FILE",
-                   help="record this run's routing as a JSONL trace: a line per decode token, with its request id")
+    g.add_argument(
+        "--device",
+        choices=("auto", "cuda", "emulated"),
+        default="auto",
+        help="the accelerator: CUDA, or an emulated GPU over CPU memory (auto: CUDA when present)",
+    )
+    g.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="cost profile from `hybridmoe calibrate` (default: measured once and cached)",
+    )
+    g.add_argument(
+        "--expert-stats-out", metavar="FILE", help="write this run's activation statistics here"
+    )
+    g.add_argument(
+        "--routing-trace",
+        metavar="FILE",
+        help="take expert choices from this routing trace (JSONL) instead of the router",
+    )
+    g.add_argument(
+        "--record-trace",
+        metavar="FILE",
+        help="record this run's routing as a JSONL trace: a line per decode token, with its request id",
+    )
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -76,11 +119,16 @@ def _device(args: argparse.Namespace) -> str:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA GPU is visible to torch; use --device emulated or leave it out")
+        raise UserError(
+            "--device cuda: no CUDA GPU is visible to torch; use --device emulated or leave it out"
+        )
     if args.device == "cuda" or (torch.cuda.is_available() and (args.budget or args.policy)):
         return "cuda"
     if args.budget:
-        print("hybridmoe: no CUDA GPU, every expert runs on the CPU (--device emulated emulates one)", file=sys.stderr)
+        print(
+            "hybridmoe: no CUDA GPU, every expert runs on the CPU (--device emulated emulates one)",
+            file=sys.stderr,
+        )
     return "cpu"
 
 
@@ -98,7 +146,9 @@ def runtime_factory(args: argparse.Namespace):
         cost = None
         if config.device != "cpu" or args.calibration:
             # The cached profile is per expert shape: measured on this model's experts among others.
-            cost = load_or_calibrate(args.calibration, dtype, model=(shape.hidden, shape.intermediate))
+            cost = load_or_calibrate(
+                args.calibration, dtype, model=(shape.hidden, shape.intermediate)
+            )
         return make_runtime(shape, dtype, config, cost)
 
     return make
@@ -113,7 +163,9 @@ def attach_observers(model, routing_trace=None, record_trace=None, expert_stats_
         return
     layers, shape = list(runtime.shape.moe_layers), runtime.shape
     if routing_trace:
-        model.replay_routing(RoutingReplay.from_file(routing_trace, layers, shape.num_experts, shape.top_k))
+        model.replay_routing(
+            RoutingReplay.from_file(routing_trace, layers, shape.num_experts, shape.top_k)
+        )
     if record_trace:
         runtime.add_observer(TraceRecorder(record_trace, len(layers)))
     if expert_stats_out:
@@ -160,8 +212,9 @@ def load_from_args(args: argparse.Namespace):
     path = model_path(args)
     torch.set_num_threads(args.threads or default_threads(path))
     tokenizer = load_tokenizer(path, args.tokenizer)
-    model = load_model(path, dtype=compute_dtype(args.dtype), runtime_factory=runtime_factory(args),
-                       progress=True)
+    model = load_model(
+        path, dtype=compute_dtype(args.dtype), runtime_factory=runtime_factory(args), progress=True
+    )
     attach_observers(model, args.routing_trace, args.record_trace, args.expert_stats_out)
     return model, tokenizer
 
@@ -189,19 +242,25 @@ def default_threads(path: str) -> int:
 
 
 def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help="stop after this many new tokens")
+    g.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="stop after this many new tokens"
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 means no limit")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
 
 
 def sampling_from_args(args: argparse.Namespace):
@@ -213,6 +272,13 @@ def sampling_from_args(args: argparse.Namespace):
         raise UserError(f"--temperature {args.temperature}: give 0 (greedy) or more")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p {args.top_p}: give a value in (0, 1]")
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=list(args.stop))
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=list(args.stop),
+    )

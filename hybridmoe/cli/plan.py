@@ -15,12 +15,32 @@ def add_parser(subparsers) -> None:
         description="Simulates each quantisation at the GPU expert budget that fits next to the dense weights "
         "and a KV-cache reserve, and reports the fastest, the VRAM left for the KV cache, and whether RAM suffices.",
     )
-    p.add_argument("--hardware", metavar="PROFILE", required=True, help=f"{', '.join(PROFILES)} or a calibration JSON")
-    p.add_argument("--model-shape", metavar="SHAPE", required=True, help="a named shape or a config.json path")
-    p.add_argument("--vram", type=float, metavar="GB", default=None, help="GPU memory (default: the profile's)")
-    p.add_argument("--ram", type=float, metavar="GB", default=None, help="host memory (default: the profile's)")
-    p.add_argument("--kv-gb", type=float, default=None, help="VRAM kept for the KV cache (default: 10%% of VRAM, at least 1)")
-    p.add_argument("--trace", metavar="FILE", help="routing trace to simulate (default: a synthetic one of the shape)")
+    p.add_argument(
+        "--hardware",
+        metavar="PROFILE",
+        required=True,
+        help=f"{', '.join(PROFILES)} or a calibration JSON",
+    )
+    p.add_argument(
+        "--model-shape", metavar="SHAPE", required=True, help="a named shape or a config.json path"
+    )
+    p.add_argument(
+        "--vram", type=float, metavar="GB", default=None, help="GPU memory (default: the profile's)"
+    )
+    p.add_argument(
+        "--ram", type=float, metavar="GB", default=None, help="host memory (default: the profile's)"
+    )
+    p.add_argument(
+        "--kv-gb",
+        type=float,
+        default=None,
+        help="VRAM kept for the KV cache (default: 10%% of VRAM, at least 1)",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="routing trace to simulate (default: a synthetic one of the shape)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -45,14 +65,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"options": to_json(options), "best": choice and to_json([choice])[0]}))
         return 0
-    print(f"{shape.name} on {args.hardware}" + ("" if args.trace else " (synthetic routing: skew 1.0, locality 0.4)"))
-    print(f"{'quant':6s} {'fits RAM':>8s} {'RAM GB':>7s} {'budget':>7s} {'GPU GB':>7s} {'KV GB':>6s} {'policy':9s} {'tok/s':>7s}")
+    print(
+        f"{shape.name} on {args.hardware}"
+        + ("" if args.trace else " (synthetic routing: skew 1.0, locality 0.4)")
+    )
+    print(
+        f"{'quant':6s} {'fits RAM':>8s} {'RAM GB':>7s} {'budget':>7s} {'GPU GB':>7s} {'KV GB':>6s} {'policy':9s} {'tok/s':>7s}"
+    )
     for o in options:
-        print(f"{o.quant:6s} {'yes' if o.fits_ram else 'no':>8s} {o.ram_needed_gb:7.1f} {100 * o.expert_budget:6.1f}% "
-              f"{o.expert_gb_on_gpu:7.1f} {o.kv_gb:6.1f} {o.policy:9s} {o.tokens_per_s:7.1f}")
+        print(
+            f"{o.quant:6s} {'yes' if o.fits_ram else 'no':>8s} {o.ram_needed_gb:7.1f} {100 * o.expert_budget:6.1f}% "
+            f"{o.expert_gb_on_gpu:7.1f} {o.kv_gb:6.1f} {o.policy:9s} {o.tokens_per_s:7.1f}"
+        )
     if choice is None:
         print("the model does not fit in RAM in any quantisation: add RAM or pick a smaller model")
     else:
-        print(f"best: {choice.quant} experts, --gpu-expert-budget {choice.expert_budget:g}, --policy {choice.policy}: "
-              f"{choice.tokens_per_s:.1f} tok/s, {choice.kv_gb:.1f} GB VRAM left for the KV cache")
+        print(
+            f"best: {choice.quant} experts, --gpu-expert-budget {choice.expert_budget:g}, --policy {choice.policy}: "
+            f"{choice.tokens_per_s:.1f} tok/s, {choice.kv_gb:.1f} GB VRAM left for the KV cache"
+        )
     return 0

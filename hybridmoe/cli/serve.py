@@ -6,27 +6,46 @@ import socket
 import sys
 from pathlib import Path
 
-from hybridmoe.cli.options import add_config_flags, add_model_options, available_cores, config_values, loaded_model, model_path
+from hybridmoe.cli.options import (
+    add_config_flags,
+    add_model_options,
+    available_cores,
+    config_values,
+    loaded_model,
+    model_path,
+)
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, "
-                                   "batching concurrent requests (default model: the built-in demo model).")
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, "
+        "batching concurrent requests (default model: the built-in demo model).",
+    )
     add_model_options(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=10002, help="port (default 10002, as KTransformers)")
-    g.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the model's "
-                                                                "directory or file name)")
-    g.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send (default: the model's directory or file name)",
+    )
+    g.add_argument(
+        "--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes"
+    )
     g = p.add_argument_group("engine")
     add_config_flags(g, EngineConfig)
-    g.add_argument("--overlap-prefill", choices=("auto", "on", "off"), default="auto",
-                   help="prefill prompts on a second core while the first decodes (auto: on with the CPU expert "
-                        "runtime, one torch thread and at least two cores)")
+    g.add_argument(
+        "--overlap-prefill",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="prefill prompts on a second core while the first decodes (auto: on with the CPU expert "
+        "runtime, one torch thread and at least two cores)",
+    )
     p.set_defaults(func=run)
 
 
@@ -36,7 +55,9 @@ def engine_config(args) -> EngineConfig:
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} {value}: give a positive number")
     if args.kv_cache_tokens < args.block_size:
-        raise UserError(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); raise it")
+        raise UserError(
+            f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); raise it"
+        )
     return EngineConfig(**values)
 
 
@@ -48,17 +69,23 @@ def overlap_prefill(args, model) -> bool:
 
     fits = overlap_unsupported(model) is None and available_cores() >= 2
     if args.overlap_prefill == "on" and not fits:
-        raise UserError("--overlap-prefill on needs the CPU expert runtime (no GPU options), --threads 1 and at "
-                        "least two cores; leave it at auto")
+        raise UserError(
+            "--overlap-prefill on needs the CPU expert runtime (no GPU options), --threads 1 and at "
+            "least two cores; leave it at auto"
+        )
     return fits
 
 
 def listen(host: str, port: int) -> socket.socket:
     """Bind now, so that a busy port is a one-line error before the model loads."""
     try:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        )
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host") from None
+        raise UserError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host"
+        ) from None
     return sock
 
 
@@ -76,8 +103,11 @@ def run(args) -> int:
         name = args.served_model_name or Path(model_path(args)).name
         engine = LLMEngine(model, tokenizer, config)
         app = create_app(AsyncEngine(engine), tokenizer, name, args.api_key)
-        print(f"hybridmoe: serving '{name}' at http://{args.host}:{args.port}/v1 "
-              f"(context {engine.max_model_len} tokens, batch {config.max_batch_size}"
-              f"{', prefill beside decode' if config.overlap_prefill else ''})", file=sys.stderr)
+        print(
+            f"hybridmoe: serving '{name}' at http://{args.host}:{args.port}/v1 "
+            f"(context {engine.max_model_len} tokens, batch {config.max_batch_size}"
+            f"{', prefill beside decode' if config.overlap_prefill else ''})",
+            file=sys.stderr,
+        )
         uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0

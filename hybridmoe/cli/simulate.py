@@ -20,30 +20,77 @@ def add_parser(subparsers) -> None:
         description="Replay a routing trace through the same planner the engine runs, on a model of the "
         "CPU, GPU and copy stream. The first --profile-tokens only build statistics; figures are on the rest.",
     )
-    p.add_argument("--trace", metavar="FILE", help="routing trace (JSONL, as written by --record-trace)")
-    p.add_argument("--synthetic", metavar="SPEC", help="instead of --trace: a synthetic trace, e.g. "
-                   "'tokens=300,skew=1.0,locality=0.4,drift=60,seed=0' (layers and experts from the shape)")
-    p.add_argument("--model-shape", metavar="SHAPE", required=True,
-                   help=f"{', '.join(SHAPES)}, or a config.json path")
-    p.add_argument("--hardware", metavar="PROFILE", default="rtx4090-ddr5",
-                   help=f"a profile ({', '.join(PROFILES)}) or a calibration JSON; comma-separate several with --sweep")
-    p.add_argument("--gpu-expert-budget", metavar="SIZE", default="0.1",
-                   help="GPU memory for experts: bytes (6GB) or a fraction of expert bytes (0.1)")
+    p.add_argument(
+        "--trace", metavar="FILE", help="routing trace (JSONL, as written by --record-trace)"
+    )
+    p.add_argument(
+        "--synthetic",
+        metavar="SPEC",
+        help="instead of --trace: a synthetic trace, e.g. "
+        "'tokens=300,skew=1.0,locality=0.4,drift=60,seed=0' (layers and experts from the shape)",
+    )
+    p.add_argument(
+        "--model-shape",
+        metavar="SHAPE",
+        required=True,
+        help=f"{', '.join(SHAPES)}, or a config.json path",
+    )
+    p.add_argument(
+        "--hardware",
+        metavar="PROFILE",
+        default="rtx4090-ddr5",
+        help=f"a profile ({', '.join(PROFILES)}) or a calibration JSON; comma-separate several with --sweep",
+    )
+    p.add_argument(
+        "--gpu-expert-budget",
+        metavar="SIZE",
+        default="0.1",
+        help="GPU memory for experts: bytes (6GB) or a fraction of expert bytes (0.1)",
+    )
     p.add_argument("--policy", choices=[*POLICIES, "oracle"], default="value")
-    p.add_argument("--quant", choices=sorted(QUANT_BYTES), default="bf16", help="expert weight format")
-    p.add_argument("--placement", choices=PLACEMENTS, default=None, help="start placement (default: the policy's)")
-    p.add_argument("--profile-tokens", type=int, default=None, metavar="N",
-                   help="leading tokens that only build statistics (default: half of the trace)")
-    p.add_argument("--expert-stats", metavar="FILE", help="activation statistics for placement instead of the trace's")
+    p.add_argument(
+        "--quant", choices=sorted(QUANT_BYTES), default="bf16", help="expert weight format"
+    )
+    p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default=None,
+        help="start placement (default: the policy's)",
+    )
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="leading tokens that only build statistics (default: half of the trace)",
+    )
+    p.add_argument(
+        "--expert-stats",
+        metavar="FILE",
+        help="activation statistics for placement instead of the trace's",
+    )
     p.add_argument("--batch", type=int, default=1, help="trace lines decoded together per step")
-    p.add_argument("--dense-ms", type=float, default=0.0, help="non-expert milliseconds per layer (attention etc.)")
+    p.add_argument(
+        "--dense-ms",
+        type=float,
+        default=0.0,
+        help="non-expert milliseconds per layer (attention etc.)",
+    )
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle and MIN comparison")
-    p.add_argument("--sweep", action="store_true", help="policies x budgets x hardware: a table and a PNG")
+    p.add_argument(
+        "--sweep", action="store_true", help="policies x budgets x hardware: a table and a PNG"
+    )
     p.add_argument("--budgets", default="0.05,0.1,0.25,0.5", help="budgets of the sweep")
-    p.add_argument("--policies", default=None, help="policies of the sweep (default: all but belady)")
-    p.add_argument("--plot", metavar="PNG", default="sweep.png", help="where the sweep writes its plot")
+    p.add_argument(
+        "--policies", default=None, help="policies of the sweep (default: all but belady)"
+    )
+    p.add_argument(
+        "--plot", metavar="PNG", default="sweep.png", help="where the sweep writes its plot"
+    )
     p.add_argument("--write-trace", metavar="FILE", help="also save the (synthetic) trace used")
-    p.add_argument("--json", action="store_true", help="print one JSON object (a list with --sweep)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (a list with --sweep)"
+    )
     p.set_defaults(func=run)
 
 
@@ -61,9 +108,13 @@ def load_lines(args, shape):
         for item in filter(None, args.synthetic.split(",")):
             key, _, value = item.partition("=")
             if key not in SynthConfig.__dataclass_fields__ or not value:
-                raise UserError(f"--synthetic item {item!r} is not one of key=value for {', '.join(SynthConfig.__dataclass_fields__)}")
+                raise UserError(
+                    f"--synthetic item {item!r} is not one of key=value for {', '.join(SynthConfig.__dataclass_fields__)}"
+                )
             try:
-                setattr(cfg, key, type(getattr(cfg, key))(float(value)))  # int fields take 300 or 300.0
+                setattr(
+                    cfg, key, type(getattr(cfg, key))(float(value))
+                )  # int fields take 300 or 300.0
             except ValueError:
                 raise UserError(f"--synthetic item {item!r} needs a number")
         lines = generate(cfg)
@@ -77,9 +128,15 @@ def sim_config(args, budget=None, policy=None):
 
     if args.batch < 1:
         raise UserError("--batch must be at least 1")
-    return SimConfig(policy=policy or args.policy, budget=budget or args.gpu_expert_budget, placement=args.placement,
-                     profile_tokens=args.profile_tokens, batch=args.batch, dense_s=args.dense_ms / 1e3,
-                     expert_stats=args.expert_stats)
+    return SimConfig(
+        policy=policy or args.policy,
+        budget=budget or args.gpu_expert_budget,
+        placement=args.placement,
+        profile_tokens=args.profile_tokens,
+        batch=args.batch,
+        dense_s=args.dense_ms / 1e3,
+        expert_stats=args.expert_stats,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,9 +157,14 @@ def run(args: argparse.Namespace) -> int:
         from hybridmoe.sim.sweep import compare
 
         row = compare(lines, shape, cost, cfg, [args.policy])[0]
-        out = {**row.result.to_json(), "oracle_expert_ms_per_token": row.oracle.expert_ms_per_token,
-               "oracle_hit_rate": row.oracle.hit_rate, "pct_of_oracle_speed": row.pct_of_oracle_speed,
-               "belady_min_hit_rate": row.min_hit_rate, "pct_of_min_hit_rate": row.pct_of_min_hit_rate}
+        out = {
+            **row.result.to_json(),
+            "oracle_expert_ms_per_token": row.oracle.expert_ms_per_token,
+            "oracle_hit_rate": row.oracle.hit_rate,
+            "pct_of_oracle_speed": row.pct_of_oracle_speed,
+            "belady_min_hit_rate": row.min_hit_rate,
+            "pct_of_min_hit_rate": row.pct_of_min_hit_rate,
+        }
     print(json.dumps(out) if args.json else format_result(out))
     return 0
 
@@ -119,8 +181,10 @@ def format_result(r: dict) -> str:
         f"predictor precision {r['predictor_precision']:.2f}, recall {r['predictor_recall']:.2f}",
     ]
     if "pct_of_oracle_speed" in r:
-        lines.append(f"  vs oracle        {r['pct_of_oracle_speed']:.1f}% of its speed ({r['oracle_expert_ms_per_token']:.3f} ms/token), "
-                     f"{r['pct_of_min_hit_rate']:.1f}% of Belady MIN's hit rate ({r['belady_min_hit_rate']:.3f})")
+        lines.append(
+            f"  vs oracle        {r['pct_of_oracle_speed']:.1f}% of its speed ({r['oracle_expert_ms_per_token']:.3f} ms/token), "
+            f"{r['pct_of_min_hit_rate']:.1f}% of Belady MIN's hit rate ({r['belady_min_hit_rate']:.3f})"
+        )
     return "\n".join(lines)
 
 
@@ -130,13 +194,27 @@ def run_sweep(args, shape, lines) -> int:
     policies = args.policies.split(",") if args.policies else list(DEFAULT_POLICIES)
     for name in policies:
         if name not in POLICIES and name != "oracle":
-            raise UserError(f"unknown policy {name!r} in --policies; use names from {', '.join([*POLICIES, 'oracle'])}")
+            raise UserError(
+                f"unknown policy {name!r} in --policies; use names from {', '.join([*POLICIES, 'oracle'])}"
+            )
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    rows = sweep(lines, shape, args.hardware.split(","), args.quant, budgets, policies, sim_config(args))
+    rows = sweep(
+        lines, shape, args.hardware.split(","), args.quant, budgets, policies, sim_config(args)
+    )
     plot(rows, args.plot, title=f"{shape.name}, {args.quant} experts")
     if args.json:
-        print(json.dumps([{**r.result.to_json(), "pct_of_oracle_speed": r.pct_of_oracle_speed,
-                           "pct_of_min_hit_rate": r.pct_of_min_hit_rate} for r in rows]))
+        print(
+            json.dumps(
+                [
+                    {
+                        **r.result.to_json(),
+                        "pct_of_oracle_speed": r.pct_of_oracle_speed,
+                        "pct_of_min_hit_rate": r.pct_of_min_hit_rate,
+                    }
+                    for r in rows
+                ]
+            )
+        )
     else:
         print(format_table(rows))
         print(f"plot written to {args.plot}")

@@ -34,8 +34,11 @@ def is_complete(path: Path) -> bool:
 
 def _expert_tensors(prefix: str, names: tuple[str, str, str], gate, up, down) -> dict:
     g, u, d = names
-    return {f"{prefix}.{g}.weight": gate.contiguous(), f"{prefix}.{u}.weight": up.contiguous(),
-            f"{prefix}.{d}.weight": down.contiguous()}
+    return {
+        f"{prefix}.{g}.weight": gate.contiguous(),
+        f"{prefix}.{u}.weight": up.contiguous(),
+        f"{prefix}.{d}.weight": down.contiguous(),
+    }
 
 
 def _layer_tensors(i: int, dense: dict, plan: LayerMoE, spec: MoESpec) -> dict:
@@ -51,15 +54,17 @@ def _layer_tensors(i: int, dense: dict, plan: LayerMoE, spec: MoESpec) -> dict:
         # Qwen2-MoE scales the shared expert by sigmoid(gate · x); a zero gate gives exactly 1/2,
         # so the shared down projection is doubled to keep the shared expert exact.
         out[f"{moe}.shared_expert_gate.weight"] = torch.zeros(1, gate.shape[1])
-        out.update(_expert_tensors(f"{moe}.shared_expert", names, gate[sh], up[sh],
-                                   2.0 * plan.down[:, sh]))
+        out.update(
+            _expert_tensors(f"{moe}.shared_expert", names, gate[sh], up[sh], 2.0 * plan.down[:, sh])
+        )
         for proj in ("q", "k", "v"):  # Qwen2-MoE has q/k/v biases; Llama has none
             w = dense[f"{p}.self_attn.{proj}_proj.weight"]
             out[f"{p}.self_attn.{proj}_proj.bias"] = torch.zeros(w.shape[0])
     out[f"{moe}.gate.weight"] = plan.router
     for e, ids in enumerate(plan.experts):
-        out.update(_expert_tensors(f"{moe}.experts.{e}", names, gate[ids], up[ids],
-                                   plan.down[:, ids]))
+        out.update(
+            _expert_tensors(f"{moe}.experts.{e}", names, gate[ids], up[ids], plan.down[:, ids])
+        )
     return out
 
 
@@ -75,21 +80,44 @@ def moe_config(dense_config: dict, spec: MoESpec):
     """A transformers config object for the MoE (its class decides the architecture)."""
     from transformers import MixtralConfig, Qwen2MoeConfig
 
-    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
     common = {k: dense_config[k] for k in keep}
     common.update(num_experts_per_tok=spec.top_k, torch_dtype="float32")
     if spec.shared_size() == 0:
-        return MixtralConfig(**common, head_dim=dense_config["head_dim"],
-                             intermediate_size=spec.expert_size(), num_local_experts=spec.experts,
-                             router_jitter_noise=0.0, sliding_window=None)
+        return MixtralConfig(
+            **common,
+            head_dim=dense_config["head_dim"],
+            intermediate_size=spec.expert_size(),
+            num_local_experts=spec.experts,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
     # Qwen2-MoE derives head_dim as hidden / heads, which is SmolLM2's 576 / 9 = 64
-    return Qwen2MoeConfig(**common, intermediate_size=spec.ffn, num_experts=spec.experts,
-                          moe_intermediate_size=spec.expert_size(),
-                          shared_expert_intermediate_size=spec.shared_size(),
-                          norm_topk_prob=True, qkv_bias=True, use_sliding_window=False,
-                          decoder_sparse_step=1, mlp_only_layers=[])
+    return Qwen2MoeConfig(
+        **common,
+        intermediate_size=spec.ffn,
+        num_experts=spec.experts,
+        moe_intermediate_size=spec.expert_size(),
+        shared_expert_intermediate_size=spec.shared_size(),
+        norm_topk_prob=True,
+        qkv_bias=True,
+        use_sliding_window=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
 
 
 def write_tokenizer(out: Path) -> None:
@@ -103,14 +131,24 @@ def write_tokenizer(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
-def _write(tmp: Path, dense: dict, config: dict, plans: list[LayerMoE], spec: MoESpec,
-           seconds: float) -> None:
+def _write(
+    tmp: Path, dense: dict, config: dict, plans: list[LayerMoE], spec: MoESpec, seconds: float
+) -> None:
     moe_config(config, spec).save_pretrained(str(tmp))
     save_file(moe_state_dict(dense, plans, spec), str(tmp / WEIGHTS), metadata={"format": "pt"})
     write_tokenizer(tmp)
-    (tmp / "hybridmoe_demo.json").write_text(json.dumps(
-        {"recipe_version": RECIPE_VERSION, "source": source.FILENAME, **spec.as_dict(),
-         "active_fraction": spec.active_fraction(), "fit_seconds": round(seconds, 1)}, indent=2))
+    (tmp / "hybridmoe_demo.json").write_text(
+        json.dumps(
+            {
+                "recipe_version": RECIPE_VERSION,
+                "source": source.FILENAME,
+                **spec.as_dict(),
+                "active_fraction": spec.active_fraction(),
+                "fit_seconds": round(seconds, 1),
+            },
+            indent=2,
+        )
+    )
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
@@ -123,13 +161,21 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 def truncate(dense: dict, config: dict, layers: int) -> tuple[dict, dict]:
     """The first `layers` layers only: a reduced model for fast tests (same shapes otherwise)."""
-    keep = {k: v for k, v in dense.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    keep = {
+        k: v
+        for k, v in dense.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
     return keep, {**config, "num_hidden_layers": layers}
 
 
-def build(out: Path, spec: MoESpec = DEFAULT_SPEC, progress: bool = True,
-          layers: int | None = None, tokens: int = CALIBRATION_TOKENS) -> Path:
+def build(
+    out: Path,
+    spec: MoESpec = DEFAULT_SPEC,
+    progress: bool = True,
+    layers: int | None = None,
+    tokens: int = CALIBRATION_TOKENS,
+) -> Path:
     """Build the demo MoE into `out` (replacing what is there) and return `out`. `layers` and
     `tokens` make a reduced build (first layers only, less calibration text) for tests."""
     out = Path(out).expanduser().resolve()

@@ -23,21 +23,73 @@ STYLES = [
 ]
 
 CALIBRATION_TOPICS = [
-    "the ocean", "volcanoes", "bread baking", "the Roman Empire", "photosynthesis", "chess",
-    "learning a new language", "the moon", "honey bees", "electric cars", "the human heart",
-    "jazz music", "mountain climbing", "saving money", "the internet", "dinosaurs", "coffee",
-    "rainforests", "the Python programming language", "friendship", "the solar system",
-    "ancient Egypt", "recycling", "football", "vaccines", "trains", "painting with watercolors",
-    "the water cycle", "sleep", "Japan", "gardening", "earthquakes", "libraries", "robots",
-    "the printing press", "cats", "running a marathon", "climate change", "mathematics",
-    "the stock market", "birds migrating", "cooking pasta", "the Great Wall of China",
-    "renewable energy", "writing an essay", "the brain", "pirates", "chemistry experiments",
+    "the ocean",
+    "volcanoes",
+    "bread baking",
+    "the Roman Empire",
+    "photosynthesis",
+    "chess",
+    "learning a new language",
+    "the moon",
+    "honey bees",
+    "electric cars",
+    "the human heart",
+    "jazz music",
+    "mountain climbing",
+    "saving money",
+    "the internet",
+    "dinosaurs",
+    "coffee",
+    "rainforests",
+    "the Python programming language",
+    "friendship",
+    "the solar system",
+    "ancient Egypt",
+    "recycling",
+    "football",
+    "vaccines",
+    "trains",
+    "painting with watercolors",
+    "the water cycle",
+    "sleep",
+    "Japan",
+    "gardening",
+    "earthquakes",
+    "libraries",
+    "robots",
+    "the printing press",
+    "cats",
+    "running a marathon",
+    "climate change",
+    "mathematics",
+    "the stock market",
+    "birds migrating",
+    "cooking pasta",
+    "the Great Wall of China",
+    "renewable energy",
+    "writing an essay",
+    "the brain",
+    "pirates",
+    "chemistry experiments",
 ]
 
 EVALUATION_TOPICS = [
-    "deserts", "the violin", "public transport", "penguins", "the Renaissance", "bicycles",
-    "hurricanes", "tea ceremonies", "space telescopes", "kindness", "glaciers", "board games",
-    "the immune system", "lighthouses", "spreadsheets", "ancient Greece",
+    "deserts",
+    "the violin",
+    "public transport",
+    "penguins",
+    "the Renaissance",
+    "bicycles",
+    "hurricanes",
+    "tea ceremonies",
+    "space telescopes",
+    "kindness",
+    "glaciers",
+    "board games",
+    "the immune system",
+    "lighthouses",
+    "spreadsheets",
+    "ancient Greece",
 ]
 
 
@@ -46,8 +98,8 @@ class Corpus:
     """Token ids of generated conversations, left-padded; `mask` marks real tokens and
     `scored` the generated ones (the part perplexity is measured on)."""
 
-    ids: torch.Tensor     # [N, L] int64
-    mask: torch.Tensor    # [N, L] bool
+    ids: torch.Tensor  # [N, L] int64
+    mask: torch.Tensor  # [N, L] bool
     scored: torch.Tensor  # [N, L] bool
 
 
@@ -60,28 +112,37 @@ def prompts(topics: list[str], count: int, seed: int) -> list[str]:
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
 
 
 @torch.no_grad()
-def generate(model, tokenizer, texts: list[str], new_tokens: int, seed: int,
-             batch: int = 32) -> Corpus:
+def generate(
+    model, tokenizer, texts: list[str], new_tokens: int, seed: int, batch: int = 32
+) -> Corpus:
     """Sample the dense model's answers (temperature 0.9, top-p 0.95) to chat prompts."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows, masks, scored = [], [], []
     for start in range(0, len(texts), batch):
-        chunk = [_chat_ids(tokenizer, t) for t in texts[start:start + batch]]
+        chunk = [_chat_ids(tokenizer, t) for t in texts[start : start + batch]]
         width = max(len(c) for c in chunk)
-        ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])      # [B, P]
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])  # [B, P]
         att = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
         torch.manual_seed(seed + start)
-        out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=new_tokens,
-                             do_sample=True, temperature=0.9, top_p=0.95, top_k=0,
-                             pad_token_id=pad)                                # [B, P + G]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=att,
+            max_new_tokens=new_tokens,
+            do_sample=True,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=0,
+            pad_token_id=pad,
+        )  # [B, P + G]
         gen = out[:, width:]
         # after the end-of-turn token generate pads; those positions are not text
         alive = torch.cumprod((gen != pad).long(), dim=1).bool()
@@ -90,6 +151,8 @@ def generate(model, tokenizer, texts: list[str], new_tokens: int, seed: int,
         scored.append(torch.cat([torch.zeros_like(att, dtype=torch.bool), alive], dim=1))
     L = max(r.shape[1] for r in rows)
     pad_to = lambda t, v: torch.nn.functional.pad(t, (L - t.shape[1], 0), value=v)
-    return Corpus(torch.cat([pad_to(r, pad) for r in rows]),
-                  torch.cat([pad_to(m, False) for m in masks]),
-                  torch.cat([pad_to(s, False) for s in scored]))
+    return Corpus(
+        torch.cat([pad_to(r, pad) for r in rows]),
+        torch.cat([pad_to(m, False) for m in masks]),
+        torch.cat([pad_to(s, False) for s in scored]),
+    )

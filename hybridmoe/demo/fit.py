@@ -24,26 +24,37 @@ from hybridmoe.demo.split import activations, expert_outputs_norm, refine_split,
 
 __all__ = ["DEFAULT_SPEC", "LayerMoE", "MoESpec", "fit_model", "RECIPE_VERSION"]
 
-RECIPE_VERSION = 4  # bump when the recipe changes: cached builds and shipped plans of the old one are not reused
+RECIPE_VERSION = (
+    4  # bump when the recipe changes: cached builds and shipped plans of the old one are not reused
+)
 # relative to the activations' mean energy; chosen on calibration rows held out of the fit
 # (validation perplexity / dense at 33k fit tokens: 0.07 1.447, 0.15 1.441, 0.3 1.455)
 RIDGE = 0.15
-REFINE_ROUNDS = 3  # split and router fitted (shipped plans, other specs): experts regrouped around the router
+REFINE_ROUNDS = (
+    3  # split and router fitted (shipped plans, other specs): experts regrouped around the router
+)
 
 
 def refit_down(z: torch.Tensor, y: torch.Tensor, down: torch.Tensor):
     """Down projection [H, F] minimising |z @ D.T - y|² + λ|D - down|² (z: weighted
     activations [T, F], y: the dense output [T, H]); λ is relative to z's mean energy, and
     pulling toward the dense weights keeps rarely used neurons sane."""
-    gram = z.T @ z                                             # [F, F]
+    gram = z.T @ z  # [F, F]
     lam = RIDGE * gram.diagonal().mean()
     a = gram + lam * torch.eye(gram.shape[0])
     return torch.linalg.solve(a, z.T @ y + lam * down.T).T
 
 
-def refit(x: torch.Tensor, h: torch.Tensor, target: torch.Tensor, down: torch.Tensor,
-          shared: torch.Tensor, experts: torch.Tensor, router: torch.Tensor, spec: MoESpec
-          ) -> tuple[LayerMoE, torch.Tensor]:
+def refit(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    target: torch.Tensor,
+    down: torch.Tensor,
+    shared: torch.Tensor,
+    experts: torch.Tensor,
+    router: torch.Tensor,
+    spec: MoESpec,
+) -> tuple[LayerMoE, torch.Tensor]:
     """With the split and router fixed, refit the down projections to `target` [T, H]; the
     layer and the MoE FFN's output on x with them [T, H]."""
     start = down.clone()
@@ -54,21 +65,30 @@ def refit(x: torch.Tensor, h: torch.Tensor, target: torch.Tensor, down: torch.Te
     return plan, z @ plan.down.T
 
 
-def fit_layer(x: torch.Tensor, target: torch.Tensor, gate, up, down, spec: MoESpec, seed: int,
-              given: LayerMoE | None = None) -> tuple[LayerMoE, torch.Tensor]:
+def fit_layer(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    gate,
+    up,
+    down,
+    spec: MoESpec,
+    seed: int,
+    given: LayerMoE | None = None,
+) -> tuple[LayerMoE, torch.Tensor]:
     """Split, route and refit one FFN on its inputs x [T, H] toward target [T, H] (what the dense
     model's residual stream needs from this FFN): the layer's MoE, and its output on x [T, H].
     `given` supplies a shipped split and router, leaving only the refit to do. The ridge
     (relative to the activations' mean energy) was chosen on held-out tokens: 0.1-1
     generalises, 1e-3 overfits (docs/notes/2026-11-21-demo-model-recipe.md)."""
-    h = activations(x, gate, up)                               # [T, F]
+    h = activations(x, gate, up)  # [T, F]
     if given is None:
         shared, experts = split(h, down, spec, seed)
         for _ in range(REFINE_ROUNDS):  # split and router adapt to each other
             router = train_router(x, expert_outputs_norm(h, down, experts), spec.top_k)
             experts = refine_split(h, down, experts, route(x, router, spec.top_k)[0])
-        router = train_router(x, expert_outputs_norm(h, down, experts), spec.top_k,
-                              sample=x.shape[0])
+        router = train_router(
+            x, expert_outputs_norm(h, down, experts), spec.top_k, sample=x.shape[0]
+        )
     else:
         shared, experts, router = given.shared, given.experts, given.router
     return refit(x, h, target, down, shared, experts, router, spec)
@@ -79,8 +99,9 @@ def dense_llama(dense: dict, config: dict):
     the evaluation's reference (quality.py); the fit runs hybridmoe's own Llama (stream.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    known = LlamaConfig(**{k: v for k, v in config.items()
-                           if k not in ("architectures", "rope_scaling")})
+    known = LlamaConfig(
+        **{k: v for k, v in config.items() if k not in ("architectures", "rope_scaling")}
+    )
     with torch.device("meta"):  # no random init: every weight is assigned below
         model = LlamaForCausalLM(known)
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
@@ -108,14 +129,19 @@ def corpus(name: str, model=None):
     return calibration.generate(model, source.tokenizer(), texts, GENERATED_TOKENS, EVALUATION_SEED)
 
 
-GENERATED_TOKENS = 128                               # per answer
-CALIBRATION_PROMPTS = 256                            # ~39k tokens
-CALIBRATION_TOKENS = 40000                           # per build: all of the shipped text (see docs)
-EVALUATION_PROMPTS, EVALUATION_SEED = 32, 1000        # ~3.5k scored tokens, other topics
+GENERATED_TOKENS = 128  # per answer
+CALIBRATION_PROMPTS = 256  # ~39k tokens
+CALIBRATION_TOKENS = 40000  # per build: all of the shipped text (see docs)
+EVALUATION_PROMPTS, EVALUATION_SEED = 32, 1000  # ~3.5k scored tokens, other topics
 
 
-def fit_model(dense: dict, config: dict, spec: MoESpec, tokens: int = CALIBRATION_TOKENS,
-              progress: bool = True) -> list[LayerMoE]:
+def fit_model(
+    dense: dict,
+    config: dict,
+    spec: MoESpec,
+    tokens: int = CALIBRATION_TOKENS,
+    progress: bool = True,
+) -> list[LayerMoE]:
     """Every layer's MoE, fitted layer after layer on the calibration text as the MoE model so
     far sees it: each FFN is fitted on its own (already approximate) inputs, toward what the
     dense model's residual stream needs, so errors of earlier layers are corrected rather than
@@ -130,19 +156,22 @@ def fit_model(dense: dict, config: dict, spec: MoESpec, tokens: int = CALIBRATIO
     given = shipped.load_plan(shipped.plan_path(spec.tag()), spec.as_dict(), RECIPE_VERSION)
     rows = _rows_for(calib.mask, tokens)
     # 16 sequences a batch, laid end to end without their padding
-    batches = [stream.real_tokens(calib.ids[s:s + 16], calib.mask[s:s + 16])
-               for s in range(0, rows, 16)]
+    batches = [
+        stream.real_tokens(calib.ids[s : s + 16], calib.mask[s : s + 16])
+        for s in range(0, rows, 16)
+    ]
     inputs = [stream.embed(model, seqs) for seqs in batches]  # (hidden, cos_sin, seq_lens)
-    dense_h = [h for h, _, _ in inputs]                       # per batch [T_b, H]
+    dense_h = [h for h, _, _ in inputs]  # per batch [T_b, H]
     moe_h = [h.clone() for h in dense_h]
     plans = []
-    for i, layer in enumerate(tqdm(model.layers, desc="demo model: fitting experts",
-                                   unit="layer", disable=not progress)):
+    for i, layer in enumerate(
+        tqdm(model.layers, desc="demo model: fitting experts", unit="layer", disable=not progress)
+    ):
         p = f"model.layers.{i}.mlp"
         gate, up, down = (dense[f"{p}.{n}_proj.weight"] for n in ("gate", "up", "down"))
         halves, x, target = _through_attention(layer, dense_h, moe_h, inputs)
         g = None if given is None else LayerMoE(**given[i], down=None)
-        plan, out = fit_layer(x, target, gate, up, down, spec, i, g)   # out [T, H]
+        plan, out = fit_layer(x, target, gate, up, down, spec, i, g)  # out [T, H]
         moe_h = [r + o for (r, _), o in zip(halves, out.split([len(r) for r, _ in halves]))]
         plans.append(plan)
     return plans
@@ -177,11 +206,20 @@ def regenerate_corpus() -> None:
 
     model = dense_llama(*source.read_dense())
     tok = source.tokenizer()
-    calib = calibration.generate(model, tok, calibration.prompts(
-        calibration.CALIBRATION_TOPICS, CALIBRATION_PROMPTS, seed=0), GENERATED_TOKENS, seed=0)
-    evaluation = calibration.generate(model, tok, calibration.prompts(
-        calibration.EVALUATION_TOPICS, EVALUATION_PROMPTS, EVALUATION_SEED), GENERATED_TOKENS,
-        EVALUATION_SEED)
+    calib = calibration.generate(
+        model,
+        tok,
+        calibration.prompts(calibration.CALIBRATION_TOPICS, CALIBRATION_PROMPTS, seed=0),
+        GENERATED_TOKENS,
+        seed=0,
+    )
+    evaluation = calibration.generate(
+        model,
+        tok,
+        calibration.prompts(calibration.EVALUATION_TOPICS, EVALUATION_PROMPTS, EVALUATION_SEED),
+        GENERATED_TOKENS,
+        EVALUATION_SEED,
+    )
     shipped.save_corpus(calib, evaluation)
 
 

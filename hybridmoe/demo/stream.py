@@ -44,8 +44,8 @@ def embed(model: LlamaForCausalLM, sequences: list[torch.Tensor]):
     """The first layer's input [T, H] for the sequences laid end to end, with the rotary tables
     (positions restart at 0 in each sequence) and the sequences' lengths."""
     seq_lens = [len(s) for s in sequences]
-    positions = torch.cat([torch.arange(n) for n in seq_lens])               # [T]
-    hidden = model.embed_tokens(torch.cat(sequences))                         # [T, H]
+    positions = torch.cat([torch.arange(n) for n in seq_lens])  # [T]
+    hidden = model.embed_tokens(torch.cat(sequences))  # [T, H]
     return hidden, model.rotary.cos_sin(positions), seq_lens
 
 

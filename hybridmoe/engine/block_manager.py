@@ -21,16 +21,22 @@ class Block:
     def __init__(self, block_id: int):
         self.id = block_id
         self.ref_count = 0
-        self.key: int | None = None  # hash of the token prefix up to the end of this block, once full
+        self.key: int | None = (
+            None  # hash of the token prefix up to the end of this block, once full
+        )
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
+            raise ValueError(
+                f"need at least one block of at least one token (got {num_blocks} x {block_size})"
+            )
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # next out first
+        self.free: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(num_blocks)
+        )  # next out first
         self.by_key: dict[int, Block] = {}
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, found
@@ -102,7 +108,9 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.key is None:
                 block.key = key
-                self.by_key.setdefault(key, block)  # an identical block computed at the same time stays private
+                self.by_key.setdefault(
+                    key, block
+                )  # an identical block computed at the same time stays private
 
     # ---- allocation ----
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

@@ -52,7 +52,9 @@ class PassInputs:
     ids: torch.Tensor  # [T] token ids: each sequence's new tokens, one sequence after another
     positions: torch.Tensor  # [T]
     ctx: PagedKVContext
-    rows: list[int]  # rows whose logits are needed: the last of each sequence then wholly in the cache
+    rows: list[
+        int
+    ]  # rows whose logits are needed: the last of each sequence then wholly in the cache
 
 
 class ModelRunner:
@@ -64,8 +66,9 @@ class ModelRunner:
             why_not = overlap_unsupported(model)
             if why_not:
                 raise ValueError(f"overlap_prefill: {why_not}")
-            self._prefill_pool = ThreadPoolExecutor(1, "hybridmoe-prefill", initializer=torch.set_num_threads,
-                                                    initargs=(1,))
+            self._prefill_pool = ThreadPoolExecutor(
+                1, "hybridmoe-prefill", initializer=torch.set_num_threads, initargs=(1,)
+            )
 
     def run(self, batch: Batch) -> torch.Tensor:
         """One forward pass over `batch` on this thread: logits [n, V], one row per sequence whose
@@ -78,9 +81,13 @@ class ModelRunner:
         """The same pass on the prefill thread (overlap_prefill): a future of (logits [n, V], seconds
         the pass itself took, as the engine may take the result later)."""
         inputs = self._inputs(batch)  # here: the engine's thread goes on to change other sequences
-        return self._prefill_pool.submit(self._timed_run, inputs, [])  # prefill chunks only: no decode rows
+        return self._prefill_pool.submit(
+            self._timed_run, inputs, []
+        )  # prefill chunks only: no decode rows
 
-    def _timed_run(self, inputs: PassInputs, decode: list[tuple[int, str]]) -> tuple[torch.Tensor, float]:
+    def _timed_run(
+        self, inputs: PassInputs, decode: list[tuple[int, str]]
+    ) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
         return self._run(inputs, decode), time.perf_counter() - t0
 

@@ -15,10 +15,16 @@ import torch
 class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.pools: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> flat views [num_blocks * block_size, ...]
-        self._lock = threading.Lock()  # two passes (decode, prefill) may meet a layer's first update together
+        self.pools: dict[
+            int, tuple[torch.Tensor, ...]
+        ] = {}  # layer -> flat views [num_blocks * block_size, ...]
+        self._lock = (
+            threading.Lock()
+        )  # two passes (decode, prefill) may meet a layer's first update together
 
-    def layer_pools(self, layer: int, entries: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def layer_pools(
+        self, layer: int, entries: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         pools = self.pools.get(layer)
         if pools is not None:
             return pools
@@ -26,8 +32,13 @@ class PagedKVCache:
             pools = self.pools.get(layer)
             if pools is None:
                 pools = tuple(
-                    torch.zeros((self.num_blocks, self.block_size, *e.shape[1:]), dtype=e.dtype, device=e.device)
-                    .view(self.num_blocks * self.block_size, *e.shape[1:])  # [num_blocks * block_size, ...]
+                    torch.zeros(
+                        (self.num_blocks, self.block_size, *e.shape[1:]),
+                        dtype=e.dtype,
+                        device=e.device,
+                    ).view(
+                        self.num_blocks * self.block_size, *e.shape[1:]
+                    )  # [num_blocks * block_size, ...]
                     for e in entries
                 )
                 self.pools[layer] = pools
@@ -41,7 +52,9 @@ class PagedKVCache:
 def history_index(block_table: list[int], length: int, block_size: int) -> torch.Tensor | slice:
     """Slots of a sequence's first `length` tokens: a slice when its blocks are consecutive (no copy)."""
     first = block_table[0]
-    if block_table[-1] - first == len(block_table) - 1 and block_table == list(range(first, first + len(block_table))):
+    if block_table[-1] - first == len(block_table) - 1 and block_table == list(
+        range(first, first + len(block_table))
+    ):
         return slice(first * block_size, first * block_size + length)
     pos = torch.arange(length)  # [L]
     return torch.tensor(block_table)[pos // block_size] * block_size + pos % block_size
@@ -60,7 +73,9 @@ class DecodeTables:
     block_size: int
 
     @staticmethod
-    def of(block_tables: list[list[int]], starts: list[int], seq_lens: list[int], block_size: int) -> DecodeTables:
+    def of(
+        block_tables: list[list[int]], starts: list[int], seq_lens: list[int], block_size: int
+    ) -> DecodeTables:
         seqs, rows, lengths, first, tables, row = [], [], [], [], [], 0
         for i, (table, start, n) in enumerate(zip(block_tables, starts, seq_lens)):
             if n == 1:
@@ -68,11 +83,19 @@ class DecodeTables:
                 rows.append(row)
                 lengths.append(start + 1)
                 first.append(len(tables))
-                tables += table[: (start + block_size) // block_size]  # the blocks of positions 0..start
+                tables += table[
+                    : (start + block_size) // block_size
+                ]  # the blocks of positions 0..start
             row += n
         int32 = dict(dtype=torch.int32)
-        return DecodeTables(seqs, torch.tensor(rows, **int32), torch.tensor(lengths, **int32),
-                            torch.tensor(first, **int32), torch.tensor(tables, **int32), block_size)
+        return DecodeTables(
+            seqs,
+            torch.tensor(rows, **int32),
+            torch.tensor(lengths, **int32),
+            torch.tensor(first, **int32),
+            torch.tensor(tables, **int32),
+            block_size,
+        )
 
 
 class PagedKVContext:
@@ -83,7 +106,13 @@ class PagedKVContext:
     Everything per step is computed here once, not per layer; the context holds no state that a layer
     changes, so a decode pass and a prefill pass may run at once, each with its own context."""
 
-    def __init__(self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], seq_lens: list[int]):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        block_tables: list[list[int]],
+        starts: list[int],
+        seq_lens: list[int],
+    ):
         self.cache, self.seq_lens, self.starts = cache, seq_lens, starts
         bs = cache.block_size
         self.history, writes = [], []
@@ -101,7 +130,9 @@ class PagedKVContext:
             pool.index_copy_(0, self.slots, e.to(pool.dtype))
         return pools
 
-    def histories(self, pools: tuple[torch.Tensor, ...], seqs=None) -> list[tuple[torch.Tensor, ...]]:
+    def histories(
+        self, pools: tuple[torch.Tensor, ...], seqs=None
+    ) -> list[tuple[torch.Tensor, ...]]:
         """Each sequence's history in the pools (of `seqs`, default all): a view when its blocks are
         consecutive, else a gathered copy."""
         seqs = range(len(self.history)) if seqs is None else seqs

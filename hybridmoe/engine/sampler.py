@@ -21,20 +21,26 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; n >= 0: the chosen token's log-probability and the n most likely
+    logprobs: int | None = (
+        None  # None: none; n >= 0: the chosen token's log-probability and the n most likely
+    )
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
     """logits: [V]. Repetition penalty (CTRL paper) over prompt and output; OpenAI's presence and
     frequency penalties over the output only."""
     if params.repetition_penalty != 1.0 and (prompt or output):
         seen = torch.tensor(sorted(set(prompt) | set(output)))
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        logits[seen] = torch.where(
+            vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+        )
     if (params.presence_penalty or params.frequency_penalty) and output:
         counts = Counter(output)
         ids = torch.tensor(list(counts))
@@ -43,8 +49,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
     return logits
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           prompt: list[int] = (), output: list[int] = ()) -> int:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt: list[int] = (),
+    output: list[int] = (),
+) -> int:
     """logits: [V] fp32 -> the next token id."""
     logits = apply_penalties(logits.float().clone(), params, list(prompt), list(output))
     if params.greedy:
@@ -64,7 +75,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+def token_logprobs(
+    logits: torch.Tensor, token: int, top_n: int
+) -> tuple[float, list[tuple[int, float]]]:
     """logits: [V], the model's own (before penalties and temperature, as OpenAI reports them) ->
     (log-probability of `token`, the `top_n` most likely (id, log-probability) pairs)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [V]

@@ -63,11 +63,19 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self, decode: bool = True, prefill: bool = True, pinned: frozenset = frozenset()) -> Batch:
+    def schedule(
+        self, decode: bool = True, prefill: bool = True, pinned: frozenset = frozenset()
+    ) -> Batch:
         """The next forward pass: decode tokens, prefill chunks (admitting waiting sequences), or both."""
         batch, budget = Batch(), self.max_tokens_per_step
-        chosen = [s for s in self.running if s not in pinned and (decode if not s.is_prefilling else prefill)]
-        chosen.sort(key=lambda s: s.is_prefilling)  # decode first (stable: arrival order within each)
+        chosen = [
+            s
+            for s in self.running
+            if s not in pinned and (decode if not s.is_prefilling else prefill)
+        ]
+        chosen.sort(
+            key=lambda s: s.is_prefilling
+        )  # decode first (stable: arrival order within each)
         for seq in chosen:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left
@@ -93,7 +101,9 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, batch: Batch, pinned: frozenset) -> bool:
         """Blocks for `seq` to hold `num_tokens`, preempting the newest unpinned sequences as needed."""
         while not self.blocks.grow(seq, num_tokens):
-            victim = next(s for s in reversed(self.running) if s not in pinned)  # `seq` itself at the latest
+            victim = next(
+                s for s in reversed(self.running) if s not in pinned
+            )  # `seq` itself at the latest
             self._preempt(victim)
             if victim in batch.seqs:
                 batch.remove(victim)
@@ -105,5 +115,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.reset_for_recompute()
-        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)  # FCFS: it goes back in front of later ones
+        bisect.insort(
+            self.waiting, seq, key=lambda s: s.arrival
+        )  # FCFS: it goes back in front of later ones
         self.num_preemptions += 1

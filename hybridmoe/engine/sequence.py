@@ -17,13 +17,19 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_len: int):
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_len: int
+    ):
         self.request_id = request_id
-        self.arrival = next(_arrival)  # FCFS order; preemption keeps it, so a preempted one stays in front
+        self.arrival = next(
+            _arrival
+        )  # FCFS order; preemption keeps it, so a preempted one stays in front
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
-        self.max_len = max_len  # prompt + output may not exceed this (the model's context, the KV capacity)
+        self.max_len = (
+            max_len  # prompt + output may not exceed this (the model's context, the KV capacity)
+        )
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0  # leading tokens whose KV entries are in the cache

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe import native
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary
-from hybridmoe.layers.linear import Linear
 
 
 class KVContext(Protocol):
@@ -32,7 +32,9 @@ class KVContext(Protocol):
         ...
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv]; the n queries are the last n positions.
 
     The query heads that share a KV head are stacked as rows of one [g*n, d] matrix per KV head, so K
@@ -47,7 +49,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     length, kv_heads = k.shape[0], k.shape[1]
     groups = heads // kv_heads
     # query head h uses KV head h // groups (as transformers' repeat_kv); row order is (group, position)
-    qg = q.view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * n, d)  # [1, kvh, g*n, d]
+    qg = (
+        q.view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * n, d)
+    )  # [1, kvh, g*n, d]
     mask = None
     if n > 1:
         rows = torch.arange(n)[:, None] + (length - n)
@@ -66,8 +70,15 @@ class Attention(nn.Module):
     what Llama, Qwen3-MoE and OLMoE do; Qwen2-MoE has q/k/v biases and none on o_proj).
     """
 
-    def __init__(self, cfg, layer: int, rotary: Rotary, qk_norm: str | None = None, bias: bool | None = None,
-                 o_bias: bool | None = None):
+    def __init__(
+        self,
+        cfg,
+        layer: int,
+        rotary: Rotary,
+        qk_norm: str | None = None,
+        bias: bool | None = None,
+        o_bias: bool | None = None,
+    ):
         super().__init__()
         self.layer = layer
         self.rotary = rotary
@@ -81,7 +92,9 @@ class Attention(nn.Module):
         self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
         o_bias = bias if o_bias is None else o_bias
         self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=o_bias)
-        self.clip_qkv = cfg.get("clip_qkv", default=None)  # OLMoE: clamp q, k, v after the q/k norms
+        self.clip_qkv = cfg.get(
+            "clip_qkv", default=None
+        )  # OLMoE: clamp q, k, v after the q/k norms
         eps = cfg.get("rms_norm_eps", default=1e-6)
         self.qk_norm = qk_norm
         if qk_norm == "head":
@@ -108,7 +121,9 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, ctx)  # [T, h, d]
         return self.o_proj(out.reshape(T, self.heads * self.head_dim))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: KVContext) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: KVContext
+    ) -> torch.Tensor:
         """q: [T, h, d], k, v: [T, kvh, d] -> [T, h, d]: every sequence's queries over its history.
 
         Sequences that bring one token take the native kernel, reading K and V from the paged pools
@@ -119,14 +134,25 @@ class Attention(nn.Module):
         scale = self.head_dim**-0.5
         out = q.new_empty(q.shape)  # [T, h, d]
         seqs = range(len(ctx.seq_lens))
-        decode = getattr(ctx, "decode", None)  # the paged view (PagedKVContext), not every context has it
+        decode = getattr(
+            ctx, "decode", None
+        )  # the paged view (PagedKVContext), not every context has it
         if decode is None or not decode.seqs:
             history = ctx.update(self.layer, k, v)
         else:
             pools = ctx.write(self.layer, k, v)  # [slots, kvh, d] each
             if native.attention_applies(q, *pools):
-                native.decode_attention(q, *pools, decode.tables, decode.table_starts, decode.lengths, decode.rows,
-                                        decode.block_size, scale, out)
+                native.decode_attention(
+                    q,
+                    *pools,
+                    decode.tables,
+                    decode.table_starts,
+                    decode.lengths,
+                    decode.rows,
+                    decode.block_size,
+                    scale,
+                    out,
+                )
                 seqs = [i for i in seqs if ctx.seq_lens[i] != 1]
             history = ctx.histories(pools, seqs)
         rows = [0]

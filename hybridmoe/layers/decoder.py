@@ -12,7 +12,9 @@ class DecoderLayer(nn.Module):
     biases, MLA) and the feed-forward (a dense MLP or an MoE block), and the feed-forward's name in
     checkpoints (`mlp`, Mixtral's `block_sparse_moe`)."""
 
-    def __init__(self, hidden: int, eps: float, attn: nn.Module, ffn: nn.Module, ffn_name: str = "mlp"):
+    def __init__(
+        self, hidden: int, eps: float, attn: nn.Module, ffn: nn.Module, ffn_name: str = "mlp"
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = attn

@@ -35,9 +35,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias is not None:
             y += bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-    if (_ONEDNN and x.dim() == 2 and 1 < x.shape[0] <= FEW_ROWS and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")  # [M, N]
+    if (
+        _ONEDNN
+        and x.dim() == 2
+        and 1 < x.shape[0] <= FEW_ROWS
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+    ):
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), weight, bias, "none", [], ""
+        )  # [M, N]
     return F.linear(x, weight, bias)
 
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from hybridmoe.layers.attention import KVContext, causal_attention
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary, yarn_mscale
-from hybridmoe.layers.linear import Linear
 
 
 def softmax_scale(qk_head_dim: int, rope: dict) -> float:
@@ -51,7 +51,9 @@ class MLAttention(nn.Module):
         self.low_rank_q = bool(q_rank)
         if self.low_rank_q:
             self.q_a_proj = Linear(hidden, q_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(q_rank)  # DeepSeek's latent norms keep the default eps 1e-6
+            self.q_a_layernorm = RMSNorm(
+                q_rank
+            )  # DeepSeek's latent norms keep the default eps 1e-6
             self.q_b_proj = Linear(q_rank, q_out, bias=False)
         else:
             self.q_proj = Linear(hidden, q_out, bias=False)
@@ -65,7 +67,11 @@ class MLAttention(nn.Module):
         return apply_rotary(deinterleave(x) if self.interleaved else x, cos, sin)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
+        q = (
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if self.low_rank_q
+            else self.q_proj(x)
+        )
         return q.view(x.shape[0], self.heads, self.nope + self.rope)  # [T, h, nope+rope]
 
     def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,12 +90,16 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
         w_k, w_v = w[:, : self.nope], w[:, self.nope :]  # [h, nope, rank], [h, v, rank]
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_k)  # [n, h, rank]
-        scores = (torch.einsum("nhr,lr->nhl", q_lat, c_kv) + torch.einsum("nhd,ld->nhl", q_pe, k_pe)) * self.scale
+        scores = (
+            torch.einsum("nhr,lr->nhl", q_lat, c_kv) + torch.einsum("nhd,ld->nhl", q_pe, k_pe)
+        ) * self.scale
         if n > 1:  # query i sits at position L - n + i
             visible = torch.arange(L)[None, :] <= torch.arange(n)[:, None] + (L - n)  # [n, L]
             scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(c_kv.dtype)  # [n, h, L]
-        return torch.einsum("nhr,hvr->nhv", torch.einsum("nhl,lr->nhr", probs, c_kv), w_v)  # [n, h, v]
+        return torch.einsum(
+            "nhr,hvr->nhv", torch.einsum("nhl,lr->nhr", probs, c_kv), w_v
+        )  # [n, h, v]
 
     def _attend(self, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
         # Expanding costs L * rank * h * (nope + v); absorbing costs about n * L * h * (2 * rank + rope)
@@ -102,14 +112,20 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin, ctx: KVContext) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = cos_sin
-        q_nope, q_pe = self._queries(x).split([self.nope, self.rope], dim=-1)  # [T, h, nope], [T, h, rope]
+        q_nope, q_pe = self._queries(x).split(
+            [self.nope, self.rope], dim=-1
+        )  # [T, h, nope], [T, h, rope]
         q_pe = self._rope(q_pe, cos, sin)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)  # [T, rank], [T, rope]
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.rank, self.rope], dim=-1
+        )  # [T, rank], [T, rope]
         c_kv = self.kv_a_layernorm(c_kv)
         k_pe = self._rope(k_pe[:, None, :], cos, sin)[:, 0]  # [T, rope]
         history = ctx.update(self.layer, c_kv, k_pe)
         outs, start = [], 0
         for n, (c_all, k_pe_all) in zip(ctx.seq_lens, history):
-            outs.append(self._attend(q_nope[start : start + n], q_pe[start : start + n], c_all, k_pe_all))
+            outs.append(
+                self._attend(q_nope[start : start + n], q_pe[start : start + n], c_all, k_pe_all)
+            )
             start += n
         return self.o_proj(torch.cat(outs, dim=0).reshape(T, self.heads * self.v_dim))  # [T, H]

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(
+    logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] -> ids [T, k], weights [T, k] (fp32). Mixtral, Qwen-MoE, OLMoE."""
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, k, dim=-1)  # [T, k]
@@ -18,7 +20,9 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     return ids, weights
 
 
-def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+def limit_to_groups(
+    choice: torch.Tensor, n_group: int, topk_group: int, group_score: str
+) -> torch.Tensor:
     """Mask (to -inf) the experts outside each token's `topk_group` best groups of experts.
 
     choice: [T, E], the experts split into n_group consecutive groups. A group's score is its best
@@ -43,21 +47,35 @@ def scale_weights(weights: torch.Tensor, renormalize: bool, scale: float) -> tor
     return weights * scale
 
 
-def softmax_group_topk(logits: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1,
-                       renormalize: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_group_topk(
+    logits: torch.Tensor,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2: softmax scores, top-k within the best groups (group_limited_greedy; n_group 1 is
     plain greedy), weights optionally renormalised, then times routed_scaling_factor.
 
     logits: [T, E] (fp32) -> ids [T, k], weights [T, k].
     """
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-    ids = torch.topk(limit_to_groups(probs, n_group, topk_group, "max"), k, dim=-1).indices  # [T, k]
+    ids = torch.topk(
+        limit_to_groups(probs, n_group, topk_group, "max"), k, dim=-1
+    ).indices  # [T, k]
     return ids, scale_weights(probs.gather(1, ids), renormalize, scale)
 
 
-def sigmoid_group_topk(logits: torch.Tensor, correction: torch.Tensor | None, k: int, n_group: int = 1,
-                       topk_group: int = 1, renormalize: bool = True,
-                       scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_group_topk(
+    logits: torch.Tensor,
+    correction: torch.Tensor | None,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3: sigmoid scores; the load-balancing bias `correction` [E] shifts which experts are
     chosen (groups by their top-2 sum, then top-k) but not their weights.
 
@@ -65,7 +83,9 @@ def sigmoid_group_topk(logits: torch.Tensor, correction: torch.Tensor | None, k:
     """
     scores = torch.sigmoid(logits.float())  # [T, E]
     choice = scores if correction is None else scores + correction.float()  # [T, E]
-    ids = torch.topk(limit_to_groups(choice, n_group, topk_group, "top2"), k, dim=-1).indices  # [T, k]
+    ids = torch.topk(
+        limit_to_groups(choice, n_group, topk_group, "top2"), k, dim=-1
+    ).indices  # [T, k]
     return ids, scale_weights(scores.gather(1, ids), renormalize, scale)
 
 
@@ -87,7 +107,7 @@ class SparseMoE(nn.Module):
         self.replay = None  # an object whose ids(layer) [T, K] replace the router's choice
         self._next: tuple[SparseMoE, ...] = ()  # the next MoE block (in a tuple: not a submodule)
 
-    def link_next(self, block: "SparseMoE") -> None:
+    def link_next(self, block: SparseMoE) -> None:
         self._next = (block,)
 
     def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

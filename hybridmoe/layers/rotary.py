@@ -36,7 +36,11 @@ def inv_frequencies(dim: int, params: dict) -> tuple[torch.Tensor, float]:
 
 def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
     # Llama 3.1 frequency-dependent scaling (Meta's reference implementation).
-    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    factor, low, high = (
+        float(p["factor"]),
+        float(p["low_freq_factor"]),
+        float(p["high_freq_factor"]),
+    )
     old_len = float(p["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > old_len / low, inv / factor, inv)

@@ -7,7 +7,7 @@ the vocabulary size) is read off the tensor list, which is what llama.cpp itself
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from hybridmoe.errors import ModelFileError
 
@@ -27,7 +27,9 @@ class Meta:
     def need(self, key: str):
         value = self.get(key)
         if value is None:
-            raise ModelFileError(f"{self.where}: GGUF metadata has no {self.arch}.{key}; the file is incomplete")
+            raise ModelFileError(
+                f"{self.where}: GGUF metadata has no {self.arch}.{key}; the file is incomplete"
+            )
         return value
 
 
@@ -35,8 +37,10 @@ def hf_config(meta: dict, shapes: Shapes, where: str) -> dict:
     """The config.json dict of the model in a GGUF file with metadata `meta` and tensors `shapes`."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelFileError(f"{where}: GGUF architecture {arch!r} is not supported; "
-                             f"supported are {', '.join(sorted(ARCHITECTURES))}")
+        raise ModelFileError(
+            f"{where}: GGUF architecture {arch!r} is not supported; "
+            f"supported are {', '.join(sorted(ARCHITECTURES))}"
+        )
     m = Meta(meta, arch, where)
     cfg = _common(m, meta, shapes)
     cfg.update(ARCHITECTURES[arch](m, shapes))
@@ -90,18 +94,27 @@ def _dense_layers(m: Meta, shapes: Shapes) -> list[int]:
 
 
 def _head_dim(m: Meta) -> int:
-    return m.get("attention.key_length") or m.need("embedding_length") // m.need("attention.head_count")
+    return m.get("attention.key_length") or m.need("embedding_length") // m.need(
+        "attention.head_count"
+    )
 
 
 def _llama(m: Meta, shapes: Shapes) -> dict:
     experts = m.get("expert_count", 0)
     if not experts:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": _head_dim(m)}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "head_dim": _head_dim(m),
+        }
     # llama.cpp stores Mixtral as arch llama with experts; its feed_forward_length is the expert's size
     return {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "head_dim": _head_dim(m),
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "head_dim": _head_dim(m),
         "intermediate_size": m.get("feed_forward_length") or m.need("expert_feed_forward_length"),
-        "num_local_experts": experts, "num_experts_per_tok": m.need("expert_used_count"),
+        "num_local_experts": experts,
+        "num_experts_per_tok": m.need("expert_used_count"),
     }
 
 
@@ -118,23 +131,33 @@ def _qwen_moe(m: Meta, shapes: Shapes, norm_topk_default: bool) -> dict:
 
 def _qwen3moe(m: Meta, shapes: Shapes) -> dict:
     # llama.cpp's qwen3moe always renormalises the top-k weights (norm_w = true in qwen3moe.cpp)
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": _head_dim(m),
-            **_qwen_moe(m, shapes, norm_topk_default=True)}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "head_dim": _head_dim(m),
+        **_qwen_moe(m, shapes, norm_topk_default=True),
+    }
 
 
 def _qwen2moe(m: Meta, shapes: Shapes) -> dict:
     shared = m.get("expert_shared_feed_forward_length")
     if shared is None and "blk.0.ffn_up_shexp.weight" in shapes:
         shared = shapes["blk.0.ffn_up_shexp.weight"][0]
-    return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
-            "shared_expert_intermediate_size": shared, **_qwen_moe(m, shapes, norm_topk_default=False)}
+    return {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "shared_expert_intermediate_size": shared,
+        **_qwen_moe(m, shapes, norm_topk_default=False),
+    }
 
 
 def _olmoe(m: Meta, shapes: Shapes) -> dict:
     return {
-        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
+        "architectures": ["OlmoeForCausalLM"],
+        "model_type": "olmoe",
         "intermediate_size": m.get("expert_feed_forward_length") or m.need("feed_forward_length"),
-        "num_experts": m.need("expert_count"), "num_experts_per_tok": m.need("expert_used_count"),
+        "num_experts": m.need("expert_count"),
+        "num_experts_per_tok": m.need("expert_used_count"),
         "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
         "clip_qkv": m.get("attention.clamp_kqv"),
     }
@@ -143,7 +166,9 @@ def _olmoe(m: Meta, shapes: Shapes) -> dict:
 def _deepseek2(m: Meta, shapes: Shapes) -> dict:
     """DeepSeek-V2 and V3 share llama.cpp's deepseek2; V3 is the one with sigmoid scores and a score bias."""
     rope_dim = m.need("rope.dimension_count")
-    if m.get("attention.key_length_mla") is not None:  # newer files: key/value_length describe the MQA form
+    if (
+        m.get("attention.key_length_mla") is not None
+    ):  # newer files: key/value_length describe the MQA form
         qk_head, v_head = m.need("attention.key_length_mla"), m.need("attention.value_length_mla")
     else:
         qk_head, v_head = m.need("attention.key_length"), m.need("attention.value_length")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import gguf
 import numpy as np
@@ -55,7 +55,9 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     if _metadata(reader).get("general.architecture") != "llama":
         heads = {}
     mla: dict[tuple[int, str], torch.Tensor] = {}
-    f = open(where, "rb")  # plain reads: pages of a memory map would stay in our RSS after their use
+    f = open(
+        where, "rb"
+    )  # plain reads: pages of a memory map would stay in our RSS after their use
     try:
         for t in reader.tensors:
             if legacy := names.legacy_expert(t.name):
@@ -64,34 +66,48 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
             layer, base, suffix = names.split(t.name, where)
             if base in names.EXPERT_STACKS:
                 for e in range(int(t.shape[-1])):
-                    yield names.expert_name(layer, e, names.EXPERT_STACKS[base], naming), _tensor(t, f, where, e)
+                    yield (
+                        names.expert_name(layer, e, names.EXPERT_STACKS[base], naming),
+                        _tensor(t, f, where, e),
+                    )
             elif base in names.MLA_HALVES:
                 mla[(layer, base)] = _tensor(t, f, where)
                 if all((layer, half) in mla for half in names.MLA_HALVES):
                     kv_b = _join_kv_b(mla.pop((layer, "attn_k_b")), mla.pop((layer, "attn_v_b")))
                     yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b
             else:
-                yield names.hf_name(layer, base, suffix, naming, where), _fix_layout(base, _tensor(t, f, where), heads)
+                yield (
+                    names.hf_name(layer, base, suffix, naming, where),
+                    _fix_layout(base, _tensor(t, f, where), heads),
+                )
     finally:
         f.close()
         _open.cache_clear()  # the memory map goes once loading is over
     if mla:
         (layer, half), _ = next(iter(mla.items()))
-        raise ModelFileError(f"{where}: layer {layer} has {half} but not its other half; the file is incomplete")
+        raise ModelFileError(
+            f"{where}: layer {layer} has {half} but not its other half; the file is incomplete"
+        )
 
 
 def _fix_layout(base: str, tensor: torch.Tensor, heads: dict[str, int]) -> torch.Tensor:
     """Where llama.cpp's layout of a tensor differs from Hugging Face's, convert it back."""
     if base in heads:
         return _unpermute_rows(tensor, heads[base])
-    if base == "ffn_gate_inp_shexp" and tensor.dim() == 1:  # llama.cpp accepts it as [H]; HF has [1, H]
+    if (
+        base == "ffn_gate_inp_shexp" and tensor.dim() == 1
+    ):  # llama.cpp accepts it as [H]; HF has [1, H]
         return tensor[None]
     return tensor
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf's permute: per head, rows (pair, 2) -> (2, pair). w: [n_head*D, ...]."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
@@ -111,14 +127,20 @@ def _tensor(t, f, where: str, index: int | None = None) -> torch.Tensor:
     try:
         return torch.from_numpy(gguf.quants.dequantize(data, qtype))
     except NotImplementedError:
-        raise ModelFileError(f"{where}: tensor {t.name} is {qtype.name}, which the gguf package cannot "
-                             "dequantize; requantize the model (Q8_0, Q4_K_M, ...)") from None
+        raise ModelFileError(
+            f"{where}: tensor {t.name} is {qtype.name}, which the gguf package cannot "
+            "dequantize; requantize the model (Q8_0, Q4_K_M, ...)"
+        ) from None
 
 
 def _read(t, f, index: int | None) -> np.ndarray:
     """The bytes of tensor `t` (or of its slice `index` along the outermost dim) in the reader's
     array layout: elements for float types, [..., bytes per row] for quantized blocks."""
-    shape, nbytes, offset = t.data.shape, t.n_bytes, t.data_offset  # t.data is a view: no pages touched
+    shape, nbytes, offset = (
+        t.data.shape,
+        t.n_bytes,
+        t.data_offset,
+    )  # t.data is a view: no pages touched
     if index is not None:
         nbytes //= shape[0]
         offset += index * nbytes
@@ -126,8 +148,10 @@ def _read(t, f, index: int | None) -> np.ndarray:
     buf = bytearray(nbytes)  # writable, so torch can take it without a copy
     f.seek(offset)
     if f.readinto(buf) != nbytes:
-        raise ModelFileError(f"{f.name}: tensor {t.name} runs past the end of the file (it is truncated); "
-                             "download the file again")
+        raise ModelFileError(
+            f"{f.name}: tensor {t.name} runs past the end of the file (it is truncated); "
+            "download the file again"
+        )
     return np.frombuffer(buf, dtype=t.data.dtype).reshape(shape)
 
 
@@ -141,7 +165,9 @@ def _metadata(reader) -> dict:
         part = f.parts[f.data[0]]
         if f.types[0] == kinds.STRING:
             meta[key] = bytes(part).decode("utf-8", errors="replace")
-        elif f.types[0] == kinds.FLOAT32:  # shortest decimal that round-trips: 1e-05, not 9.99999974e-06
+        elif (
+            f.types[0] == kinds.FLOAT32
+        ):  # shortest decimal that round-trips: 1e-05, not 9.99999974e-06
             meta[key] = float(str(np.float32(part[0])))
         else:
             meta[key] = part[0].item()
@@ -176,12 +202,18 @@ class Reader(gguf.GGUFReader):
 def _open(path: str, mtime_ns: int, size: int):
     try:
         reader = Reader(path)
-    except Exception as e:  # the reader fails in many ways (ValueError, IndexError, ...) on a damaged header
-        raise ModelFileError(f"{path}: {_problem(path, size, e)}; download the file again") from None
+    except (
+        Exception
+    ) as e:  # the reader fails in many ways (ValueError, IndexError, ...) on a damaged header
+        raise ModelFileError(
+            f"{path}: {_problem(path, size, e)}; download the file again"
+        ) from None
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise ModelFileError(f"{path}: tensor {t.name} runs past the end of the file (it is truncated); "
-                                 "download the file again")
+            raise ModelFileError(
+                f"{path}: tensor {t.name} runs past the end of the file (it is truncated); "
+                "download the file again"
+            )
     return reader
 
 

@@ -56,7 +56,9 @@ class Naming:
     """How one architecture's Hugging Face checkpoint names its MoE block."""
 
     moe: str = "mlp"
-    roles: dict = field(default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+    roles: dict = field(
+        default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    )
     shared: str = "mlp.shared_expert"
 
 
@@ -86,10 +88,16 @@ def hf_name(layer: int | None, base: str, suffix: str, naming: Naming, where: st
         return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     if layer is not None and base in LAYER:
         return f"model.layers.{layer}.{LAYER[base].format(moe=naming.moe, shared=naming.shared)}.{suffix}"
-    if base == "rope_freqs":  # Llama 3.1 frequency factors: our rotary takes them only from a config
-        raise ModelFileError(f"{where}: llama3-style rope_freqs factors in GGUF are not supported yet; "
-                             "load the Hugging Face checkpoint instead")
-    raise ModelFileError(f"{where}: tensor {base!r} is not one hybridmoe knows for this architecture")
+    if (
+        base == "rope_freqs"
+    ):  # Llama 3.1 frequency factors: our rotary takes them only from a config
+        raise ModelFileError(
+            f"{where}: llama3-style rope_freqs factors in GGUF are not supported yet; "
+            "load the Hugging Face checkpoint instead"
+        )
+    raise ModelFileError(
+        f"{where}: tensor {base!r} is not one hybridmoe knows for this architecture"
+    )
 
 
 def legacy_expert(name: str) -> tuple[int, int, str] | None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -26,18 +26,24 @@ def _resolve(path: str | Path) -> tuple[Path, str]:
     """(path, kind) where kind is 'hf' or 'gguf'; a clear error for anything else."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"{p}: no such file or directory; pass --model with a Hugging Face directory or a .gguf file")
+        raise UserError(
+            f"{p}: no such file or directory; pass --model with a Hugging Face directory or a .gguf file"
+        )
     if p.is_dir():
         if not (p / "config.json").exists():
-            raise ModelFileError(f"{p}: no config.json; a Hugging Face model directory needs config.json "
-                                 "beside its *.safetensors")
+            raise ModelFileError(
+                f"{p}: no config.json; a Hugging Face model directory needs config.json "
+                "beside its *.safetensors"
+            )
         return p, "hf"
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic == GGUF_MAGIC:
         return p, "gguf"
-    raise ModelFileError(f"{p}: neither a directory nor a GGUF file (it starts with {magic!r}); "
-                         "pass a Hugging Face directory or a .gguf file")
+    raise ModelFileError(
+        f"{p}: neither a directory nor a GGUF file (it starts with {magic!r}); "
+        "pass a Hugging Face directory or a .gguf file"
+    )
 
 
 def model_config(path: str | Path) -> HFConfig:
@@ -73,11 +79,20 @@ def load_model(
         from hybridmoe.loader import gguf_file
 
         total, tensors = gguf_file.count_tensors(p), gguf_file.iter_tensors(p, cfg)
-    bar = tqdm(tensors, total=total, desc=f"loading {p.name}", unit="tensor", file=sys.stderr,
-               disable=not progress, leave=False)
+    bar = tqdm(
+        tensors,
+        total=total,
+        desc=f"loading {p.name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    )
     try:
         model.load_weights(bar)
-    except ModelFileError as e:  # the model knows which tensor is wrong, not which file it came from
+    except (
+        ModelFileError
+    ) as e:  # the model knows which tensor is wrong, not which file it came from
         if str(p) in str(e):
             raise
         raise ModelFileError(f"{p}: {e}") from None
@@ -89,7 +104,9 @@ def load_tokenizer(path: str | Path, tokenizer_dir: str | Path | None = None) ->
     if tokenizer_dir is not None:
         d = Path(tokenizer_dir).expanduser()
         if not d.is_dir():
-            raise UserError(f"{d}: --tokenizer must be a directory holding tokenizer.json or tokenizer.model")
+            raise UserError(
+                f"{d}: --tokenizer must be a directory holding tokenizer.json or tokenizer.model"
+            )
         return load_tokenizer_dir(d)
     p, kind = _resolve(path)
     return load_tokenizer_dir(p) if kind == "hf" else load_tokenizer_gguf(p)

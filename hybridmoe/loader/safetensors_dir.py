@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from hybridmoe.errors import ModelFileError
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -32,16 +41,22 @@ def safetensors_files(directory: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ModelFileError(f"{index}: not a valid safetensors index ({e}); restore the file") from None
+            raise ModelFileError(
+                f"{index}: not a valid safetensors index ({e}); restore the file"
+            ) from None
         files = [directory / f for f in names]
         for f in files:
             if not f.exists():
-                raise ModelFileError(f"{f}: missing, but {index.name} lists it; download that shard again")
+                raise ModelFileError(
+                    f"{f}: missing, but {index.name} lists it; download that shard again"
+                )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise ModelFileError(f"{directory}: no *.safetensors weights; hybridmoe reads safetensors checkpoints "
-                             "(or a .gguf file)")
+        raise ModelFileError(
+            f"{directory}: no *.safetensors weights; hybridmoe reads safetensors checkpoints "
+            "(or a .gguf file)"
+        )
     return files
 
 
@@ -78,8 +93,10 @@ def _check_entry(path: Path, name: str, entry, data_size: int) -> None:
     except (KeyError, TypeError, ValueError):
         raise _corrupt(path, f"tensor {name!r} has a malformed header entry") from None
     if end > data_size:
-        raise _corrupt(path, f"tensor {name!r} ends at byte {end} but the data holds {data_size} bytes "
-                             "(truncated)")
+        raise _corrupt(
+            path,
+            f"tensor {name!r} ends at byte {end} but the data holds {data_size} bytes (truncated)",
+        )
     if end - begin != numel * dtype.itemsize or begin < 0:
         raise _corrupt(path, f"tensor {name!r} has {end - begin} bytes for shape {entry['shape']}")
 
@@ -97,7 +114,11 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 begin, end = entry["data_offsets"]
                 out = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
                 f.seek(start + begin)
-                view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+                view = (
+                    memoryview(out.view(-1).view(torch.uint8).numpy())
+                    if out.numel()
+                    else memoryview(b"")
+                )
                 if f.readinto(view) != end - begin:
                     raise _corrupt(path, f"tensor {name!r} is cut short (truncated)")
                 yield name, out

@@ -30,9 +30,13 @@ class Tokenizer:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
-            raise ModelFileError("this model's tokenizer has no chat template; use a plain prompt "
-                                 "or a tokenizer that has one (--tokenizer DIR)")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            raise ModelFileError(
+                "this model's tokenizer has no chat template; use a plain prompt "
+                "or a tokenizer that has one (--tokenizer DIR)"
+            )
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template already writes the special tokens (BOS etc.); do not add them twice.
@@ -44,7 +48,9 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None):
         self.tok = tokenizer
-        self.ids: list[int] = list(prompt_ids or [])[-4:]  # a little left context for word boundaries
+        self.ids: list[int] = list(prompt_ids or [])[
+            -4:
+        ]  # a little left context for word boundaries
         self.prefix = 0
         self.read = len(self.ids)
 
@@ -61,15 +67,22 @@ class Detokenizer:
 def load_tokenizer_dir(directory: Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        raise ModelFileError(f"{directory}: no tokenizer (tokenizer.json or tokenizer.model); "
-                             "copy the model's tokenizer files there or pass --tokenizer DIR")
+    if not any(
+        (directory / f).exists()
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        raise ModelFileError(
+            f"{directory}: no tokenizer (tokenizer.json or tokenizer.model); "
+            "copy the model's tokenizer files there or pass --tokenizer DIR"
+        )
     try:
         with _quiet_transformers():
             return Tokenizer(AutoTokenizer.from_pretrained(str(directory)))
     except Exception as e:
-        raise ModelFileError(f"{directory}: the tokenizer cannot be loaded ({str(e).splitlines()[0]}); "
-                             "restore its tokenizer files or pass --tokenizer DIR") from None
+        raise ModelFileError(
+            f"{directory}: the tokenizer cannot be loaded ({str(e).splitlines()[0]}); "
+            "restore its tokenizer files or pass --tokenizer DIR"
+        ) from None
 
 
 def load_tokenizer_gguf(path: Path) -> Tokenizer:
@@ -82,8 +95,10 @@ def load_tokenizer_gguf(path: Path) -> Tokenizer:
         with _quiet_transformers():
             return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
     except Exception as e:
-        raise ModelFileError(f"{path}: no usable tokenizer in its metadata ({str(e).splitlines()[0]}); "
-                             "pass --tokenizer DIR with the model's tokenizer files") from None
+        raise ModelFileError(
+            f"{path}: no usable tokenizer in its metadata ({str(e).splitlines()[0]}); "
+            "pass --tokenizer DIR with the model's tokenizer files"
+        ) from None
 
 
 class _quiet_transformers:

@@ -5,7 +5,7 @@ block), its attention (`attention(i)`), its rotary embedding and checkpoint name
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -22,10 +22,21 @@ from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, rope_parameters
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
 # All experts of a layer stacked (transformers >= 5 in memory): model.layers.3.mlp.experts.gate_up_proj
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
-_ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_FUSED = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$"
+)
+_ROLE = {
+    "w1": "gate",
+    "gate_proj": "gate",
+    "w3": "up",
+    "up_proj": "up",
+    "w2": "down",
+    "down_proj": "down",
+}
 
 
 class CausalLM(nn.Module):
@@ -81,8 +92,13 @@ class CausalLM(nn.Module):
         self.runtime.add_observer(replay)
 
     # ---- forward ----
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
-                decode_rows: list[tuple[int, str]] = ()) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx,
+        decode_rows: list[tuple[int, str]] = (),
+    ) -> torch.Tensor:
         """input_ids, positions: [T] (sequences one after another, as ctx.seq_lens says) -> hidden [T, H].
 
         One call is one step of the expert runtime: it is told so here, with `decode_rows`, the
@@ -125,23 +141,31 @@ class CausalLM(nn.Module):
             if target is None or (target == "lm_head.weight" and self.tied):
                 continue
             if target not in params:
-                raise ModelFileError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
-                                     "the checkpoint does not match its config.json")
+                raise ModelFileError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
+                    "the checkpoint does not match its config.json"
+                )
             param = params[target]
             if tuple(param.shape) != tuple(tensor.shape):
-                raise ModelFileError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config "
-                                     f"implies {tuple(param.shape)}; the checkpoint does not match its config.json")
+                raise ModelFileError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config "
+                    f"implies {tuple(param.shape)}; the checkpoint does not match its config.json"
+                )
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
-            raise ModelFileError(f"the checkpoint has no tensor for {missing[0]} ({len(missing)} missing); "
-                                 "it is incomplete or of another architecture")
+            raise ModelFileError(
+                f"the checkpoint has no tensor for {missing[0]} ({len(missing)} missing); "
+                "it is incomplete or of another architecture"
+            )
         if self.runtime is not None:
             if pending:
                 (layer, expert), parts = next(iter(pending.items()))
-                raise ModelFileError(f"expert {expert} of layer {layer} lacks {sorted({'gate', 'up', 'down'} - set(parts))}")
+                raise ModelFileError(
+                    f"expert {expert} of layer {layer} lacks {sorted({'gate', 'up', 'down'} - set(parts))}"
+                )
             self.runtime.finish_loading()
 
     def _load_expert(self, name: str, tensor: torch.Tensor, pending: dict) -> bool:
@@ -166,7 +190,9 @@ class CausalLM(nn.Module):
             return True
         return False
 
-    def _add_part(self, pending: dict, layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
+    def _add_part(
+        self, pending: dict, layer: int, expert: int, parts: dict[str, torch.Tensor]
+    ) -> None:
         """Collect an expert's gate, up and down; store it once all three are in."""
         got = pending.setdefault((layer, expert), {})
         got.update(parts)

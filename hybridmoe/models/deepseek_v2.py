@@ -13,8 +13,13 @@ from torch import nn
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.layers.mla import MLAttention
 from hybridmoe.layers.mlp import GatedMLP
-from hybridmoe.layers.moe import (SparseMoE, limit_to_groups, scale_weights, sigmoid_group_topk,
-                                  softmax_group_topk)
+from hybridmoe.layers.moe import (
+    SparseMoE,
+    limit_to_groups,
+    scale_weights,
+    sigmoid_group_topk,
+    softmax_group_topk,
+)
 from hybridmoe.models.base import CausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -42,7 +47,9 @@ class DeepseekMoE(SparseMoE):
         elif cfg.get("topk_method", default="greedy") == "greedy":
             self.n_group = self.topk_group = 1  # V2's plain greedy ignores any group settings
         shared = cfg.get("n_shared_experts", default=0)
-        self.shared_experts = GatedMLP(shape.hidden, shared * shape.intermediate) if shared else None
+        self.shared_experts = (
+            GatedMLP(shape.hidden, shared * shape.intermediate) if shared else None
+        )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.gate.weight.float())  # [T, E], fp32 as DeepSeek's reference
@@ -54,9 +61,18 @@ class DeepseekMoE(SparseMoE):
     def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._logits(x)
         if self.scoring == "sigmoid":
-            return sigmoid_group_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
-                                      self.topk_group, self.renormalize, self.scale)
-        return softmax_group_topk(logits, self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale)
+            return sigmoid_group_topk(
+                logits,
+                self.gate.e_score_correction_bias,
+                self.top_k,
+                self.n_group,
+                self.topk_group,
+                self.renormalize,
+                self.scale,
+            )
+        return softmax_group_topk(
+            logits, self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale
+        )
 
     def router_probs(self, x: torch.Tensor) -> torch.Tensor:
         """[T, E]: what ranks experts for selection, the scores plus (V3) the correction bias, with the
@@ -65,7 +81,9 @@ class DeepseekMoE(SparseMoE):
         if self.scoring == "sigmoid":
             scores = scores + self.gate.e_score_correction_bias.float()
         group_score = "top2" if self.scoring == "sigmoid" else "max"
-        kept = limit_to_groups(scores, self.n_group, self.topk_group, group_score)  # [T, E], -inf outside
+        kept = limit_to_groups(
+            scores, self.n_group, self.topk_group, group_score
+        )  # [T, E], -inf outside
         return kept.clamp(min=0.0)
 
     def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -100,7 +118,9 @@ class DeepseekV2ForCausalLM(CausalLM):
         # it stays fp32 whatever dtype the model is loaded in (transformers does the same).
         for block in self.moe_blocks():
             if block.scoring == "sigmoid":
-                block.gate.e_score_correction_bias.data = block.gate.e_score_correction_bias.data.float()
+                block.gate.e_score_correction_bias.data = (
+                    block.gate.e_score_correction_bias.data.float()
+                )
         super().load_weights(self._without_mtp(tensors))
 
     def _without_mtp(self, tensors):

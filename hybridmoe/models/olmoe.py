@@ -14,4 +14,6 @@ class OlmoeForCausalLM(CausalLM):
     qk_norm = "full"
 
     def ffn(self, i: int) -> nn.Module:
-        return SparseMoE(self.shape, bool(self.cfg.get("norm_topk_prob", default=False)), i, self.runtime)
+        return SparseMoE(
+            self.shape, bool(self.cfg.get("norm_topk_prob", default=False)), i, self.runtime
+        )

@@ -22,13 +22,17 @@ class SharedExpertMoE(SparseMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = super().forward(x)  # [T, H]
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, H]
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(
+            x
+        )  # [T, 1] * [T, H]
         return routed + shared
 
 
 class Qwen2MoeForCausalLM(CausalLM):
     def attention(self, i: int) -> nn.Module:
-        qkv_bias = bool(self.cfg.get("qkv_bias", default=True))  # older configs lack the key: biases always
+        qkv_bias = bool(
+            self.cfg.get("qkv_bias", default=True)
+        )  # older configs lack the key: biases always
         return Attention(self.cfg, i, self.rotary, bias=qkv_bias, o_bias=False)
 
     def ffn(self, i: int) -> nn.Module:

@@ -18,5 +18,7 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def ffn(self, i: int) -> nn.Module:
         if self.is_moe(i):
-            return SparseMoE(self.shape, bool(self.cfg.get("norm_topk_prob", default=False)), i, self.runtime)
+            return SparseMoE(
+                self.shape, bool(self.cfg.get("norm_topk_prob", default=False)), i, self.runtime
+            )
         return GatedMLP(self.cfg.get("hidden_size"), self.cfg.get("intermediate_size"))

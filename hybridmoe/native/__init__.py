@@ -16,6 +16,15 @@ from hybridmoe.native.bf16 import (
 )
 
 __all__ = [
-    "MAX_ROWS", "applies", "attention_applies", "available", "cpu_has_avx512_bf16", "cpu_has_native_bf16",
-    "decode_attention", "expert", "gemm", "prefill_applies", "prefill_attention",
+    "MAX_ROWS",
+    "applies",
+    "attention_applies",
+    "available",
+    "cpu_has_avx512_bf16",
+    "cpu_has_native_bf16",
+    "decode_attention",
+    "expert",
+    "gemm",
+    "prefill_applies",
+    "prefill_attention",
 ]

@@ -74,8 +74,12 @@ def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
 
 def applies(x: torch.Tensor, *weights: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether the kernels take this call: up to max_rows bf16 rows on the CPU, contiguous bf16 weights."""
-    return (_bf16_on_cpu(x, *weights) and x.numel() <= max_rows * x.shape[-1]
-            and all(w.is_contiguous() for w in weights) and available())
+    return (
+        _bf16_on_cpu(x, *weights)
+        and x.numel() <= max_rows * x.shape[-1]
+        and all(w.is_contiguous() for w in weights)
+        and available()
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +95,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x = _rows(x)  # [M, K]
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [M, N]
-    library().hm_gemm_bf16(weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0])
+    library().hm_gemm_bf16(
+        weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0]
+    )
     return y
 
 
@@ -101,20 +107,47 @@ def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     m, (hidden, inter) = x.shape[0], down.shape
     y = torch.empty(m, hidden, dtype=torch.float32)  # [M, H]
     scratch = torch.empty(m, 2 * inter, dtype=torch.float32)  # [M, 2I]: gate and up, fp32
-    h = torch.empty(m, inter, dtype=torch.bfloat16)  # [M, I]: silu(gate) * up, the down projection's input
-    library().hm_expert_rows_bf16(gate_up.data_ptr(), down.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
-                                  hidden, m, hidden, inter, scratch.data_ptr(), h.data_ptr())
+    h = torch.empty(
+        m, inter, dtype=torch.bfloat16
+    )  # [M, I]: silu(gate) * up, the down projection's input
+    library().hm_expert_rows_bf16(
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        y.data_ptr(),
+        hidden,
+        m,
+        hidden,
+        inter,
+        scratch.data_ptr(),
+        h.data_ptr(),
+    )
     return y
 
 
 def attention_applies(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether decode_attention takes these: bf16 queries and pools on the CPU, the pools' rows contiguous."""
-    return _bf16_on_cpu(q, k_pool, v_pool) and k_pool.is_contiguous() and v_pool.is_contiguous() and available()
+    return (
+        _bf16_on_cpu(q, k_pool, v_pool)
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and available()
+    )
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                     table_starts: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, block_size: int,
-                     scale: float, out: torch.Tensor) -> None:
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    table_starts: torch.Tensor,
+    lengths: torch.Tensor,
+    rows: torch.Tensor,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """Attention of one query token per sequence over its paged history, into out's rows.
 
     q: [T, h, d] bf16; k_pool: [slots, kvh, d], v_pool: [slots, kvh, dv] bf16; out: [T, h, dv] bf16 or
@@ -128,20 +161,45 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     kv_heads, dv = v_pool.shape[1:]
     assert out.stride(-1) == 1 and out.stride(-2) == dv and heads % kv_heads == 0
     status = library().hm_decode_attention_bf16(
-        q.data_ptr(), q.stride(0), k_pool.data_ptr(), k_pool.stride(0), v_pool.data_ptr(), v_pool.stride(0),
-        tables.data_ptr(), table_starts.data_ptr(), lengths.data_ptr(), rows.data_ptr(), len(rows), block_size,
-        heads, kv_heads, d, dv, scale, out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16)
+        q.data_ptr(),
+        q.stride(0),
+        k_pool.data_ptr(),
+        k_pool.stride(0),
+        v_pool.data_ptr(),
+        v_pool.stride(0),
+        tables.data_ptr(),
+        table_starts.data_ptr(),
+        lengths.data_ptr(),
+        rows.data_ptr(),
+        len(rows),
+        block_size,
+        heads,
+        kv_heads,
+        d,
+        dv,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        out.dtype == torch.bfloat16,
+    )
     if status != 0:
         raise MemoryError("decode attention: no memory for its scratch")
 
 
 def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether prefill_attention takes these: bf16 on the CPU, unit stride along the head dimension."""
-    return _bf16_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and available()
+    return (
+        _bf16_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and available()
+    )
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """Causal attention of a chunk: q [n, h, d], k [L, kvh, d], v [L, kvh, dv] bf16 -> [n, h, dv] out_dtype
     (bf16 or fp32).
 
@@ -154,9 +212,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     assert heads % kv_heads == 0 and k.shape[:2] == (length, kv_heads) and k.shape[2] == d
     out = torch.empty(n, heads, dv, dtype=out_dtype)  # [n, h, dv]
     status = library().hm_prefill_attention_bf16(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), n, length, heads, kv_heads, d, dv, scale, out.data_ptr(), heads * dv,
-        out_dtype == torch.bfloat16)
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        v.data_ptr(),
+        v.stride(0),
+        v.stride(1),
+        n,
+        length,
+        heads,
+        kv_heads,
+        d,
+        dv,
+        scale,
+        out.data_ptr(),
+        heads * dv,
+        out_dtype == torch.bfloat16,
+    )
     if status != 0:
         raise MemoryError("prefill attention: no memory for its scratch")
     return out

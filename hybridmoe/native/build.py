@@ -25,7 +25,14 @@ def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (Linux); elsewhere none."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), frozenset())
+            return next(
+                (
+                    frozenset(line.split(":", 1)[1].split())
+                    for line in f
+                    if line.startswith("flags")
+                ),
+                frozenset(),
+            )
     except OSError:
         return frozenset()
 
@@ -39,14 +46,21 @@ def _compile(source: Path, flags: list[str], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [cc, *flags, str(source), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def load(source: Path, flags: list[str], signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
+def load(
+    source: Path, flags: list[str], signatures: dict[str, tuple[list, object]]
+) -> ctypes.CDLL | None:
     """`source` compiled with `flags` (once, then from the cache) and its functions typed by
     `signatures` (name -> (argument types, result type)); None where the native kernels are switched
     off (HYBRIDMOE_NATIVE=0) or no compiler can build them."""

@@ -15,8 +15,8 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,28 +24,43 @@ from starlette.exceptions import HTTPException
 
 from hybridmoe.server import metrics
 from hybridmoe.server.async_engine import AsyncEngine
-from hybridmoe.server.protocol import (ApiError, ChatRequest, CompletionRequest, chat_messages, parse, parse_json,
-                                       sampling_params)
+from hybridmoe.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    chat_messages,
+    parse,
+    parse_json,
+    sampling_params,
+)
 from hybridmoe.server.responses import ChatShape, CompletionShape, usage
 
 log = logging.getLogger("hybridmoe.server")
 
 
-def create_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
         yield
         engine.stop()
 
-    app = FastAPI(title="hybridmoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="hybridmoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     api = _Api(engine, tokenizer, model_name, api_key)
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.get("/v1/models")(api.models)
     app.get("/health")(lambda: {"status": "ok"})
-    app.get("/metrics")(lambda: PlainTextResponse(metrics.render(engine.metrics_source, model_name),
-                                                  media_type="text/plain; version=0.0.4"))
+    app.get("/metrics")(
+        lambda: PlainTextResponse(
+            metrics.render(engine.metrics_source, model_name),
+            media_type="text/plain; version=0.0.4",
+        )
+    )
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(HTTPException)(_http_error)
     app.exception_handler(Exception)(_bug)
@@ -57,19 +72,32 @@ async def _api_error(request: Request, e: ApiError) -> JSONResponse:
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-    message = "Unknown route: see /v1/models, /v1/chat/completions, /v1/completions." if e.status_code == 404 else e.detail
+    message = (
+        "Unknown route: see /v1/models, /v1/chat/completions, /v1/completions."
+        if e.status_code == 404
+        else e.detail
+    )
     return JSONResponse(ApiError(e.status_code, str(message)).body(), status_code=e.status_code)
 
 
 async def _bug(request: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error")
-    err = ApiError(500, f"Internal error ({type(e).__name__}); this is a bug in hybridmoe.", type="server_error")
+    err = ApiError(
+        500,
+        f"Internal error ({type(e).__name__}); this is a bug in hybridmoe.",
+        type="server_error",
+    )
     return JSONResponse(err.body(), status_code=500)
 
 
 class _Api:
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None):
-        self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+        self.engine, self.tokenizer, self.model_name, self.api_key = (
+            engine,
+            tokenizer,
+            model_name,
+            api_key,
+        )
         self.created = int(time.time())
 
     def _authorize(self, request: Request) -> None:
@@ -79,52 +107,87 @@ class _Api:
         given = header[7:] if header.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(given.encode(), self.api_key.encode()):
             what = "No API key was provided" if not given else "Incorrect API key provided"
-            raise ApiError(401, f"{what}; send it as 'Authorization: Bearer KEY'.", code="invalid_api_key")
+            raise ApiError(
+                401, f"{what}; send it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
+            )
 
     async def _body(self, request: Request, cls):
         self._authorize(request)
         req = parse(cls, parse_json(await request.body()))
         if req.model != self.model_name:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'.",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
         return req
 
     async def models(self, request: Request) -> dict:
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "hybridmoe",
-                                            "max_model_len": self.engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "hybridmoe",
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
 
     async def chat(self, request: Request):
         req = await self._body(request, ChatRequest)
         if not self.tokenizer.has_chat_template:
-            raise ApiError(400, "This model's tokenizer has no chat template; use /v1/completions.",
-                           param="messages")
+            raise ApiError(
+                400,
+                "This model's tokenizer has no chat template; use /v1/completions.",
+                param="messages",
+            )
         try:
             prompt_ids = self.tokenizer.encode_chat(chat_messages(req))
         except Exception as e:  # the template's own checks (role order, ...) raise from jinja
-            raise ApiError(400, f"The chat template rejected the messages: {e}", param="messages") from None
-        return await self._respond(request, req, prompt_ids, ChatShape(self.model_name, self.tokenizer))
+            raise ApiError(
+                400, f"The chat template rejected the messages: {e}", param="messages"
+            ) from None
+        return await self._respond(
+            request, req, prompt_ids, ChatShape(self.model_name, self.tokenizer)
+        )
 
     async def completions(self, request: Request):
         req = await self._body(request, CompletionRequest)
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+        prompt = (
+            req.prompt[0]
+            if isinstance(req.prompt, list) and isinstance(req.prompt[0], str)
+            else req.prompt
+        )
         if isinstance(prompt, list):
             vocab = self.engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
-                raise ApiError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", param="prompt")
+                raise ApiError(
+                    400,
+                    f"'prompt' holds token ids outside the vocabulary [0, {vocab}).",
+                    param="prompt",
+                )
             prompt_ids = list(prompt)
         else:
             prompt_ids = self.tokenizer.encode(prompt)
-        return await self._respond(request, req, prompt_ids, CompletionShape(self.model_name, self.tokenizer))
+        return await self._respond(
+            request, req, prompt_ids, CompletionShape(self.model_name, self.tokenizer)
+        )
 
     async def _respond(self, request: Request, req, prompt_ids: list[int], shape):
         params = sampling_params(req, len(prompt_ids), self.engine.max_model_len)
         outputs = self.engine.generate(prompt_ids, params, shape.id)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(shape, outputs, include_usage, req.return_speed),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _sse(shape, outputs, include_usage, req.return_speed),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return await _whole(request, shape, outputs, req.return_speed)
 
 
@@ -151,8 +214,11 @@ async def _whole(request: Request, shape, outputs: AsyncIterator, return_speed: 
         return Response(status_code=499)
     watch.cancel()
     text, logprobs, last = _result(task)
-    body = shape.envelope(shape.object, shape.whole(text, logprobs, last.finish_reason),
-                          usage=usage(last, return_speed))
+    body = shape.envelope(
+        shape.object,
+        shape.whole(text, logprobs, last.finish_reason),
+        usage=usage(last, return_speed),
+    )
     return JSONResponse(body)
 
 
@@ -169,7 +235,9 @@ def _engine_error(e: Exception) -> ApiError:
     return ApiError(400 if isinstance(e, ValueError) else 500, str(e))
 
 
-async def _sse(shape, outputs: AsyncIterator, include_usage: bool, return_speed: bool) -> AsyncIterator[str]:
+async def _sse(
+    shape, outputs: AsyncIterator, include_usage: bool, return_speed: bool
+) -> AsyncIterator[str]:
     """OpenAI's stream: `data: {chunk}` events, the usage chunk if asked for, then `data: [DONE]`."""
     extra = {"usage": None} if include_usage else {}
     first = shape.first_chunk()

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -56,8 +56,9 @@ class AsyncEngine:
         self._commands.put(Wake())
         self._thread.join(timeout=10)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them. Leaving early (a disconnect) aborts it."""
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(AddRequest(request_id, prompt_ids, params, sink))
@@ -107,8 +108,12 @@ class AsyncEngine:
                 self._sinks[request_id] = sink
                 try:
                     self._engine.add_request(prompt_ids, params, request_id)
-                except Exception as e:  # ValueError: refused (a 400); anything else is a bug (a 500)
-                    self._deliver(request_id, e if isinstance(e, ValueError) else RuntimeError(str(e)))
+                except (
+                    Exception
+                ) as e:  # ValueError: refused (a 400); anything else is a bug (a 500)
+                    self._deliver(
+                        request_id, e if isinstance(e, ValueError) else RuntimeError(str(e))
+                    )
                     self._sinks.pop(request_id, None)
             case Abort(request_id):
                 self._engine.abort(request_id)

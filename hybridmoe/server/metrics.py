@@ -17,20 +17,60 @@ def engine_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
     return [
         ("requests_total", "counter", "requests received", m.requests_added),
         ("requests_finished_total", "counter", "requests completed", m.requests_finished),
-        ("requests_aborted_total", "counter", "requests cancelled (client disconnect)", m.requests_aborted),
-        ("requests_waiting", "gauge", "requests queued or preempted (queue length)", engine.num_waiting),
+        (
+            "requests_aborted_total",
+            "counter",
+            "requests cancelled (client disconnect)",
+            m.requests_aborted,
+        ),
+        (
+            "requests_waiting",
+            "gauge",
+            "requests queued or preempted (queue length)",
+            engine.num_waiting,
+        ),
         ("requests_running", "gauge", "requests in the running batch", engine.num_running),
         ("prompt_tokens_total", "counter", "prompt tokens received", m.prompt_tokens),
-        ("prefill_tokens_total", "counter", "prompt tokens computed (prefix-cache hits excluded)", m.prefill_tokens),
+        (
+            "prefill_tokens_total",
+            "counter",
+            "prompt tokens computed (prefix-cache hits excluded)",
+            m.prefill_tokens,
+        ),
         ("generation_tokens_total", "counter", "tokens generated", m.generation_tokens),
-        ("prefill_tokens_per_second", "gauge", "prefill tokens per second of prefill time", _rate(m.prefill_tokens, m.prefill_s)),
-        ("decode_tokens_per_second", "gauge", "decode tokens per second of decode time", _rate(m.decode_tokens, m.decode_s)),
+        (
+            "prefill_tokens_per_second",
+            "gauge",
+            "prefill tokens per second of prefill time",
+            _rate(m.prefill_tokens, m.prefill_s),
+        ),
+        (
+            "decode_tokens_per_second",
+            "gauge",
+            "decode tokens per second of decode time",
+            _rate(m.decode_tokens, m.decode_s),
+        ),
         ("steps_total", "counter", "engine steps (forward passes)", m.steps),
-        ("preemptions_total", "counter", "sequences preempted for lack of KV blocks", engine.scheduler.num_preemptions),
+        (
+            "preemptions_total",
+            "counter",
+            "sequences preempted for lack of KV blocks",
+            engine.scheduler.num_preemptions,
+        ),
         ("kv_blocks_used", "gauge", "KV cache blocks in use", blocks.num_used),
         ("kv_blocks_total", "gauge", "KV cache blocks", blocks.num_blocks),
-        ("prefix_cache_query_tokens_total", "counter", "prompt tokens looked up in the prefix cache", blocks.query_tokens),
-        ("prefix_cache_hit_tokens_total", "counter", "prompt tokens found in the prefix cache", blocks.hit_tokens),
+        (
+            "prefix_cache_query_tokens_total",
+            "counter",
+            "prompt tokens looked up in the prefix cache",
+            blocks.query_tokens,
+        ),
+        (
+            "prefix_cache_hit_tokens_total",
+            "counter",
+            "prompt tokens found in the prefix cache",
+            blocks.hit_tokens,
+        ),
         ("prefix_cache_hit_rate", "gauge", "hit tokens / query tokens", blocks.hit_rate),
     ]
 
@@ -38,16 +78,23 @@ def engine_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
 def runtime_metrics(stats: dict) -> list[tuple[str, str, str, float]]:
     """The numbers of the expert runtime's stats (hits, misses, copies...; LLMEngine.expert_stats),
     none for a dense model."""
-    return [(f"expert_{name.removeprefix('expert_')}", "gauge", f"expert runtime: {name}", value)
-            for name, value in sorted(stats.items())
-            if isinstance(value, numbers.Real) and not isinstance(value, bool)]
+    return [
+        (f"expert_{name.removeprefix('expert_')}", "gauge", f"expert runtime: {name}", value)
+        for name, value in sorted(stats.items())
+        if isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ]
 
 
 def render(engine: LLMEngine, model_name: str) -> str:
     label = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     lines = []
-    for name, kind, help_text, value in engine_metrics(engine) + runtime_metrics(engine.expert_stats):
+    for name, kind, help_text, value in engine_metrics(engine) + runtime_metrics(
+        engine.expert_stats
+    ):
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
-        lines += [f"# HELP hybridmoe_{name} {help_text}", f"# TYPE hybridmoe_{name} {kind}",
-                  f'hybridmoe_{name}{{model="{label}"}} {value}']
+        lines += [
+            f"# HELP hybridmoe_{name} {help_text}",
+            f"# TYPE hybridmoe_{name} {kind}",
+            f'hybridmoe_{name}{{model="{label}"}} {value}',
+        ]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ so, rather than being silently dropped. Every error is an `ApiError`, rendered a
 from __future__ import annotations
 
 import json
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -16,13 +16,32 @@ from hybridmoe.engine.sampler import SamplingParams
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class _Body(BaseModel):
@@ -40,7 +59,7 @@ class TextPart(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
 
@@ -55,7 +74,7 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -71,7 +90,7 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str]]
+    prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
@@ -79,9 +98,16 @@ class CompletionRequest(_Sampling):
 
 # fields OpenAI knows that this server does not implement: name -> its harmless value(s)
 UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "logit_bias": (None, {}), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "web_search_options": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
 }
 
 
@@ -89,7 +115,9 @@ def parse_json(raw: bytes) -> dict:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "We could not parse the JSON body of your request: it is not valid JSON.") from None
+        raise ApiError(
+            400, "We could not parse the JSON body of your request: it is not valid JSON."
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     return data
@@ -99,18 +127,33 @@ def parse(cls: type[_Body], data: dict) -> _Body:
     """Validate a request body; the first problem becomes a 400 naming its field."""
     for name, harmless in UNSUPPORTED.items():
         if name in data and data[name] not in harmless:
-            raise ApiError(400, f"'{name}' is not supported by this server; leave it out.", param=name,
-                           code="unsupported_parameter")
+            raise ApiError(
+                400,
+                f"'{name}' is not supported by this server; leave it out.",
+                param=name,
+                code="unsupported_parameter",
+            )
     try:
         req = cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("str", "list", "function")))
-        raise ApiError(400, f"Invalid value for '{loc}': {err['msg']}.", param=loc or None,
-                       code="invalid_value") from None
+        loc = ".".join(
+            str(p) for p in err["loc"] if not str(p).startswith(("str", "list", "function"))
+        )
+        raise ApiError(
+            400,
+            f"Invalid value for '{loc}': {err['msg']}.",
+            param=loc or None,
+            code="invalid_value",
+        ) from None
     if req.n != 1:
-        raise ApiError(400, f"n={req.n}: this server returns one choice per request (n=1); send several "
-                            "requests instead.", param="n", code="unsupported_parameter")
+        raise ApiError(
+            400,
+            f"n={req.n}: this server returns one choice per request (n=1); send several "
+            "requests instead.",
+            param="n",
+            code="unsupported_parameter",
+        )
     if isinstance(req, ChatRequest):
         _check_chat(req)
     else:
@@ -124,8 +167,12 @@ def _check_chat(req: ChatRequest) -> None:
     for i, m in enumerate(req.messages):
         for part in m.content if isinstance(m.content, list) else ():
             if part.type != "text":
-                raise ApiError(400, f"messages[{i}]: content parts of type '{part.type}' are not supported; "
-                                    "this model reads text only.", param=f"messages.{i}.content")
+                raise ApiError(
+                    400,
+                    f"messages[{i}]: content parts of type '{part.type}' are not supported; "
+                    "this model reads text only.",
+                    param=f"messages.{i}.content",
+                )
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
 
@@ -133,23 +180,39 @@ def _check_chat(req: ChatRequest) -> None:
 def _check_completion(req: CompletionRequest) -> None:
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
         if len(req.prompt) != 1:
-            raise ApiError(400, "Several prompts in one request are not supported; send one prompt per request.",
-                           param="prompt", code="unsupported_parameter")
+            raise ApiError(
+                400,
+                "Several prompts in one request are not supported; send one prompt per request.",
+                param="prompt",
+                code="unsupported_parameter",
+            )
     if not req.prompt or req.prompt == [""]:
         raise ApiError(400, "'prompt' is empty; send some text.", param="prompt")
     if req.echo:
-        raise ApiError(400, "'echo' is not supported by this server; leave it out.", param="echo",
-                       code="unsupported_parameter")
+        raise ApiError(
+            400,
+            "'echo' is not supported by this server; leave it out.",
+            param="echo",
+            code="unsupported_parameter",
+        )
     if req.suffix:
-        raise ApiError(400, "'suffix' is not supported by this server; leave it out.", param="suffix",
-                       code="unsupported_parameter")
+        raise ApiError(
+            400,
+            "'suffix' is not supported by this server; leave it out.",
+            param="suffix",
+            code="unsupported_parameter",
+        )
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
     """The messages as the chat template wants them: role and plain-text content."""
     out = []
     for m in req.messages:
-        content = m.content if not isinstance(m.content, list) else "".join(p.text or "" for p in m.content)
+        content = (
+            m.content
+            if not isinstance(m.content, list)
+            else "".join(p.text or "" for p in m.content)
+        )
         out.append({"role": m.role, "content": content or ""})
     return out
 
@@ -158,17 +221,34 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int) -> Samp
     """The engine's parameters; the request's max tokens must fit the context beside the prompt."""
     room = max_model_len - prompt_len
     if room <= 0:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                            f"{prompt_len}. Shorten the prompt.", param="messages" if isinstance(req, ChatRequest)
-                       else "prompt", code="context_length_exceeded")
-    name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len}. Shorten the prompt.",
+            param="messages" if isinstance(req, ChatRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    name = (
+        "max_completion_tokens"
+        if getattr(req, "max_completion_tokens", None) is not None
+        else "max_tokens"
+    )
     max_tokens = getattr(req, name)
     if max_tokens is not None and max_tokens <= 0:
-        raise ApiError(400, f"'{name}' must be at least 1 (got {max_tokens}).", param=name, code="invalid_value")
+        raise ApiError(
+            400,
+            f"'{name}' must be at least 1 (got {max_tokens}).",
+            param=name,
+            code="invalid_value",
+        )
     if max_tokens is not None and max_tokens > room:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                            f"{prompt_len} and {max_tokens} more were asked for. Lower '{name}'.", param=name,
-                       code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} and {max_tokens} more were asked for. Lower '{name}'.",
+            param=name,
+            code="context_length_exceeded",
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if isinstance(req, ChatRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -183,5 +263,8 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int) -> Samp
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
-        seed=req.seed, stop=stop, ignore_eos=req.ignore_eos, logprobs=logprobs,
+        seed=req.seed,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
     )

@@ -13,9 +13,12 @@ from hybridmoe.engine.llm_engine import RequestOutput, TokenLogprob
 
 
 def usage(out: RequestOutput, return_speed: bool) -> dict:
-    u = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-         "total_tokens": out.prompt_tokens + out.completion_tokens,
-         "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+    u = {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+    }
     if return_speed:  # KTransformers' return_speed: seconds of each phase
         u["prefill_time"], u["decode_time"] = out.prefill_s, out.decode_s
     return u
@@ -30,8 +33,14 @@ class _Shape:
         self.created = int(time.time())
 
     def envelope(self, obj: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
@@ -41,23 +50,58 @@ class ChatShape(_Shape):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def first_chunk(self) -> list[dict]:
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        return [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
 
-    def chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-              offset: int = 0) -> list[dict]:
+    def chunk(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        offset: int = 0,
+    ) -> list[dict]:
         delta = {"content": text} if text else {}
-        return [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}]
+        return [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": self.logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
+        ]
 
-    def whole(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-              offset: int = 0) -> list[dict]:
-        return [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
-                 "finish_reason": finish_reason}]
+    def whole(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        offset: int = 0,
+    ) -> list[dict]:
+        return [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
+        ]
 
     def logprobs(self, items: list[TokenLogprob] | None) -> dict | None:
         if items is None:
             return None
-        return {"content": [self._entry(t.token_id, t.logprob) | {"top_logprobs": [self._entry(i, lp) for i, lp in t.top]}
-                            for t in items]}
+        return {
+            "content": [
+                self._entry(t.token_id, t.logprob)
+                | {"top_logprobs": [self._entry(i, lp) for i, lp in t.top]}
+                for t in items
+            ]
+        }
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
@@ -70,9 +114,21 @@ class CompletionShape(_Shape):
     def first_chunk(self) -> list[dict]:
         return []  # the completions API has no role chunk
 
-    def chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-              offset: int = 0) -> list[dict]:
-        return [{"index": 0, "text": text, "logprobs": self.logprobs(logprobs, offset), "finish_reason": finish_reason}]
+    def chunk(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        offset: int = 0,
+    ) -> list[dict]:
+        return [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": self.logprobs(logprobs, offset),
+                "finish_reason": finish_reason,
+            }
+        ]
 
     whole = chunk
 
@@ -84,5 +140,9 @@ class CompletionShape(_Shape):
         for tok in tokens:
             offsets.append(at)
             at += len(tok)
-        return {"tokens": tokens, "token_logprobs": [t.logprob for t in items],
-                "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in items], "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in items],
+            "text_offset": offsets,
+        }

@@ -44,8 +44,16 @@ def budget_for(shape: ModelShape, quant: str, vram_gb: float, kv_gb: float) -> t
     return frac, frac * experts_gb
 
 
-def advise(shape: ModelShape, hardware: str, vram_gb: float | None, ram_gb: float | None, lines=None,
-           quants=("bf16", "q8", "q4"), policies=("static", "hybrimoe", "value"), kv_gb: float | None = None) -> list[Option]:
+def advise(
+    shape: ModelShape,
+    hardware: str,
+    vram_gb: float | None,
+    ram_gb: float | None,
+    lines=None,
+    quants=("bf16", "q8", "q4"),
+    policies=("static", "hybrimoe", "value"),
+    kv_gb: float | None = None,
+) -> list[Option]:
     base = get_profile(hardware)
     default_vram, default_ram = MEMORY_GB.get(hardware, (0.0, 64.0))
     vram = default_vram if vram_gb is None else vram_gb
@@ -55,7 +63,9 @@ def advise(shape: ModelShape, hardware: str, vram_gb: float | None, ram_gb: floa
     options = []
     for quant in quants:
         qb = quant_bytes(quant)
-        need = (shape.routed_params() + (0 if vram else shape.dense_params)) * qb / GB + RAM_OVERHEAD_GB
+        need = (
+            shape.routed_params() + (0 if vram else shape.dense_params)
+        ) * qb / GB + RAM_OVERHEAD_GB
         frac, on_gpu = budget_for(shape, quant, vram, kv) if base.has_gpu and vram else (0.0, 0.0)
         dense_gb = shape.dense_params * qb / GB
         kv_left = max(0.0, vram - dense_gb - on_gpu - RUNTIME_OVERHEAD_GB) if vram else 0.0
@@ -63,7 +73,9 @@ def advise(shape: ModelShape, hardware: str, vram_gb: float | None, ram_gb: floa
         cost = base.for_expert(shape.experts, quant)
         dense_s = _dense_seconds_per_layer(shape, cost, qb)
         for policy in policies if frac > 0 else ("cpu",):
-            r = simulate(lines, shape, cost, SimConfig(policy=policy, budget=str(frac), dense_s=dense_s))
+            r = simulate(
+                lines, shape, cost, SimConfig(policy=policy, budget=str(frac), dense_s=dense_s)
+            )
             if r.tokens_per_s > opt.tokens_per_s:
                 opt.policy, opt.tokens_per_s, opt.hit_rate = policy, r.tokens_per_s, r.hit_rate
         options.append(opt)
@@ -77,8 +89,18 @@ def _dense_seconds_per_layer(shape: ModelShape, cost, qb: float) -> float:
 
 def synthetic_for(shape: ModelShape, tokens: int = 120):
     e = shape.experts
-    return generate(SynthConfig(layers=shape.num_moe_layers, experts=e.num_experts, top_k=e.top_k, tokens=tokens,
-                                skew=1.0, locality=0.4, drift=60, seed=0))
+    return generate(
+        SynthConfig(
+            layers=shape.num_moe_layers,
+            experts=e.num_experts,
+            top_k=e.top_k,
+            tokens=tokens,
+            skew=1.0,
+            locality=0.4,
+            drift=60,
+            seed=0,
+        )
+    )
 
 
 def best(options: list[Option]) -> Option | None:

@@ -76,7 +76,12 @@ def future_of(lines, shape: ModelShape, batch: int) -> Future:
     steps = []
     for i in range(0, len(lines), batch):
         group = lines[i : i + batch]
-        steps.append([sorted({e for line in group for e in line.layers[o]}) for o in range(len(group[0].layers))])
+        steps.append(
+            [
+                sorted({e for line in group for e in line.layers[o]})
+                for o in range(len(group[0].layers))
+            ]
+        )
     return Future(steps, list(shape.experts.moe_layers))
 
 

@@ -58,7 +58,9 @@ def get_shape(name_or_path: str) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise UserError(f"unknown model shape {name_or_path!r}; use one of {', '.join(SHAPES)} or a config.json path")
+        raise UserError(
+            f"unknown model shape {name_or_path!r}; use one of {', '.join(SHAPES)} or a config.json path"
+        )
     try:
         return shape_from_config(json.loads(path.read_text()), path.parent.name or str(path))
     except json.JSONDecodeError:
@@ -74,8 +76,10 @@ def shape_from_config(cfg: dict, name: str) -> ModelShape:
     except ModelFileError as e:
         raise UserError(f"config.json of {name}: {e}") from None
     if experts is None:
-        raise UserError(f"config.json of {name} has no num_experts (nor n_routed_experts, num_local_experts); "
-                        "is it an MoE model?")
+        raise UserError(
+            f"config.json of {name} has no num_experts (nor n_routed_experts, num_local_experts); "
+            "is it an MoE model?"
+        )
     hidden, layers = experts.hidden, hf.get("num_hidden_layers")
     # Dense part estimated: embeddings and head, plus ~4 hidden^2 of attention per layer.
     dense = 2 * int(hf.get("vocab_size", default=0)) * hidden + layers * 4 * hidden * hidden

@@ -83,10 +83,14 @@ def check_trace(lines: list[TraceLine], shape: ModelShape) -> None:
     e = shape.experts
     n_layers = len(lines[0].layers)
     if n_layers != shape.num_moe_layers:
-        raise UserError(f"the trace has {n_layers} MoE layers but {shape.name} has {shape.num_moe_layers}; pass the matching --model-shape")
+        raise UserError(
+            f"the trace has {n_layers} MoE layers but {shape.name} has {shape.num_moe_layers}; pass the matching --model-shape"
+        )
     top = max(max(ids) for line in lines for ids in line.layers if ids)
     if top >= e.num_experts:
-        raise UserError(f"the trace uses expert {top} but {shape.name} has {e.num_experts} experts; pass the matching --model-shape")
+        raise UserError(
+            f"the trace uses expert {top} but {shape.name} has {e.num_experts} experts; pass the matching --model-shape"
+        )
 
 
 def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None):
@@ -95,13 +99,24 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
     steps = steps_of(lines, cfg.batch)
     n_profile = len(steps) // 2 if cfg.profile_tokens is None else cfg.profile_tokens // cfg.batch
     if not 0 <= n_profile < len(steps):
-        raise UserError(f"--profile-tokens must leave tokens to measure; the trace has {len(lines)}")
+        raise UserError(
+            f"--profile-tokens must leave tokens to measure; the trace has {len(lines)}"
+        )
     e = shape.experts
     total = cost.expert_bytes * e.num_experts * len(e.moe_layers)
     slots = parse_budget(cfg.budget, total, cost.expert_bytes)
     stats = read_stats(cfg.expert_stats) if cfg.expert_stats else None
-    planner = make_planner(cost, list(e.moe_layers), e.num_experts, e.top_k, slots,
-                           policy or make_policy(cfg.policy), stats, cfg.placement, profile=steps[:n_profile])
+    planner = make_planner(
+        cost,
+        list(e.moe_layers),
+        e.num_experts,
+        e.top_k,
+        slots,
+        policy or make_policy(cfg.policy),
+        stats,
+        cfg.placement,
+        profile=steps[:n_profile],
+    )
     return planner, steps, n_profile
 
 
@@ -130,7 +145,9 @@ def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=N
     return summarise(planner, cfg, cost, expert_s, len(steps) - start)
 
 
-def summarise(planner: Planner, cfg: SimConfig, cost: CostModel, expert_s: float, n_steps: int) -> SimResult:
+def summarise(
+    planner: Planner, cfg: SimConfig, cost: CostModel, expert_s: float, n_steps: int
+) -> SimResult:
     s, p = planner.stats, planner.predictor.stats
     tokens = n_steps * cfg.batch
     wall = expert_s + cfg.dense_s * len(planner.layers) * n_steps

@@ -29,9 +29,13 @@ class Row:
 
 def min_hit_rate(lines, shape: ModelShape, cost, cfg: SimConfig) -> float:
     """Belady's MIN from the same warm start as the frequency placement."""
-    planner, steps, start = build(lines, shape, cost, SimConfig(**{**cfg.__dict__, "policy": "value"}))
+    planner, steps, start = build(
+        lines, shape, cost, SimConfig(**{**cfg.__dict__, "policy": "value"})
+    )
     initial = list(planner.cache.slot_of)
-    return belady_min_hit_rate(future_of(lines, shape, cfg.batch), planner.cache.slots, start, initial)
+    return belady_min_hit_rate(
+        future_of(lines, shape, cfg.batch), planner.cache.slots, start, initial
+    )
 
 
 def compare(lines, shape: ModelShape, cost, cfg: SimConfig, policies) -> list[Row]:
@@ -40,17 +44,25 @@ def compare(lines, shape: ModelShape, cost, cfg: SimConfig, policies) -> list[Ro
     bound = min_hit_rate(lines, shape, cost, cfg)
     rows = []
     for name in policies:
-        result = oracle if name == "oracle" else simulate(lines, shape, cost, SimConfig(**{**cfg.__dict__, "policy": name}))
+        result = (
+            oracle
+            if name == "oracle"
+            else simulate(lines, shape, cost, SimConfig(**{**cfg.__dict__, "policy": name}))
+        )
         rows.append(Row(result, oracle, bound))
     return rows
 
 
-def sweep(lines, shape: ModelShape, hardware: list[str], quant: str, budgets, policies, base: SimConfig) -> list[Row]:
+def sweep(
+    lines, shape: ModelShape, hardware: list[str], quant: str, budgets, policies, base: SimConfig
+) -> list[Row]:
     rows = []
     for hw in hardware:
         cost = get_profile(hw).for_expert(shape.experts, quant)
         for budget in budgets:
-            rows += compare(lines, shape, cost, SimConfig(**{**base.__dict__, "budget": budget}), policies)
+            rows += compare(
+                lines, shape, cost, SimConfig(**{**base.__dict__, "budget": budget}), policies
+            )
     return rows
 
 
@@ -80,7 +92,9 @@ def plot(rows: list[Row], path: str, title: str = "") -> None:
         for policy in dict.fromkeys(r.policy for r in mine):
             pts = sorted((float(r.budget), r.tokens_per_s) for r in mine if r.policy == policy)
             style = "k--" if policy == "oracle" else "-o"
-            ax.plot([100 * b for b, _ in pts], [t for _, t in pts], style, label=policy, markersize=3)
+            ax.plot(
+                [100 * b for b, _ in pts], [t for _, t in pts], style, label=policy, markersize=3
+            )
         ax.set_title(hw)
         ax.set_xlabel("GPU expert budget (% of expert bytes)")
         ax.set_ylabel("tok/s (expert time bound)")

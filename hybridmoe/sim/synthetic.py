@@ -32,7 +32,9 @@ class SynthConfig:
     locality: float = 0.4  # chance a previous-token expert is chosen again
     drift: int = 0  # tokens between popularity reshuffles (0 = never)
     drift_fraction: float = 0.3
-    cross: float = 0.0  # weight of the previous layer's successors in the draw (0 = independent layers)
+    cross: float = (
+        0.0  # weight of the previous layer's successors in the draw (0 = independent layers)
+    )
     fanout: int = 4  # successors per expert in the next layer
     seed: int = 0
 
@@ -44,7 +46,9 @@ def successors(cfg: SynthConfig) -> np.ndarray:
     succ = np.zeros((cfg.layers, cfg.experts, cfg.experts))
     for layer in range(1, cfg.layers):
         for a in range(cfg.experts):
-            succ[layer, a, rng.choice(cfg.experts, size=cfg.fanout, replace=False)] = 1.0 / cfg.fanout
+            succ[layer, a, rng.choice(cfg.experts, size=cfg.fanout, replace=False)] = (
+                1.0 / cfg.fanout
+            )
     return succ
 
 
@@ -63,7 +67,9 @@ def generate(cfg: SynthConfig) -> list[TraceLine]:
             pop = np.empty(cfg.experts)
             pop[order[layer]] = base
             if succ is not None and layer > 0:
-                pop = (1 - cfg.cross) * pop / pop.sum() + cfg.cross * succ[layer, layers[-1]].mean(axis=0)
+                pop = (1 - cfg.cross) * pop / pop.sum() + cfg.cross * succ[layer, layers[-1]].mean(
+                    axis=0
+                )
             kept = [e for e in prev[layer] if rng.random() < cfg.locality]
             ids = _draw(pop, kept, cfg.top_k, rng)
             layers.append(ids)

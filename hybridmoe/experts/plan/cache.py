@@ -17,7 +17,17 @@ from hybridmoe.experts.plan.shape import Key
 from hybridmoe.experts.plan.stats import ExpertStats
 
 PLACEMENTS = ("uniform", "frequency", "front-loading")
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: float) -> int:
@@ -25,26 +35,34 @@ def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: flo
     s = str(text).strip().upper()
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", s)
     if not m or expert_bytes <= 0:
-        raise UserError(f"GPU expert budget {text!r} is not a size like 6GB or a fraction like 0.1; write it that way")
+        raise UserError(
+            f"GPU expert budget {text!r} is not a size like 6GB or a fraction like 0.1; write it that way"
+        )
     value, unit = float(m.group(1)), m.group(2) or ""
     if unit:
         nbytes = value * _UNITS[unit]
     elif value <= 1.0:
         nbytes = value * total_expert_bytes
     else:
-        raise UserError(f"GPU expert budget {text!r} has no unit; write a fraction (0.1) or bytes with a unit (6GB)")
+        raise UserError(
+            f"GPU expert budget {text!r} has no unit; write a fraction (0.1) or bytes with a unit (6GB)"
+        )
     total_slots = int(round(total_expert_bytes / expert_bytes))
     return min(int(nbytes // expert_bytes + 1e-9), total_slots)
 
 
-def placement(kind: str, slots: int, layers: list[int], num_experts: int, stats: ExpertStats | None) -> list[Key]:
+def placement(
+    kind: str, slots: int, layers: list[int], num_experts: int, stats: ExpertStats | None
+) -> list[Key]:
     """The keys to place at start, `slots` of them (fewer only if there are fewer experts)."""
     if kind not in PLACEMENTS:
         raise UserError(f"unknown placement {kind!r}; use one of {', '.join(PLACEMENTS)}")
     order = stats.ranked() if stats else None
     if kind == "frequency":
         if order is None:
-            raise UserError("frequency placement needs activation statistics; pass --expert-stats FILE")
+            raise UserError(
+                "frequency placement needs activation statistics; pass --expert-stats FILE"
+            )
         return order[:slots]
     if kind == "front-loading":  # whole layers first, as --n-cpu-moe style splits do
         within = _per_layer_order(layers, num_experts, order)

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridmoe.errors import UserError
-from hybridmoe.tuning import ROWS_UP_TO
 from hybridmoe.experts.plan.cost_model import CostModel, quant_bytes
 from hybridmoe.experts.plan.shape import ExpertShape
-
+from hybridmoe.tuning import ROWS_UP_TO
 
 
 @dataclass(frozen=True)
@@ -31,10 +30,14 @@ class Sample:
     weight: float = 1.0  # its say in the fit: more for the shape the profile is for
 
 
-
-
-def _fit_cpu(b: np.ndarray, fl: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray,
-             caches: tuple[float, ...]) -> dict:
+def _fit_cpu(
+    b: np.ndarray,
+    fl: np.ndarray,
+    n: np.ndarray,
+    t: np.ndarray,
+    w: np.ndarray,
+    caches: tuple[float, ...],
+) -> dict:
     """CostModel's CPU fields fitted to calls of `b` bytes, `fl` flops and `n` tokens taking `t` s.
 
     Each candidate end of the row-by-row regime (a measured token count up to ROWS_UP_TO) splits
@@ -44,44 +47,67 @@ def _fit_cpu(b: np.ndarray, fl: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.
     tests/test_cost_model_regimes.py with 3% noise, it found the true end 399 times in 400). The constants of each regime are
     set by the small experts, where bytes do not hide them, and the bandwidths by the large ones.
     """
-    ends = [1] if not (n == 1).any() else \
-        [2] + [int(v) for v in np.unique(n) if 2 < v <= ROWS_UP_TO and len(np.unique(n[n >= v])) >= 3]
+    ends = (
+        [1]
+        if not (n == 1).any()
+        else [2]
+        + [int(v) for v in np.unique(n) if 2 < v <= ROWS_UP_TO and len(np.unique(n[n >= v])) >= 3]
+    )
     best = None
     for end in ends:
         fields = _fit_split(b, fl, n, t, w, caches, end)
         if fields is None:
             continue
         m = CostModel(**fields)
-        err = sum((wi * (m.sized(bi, fi, ni).t_cpu(int(ni)) - ti)) ** 2
-                  for bi, fi, ni, ti, wi in zip(b, fl, n, t, w))
-        constants = 4 + 2 * (end > 1) + (len(m.cpu_caches) + 2) * (end > 2)  # batched; first pass; re-reads
+        err = sum(
+            (wi * (m.sized(bi, fi, ni).t_cpu(int(ni)) - ti)) ** 2
+            for bi, fi, ni, ti, wi in zip(b, fl, n, t, w)
+        )
+        constants = (
+            4 + 2 * (end > 1) + (len(m.cpu_caches) + 2) * (end > 2)
+        )  # batched; first pass; re-reads
         bic = len(t) * math.log(max(err, 1e-300) / len(t)) + constants * math.log(len(t))
         if best is None or bic < best[1]:
             best = (fields, bic)
     if best is None:
-        raise UserError("the calibration samples do not grow with the expert size; measure again with more tokens")
+        raise UserError(
+            "the calibration samples do not grow with the expert size; measure again with more tokens"
+        )
     return best[0]
 
 
-def _fit_split(b: np.ndarray, fl: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray,
-               caches: tuple[float, ...], end: int) -> dict | None:
+def _fit_split(
+    b: np.ndarray,
+    fl: np.ndarray,
+    n: np.ndarray,
+    t: np.ndarray,
+    w: np.ndarray,
+    caches: tuple[float, ...],
+    end: int,
+) -> dict | None:
     """The rows regime (n < end, `_fit_rows`) and the batched one (`_fit_batched`) fitted apart;
     None when either shows no bandwidth (time does not grow with bytes)."""
     few = n < end
     fields = {"cpu_gemm_from": end}
-    for part, fitter in ((~few, lambda m: _fit_batched(b[m], fl[m], t[m], w[m], np.linspace(0.0, 1.0, 11))),
-                         (few, lambda m: _fit_rows(b[m], n[m], t[m], w[m], caches))):
+    for part, fitter in (
+        (~few, lambda m: _fit_batched(b[m], fl[m], t[m], w[m], np.linspace(0.0, 1.0, 11))),
+        (few, lambda m: _fit_rows(b[m], n[m], t[m], w[m], caches)),
+    ):
         if part.any():
             more = fitter(part)
             if more is None:
                 return None
             fields.update(more)
     if "bw_cpu" not in fields:  # single-token samples only: one bandwidth for every n
-        fields.update(bw_cpu=fields["bw_cpu_one"], f_cpu=fields["bw_cpu_one"], c_cpu=fields["c_cpu_one"])
+        fields.update(
+            bw_cpu=fields["bw_cpu_one"], f_cpu=fields["bw_cpu_one"], c_cpu=fields["c_cpu_one"]
+        )
     return fields
 
 
-def _fit_batched(b: np.ndarray, fl: np.ndarray, t: np.ndarray, w: np.ndarray, overlaps: np.ndarray) -> dict | None:
+def _fit_batched(
+    b: np.ndarray, fl: np.ndarray, t: np.ndarray, w: np.ndarray, overlaps: np.ndarray
+) -> dict | None:
     """t = s + a - overlap * min(s, a) + c, s = b/bw, a = fl/f: least squares in relative error.
 
     Given r = bw/f and the overlap, t is linear in (1/bw, c): a grid over r (eight decades) and
@@ -98,15 +124,25 @@ def _fit_batched(b: np.ndarray, fl: np.ndarray, t: np.ndarray, w: np.ndarray, ov
     step = overlaps[1] - overlaps[0] if len(overlaps) > 1 else 0.0
     near = np.clip(best[2] + np.linspace(-step, step, 21), overlaps[0], overlaps[-1])
     for span in (0.05, 0.002):  # +-12% in 0.25% steps, then +-0.5% in 0.01% steps
-        best = min((solve(best[1] * np.logspace(-span, span, 41), o) for o in np.unique(near)), key=lambda e: e[0])
+        best = min(
+            (solve(best[1] * np.logspace(-span, span, 41), o) for o in np.unique(near)),
+            key=lambda e: e[0],
+        )
     err, r, overlap, inv_bw, c = best
     if inv_bw <= 0:
         return None
-    fields = {"bw_cpu": 1.0 / inv_bw, "f_cpu": 1.0 / (inv_bw * r), "c_cpu": c, "cpu_overlap": round(overlap, 4)}
+    fields = {
+        "bw_cpu": 1.0 / inv_bw,
+        "f_cpu": 1.0 / (inv_bw * r),
+        "c_cpu": c,
+        "cpu_overlap": round(overlap, 4),
+    }
     return {k: float(v) for k, v in fields.items()}
 
 
-def _line_fit(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _line_fit(
+    x: np.ndarray, t: np.ndarray, w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each row of x [R, samples]: the k, c >= 0 minimising sum((w * (k x + c - t))^2).
     Returns k, c and that error, each [R]."""
     u, v, y = x * w, w, t * w  # [R, S], [S], [S]
@@ -122,7 +158,9 @@ def _line_fit(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, 
     return k, c, err
 
 
-def _fit_rows(b: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray, caches: tuple[float, ...]) -> dict | None:
+def _fit_rows(
+    b: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray, caches: tuple[float, ...]
+) -> dict | None:
     """t = b/bw_one + c_one + (n - 1) * (re-read of b + c_reread), by non-negative least squares.
 
     Each re-read comes from the innermost cache level that holds the whole expert, else from RAM,
@@ -139,9 +177,13 @@ def _fit_rows(b: np.ndarray, n: np.ndarray, t: np.ndarray, w: np.ndarray, caches
         return None
     # Per level: not measured (no expert re-read from it) = 0; measured at no cost = 1 PB/s.
     bws = [float(1.0 / max(k, 1e-15)) if col.any() else 0.0 for k, col in zip(coef[2:-1], rereads)]
-    fields = {"bw_cpu_one": float(1.0 / coef[0]), "c_cpu_one": float(coef[1]),
-              "cpu_caches": [[float(cap), bw] for cap, bw in zip(bounds[1:], bws)],
-              "bw_cpu_reread": bws[-1] if bws else 0.0, "c_cpu_reread": float(coef[-1]) if extra.any() else 0.0}
+    fields = {
+        "bw_cpu_one": float(1.0 / coef[0]),
+        "c_cpu_one": float(coef[1]),
+        "cpu_caches": [[float(cap), bw] for cap, bw in zip(bounds[1:], bws)],
+        "bw_cpu_reread": bws[-1] if bws else 0.0,
+        "c_cpu_reread": float(coef[-1]) if extra.any() else 0.0,
+    }
     return fields
 
 
@@ -171,12 +213,19 @@ def _fit_linear(b: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     a = np.stack([b, np.ones_like(b)], axis=1)
     (inv_bw, c), *_ = np.linalg.lstsq(a, t, rcond=None)
     if inv_bw <= 0:
-        raise UserError("copy times do not grow with the bytes copied; measure copies of several sizes")
+        raise UserError(
+            "copy times do not grow with the bytes copied; measure copies of several sizes"
+        )
     return 1.0 / inv_bw, max(c, 0.0)
 
 
-def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "bf16", name: str = "calibrated",
-        caches: tuple[float, ...] = ()) -> CostModel:
+def fit(
+    samples: list[Sample],
+    shape: ExpertShape | None = None,
+    quant: str = "bf16",
+    name: str = "calibrated",
+    caches: tuple[float, ...] = (),
+) -> CostModel:
     """Turn measured samples into a CostModel. Samples without bytes/flops take them from `shape`.
 
     Single-token CPU samples get their own bandwidth (`bw_cpu_one`) in the same
@@ -184,7 +233,9 @@ def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "b
     of the CPU's cache levels (experts/calibrate.py reads them), where re-read passes find weights.
     """
     if not samples:
-        raise UserError("no calibration samples were given; run `hybridmoe calibrate` to measure them")
+        raise UserError(
+            "no calibration samples were given; run `hybridmoe calibrate` to measure them"
+        )
 
     def arrays(kind):
         rows = [s for s in samples if s.kind == kind]
@@ -194,21 +245,29 @@ def fit(samples: list[Sample], shape: ExpertShape | None = None, quant: str = "b
         b = np.array([s.bytes or params * quant_bytes(quant) for s in rows], dtype=float)
         fl = np.array([s.flops or 2.0 * params * s.n_tokens for s in rows], dtype=float)
         if not b.all():
-            raise UserError("calibration samples need their expert bytes, or pass the expert shape to fit()")
+            raise UserError(
+                "calibration samples need their expert bytes, or pass the expert shape to fit()"
+            )
         t = np.array([s.seconds for s in rows], dtype=float)
-        w = np.sqrt(np.array([s.weight for s in rows], dtype=float)) / t  # squared in the sum: relative error
+        w = (
+            np.sqrt(np.array([s.weight for s in rows], dtype=float)) / t
+        )  # squared in the sum: relative error
         return b, fl, np.array([s.n_tokens for s in rows]), t, w
 
     cpu = arrays("cpu")
     if cpu is None:
-        raise UserError("calibration has no CPU samples; every machine needs them, measure the CPU first")
+        raise UserError(
+            "calibration has no CPU samples; every machine needs them, measure the CPU first"
+        )
     model = CostModel(name=name, **_fit_cpu(*cpu, caches=caches))
     gpu, copy = arrays("gpu"), arrays("copy")
     if gpu is not None and copy is not None:
         b, fl, _, t, w = gpu
         g = _fit_batched(b, fl, t, w, overlaps=np.array([1.0]))  # t_gpu is the roofline's max
         if g is None:
-            raise UserError("the GPU calibration samples do not grow with the expert size; measure again")
+            raise UserError(
+                "the GPU calibration samples do not grow with the expert size; measure again"
+            )
         model.bw_gpu, model.f_gpu, model.c_gpu = g["bw_cpu"], g["f_cpu"], g["c_cpu"]
         model.bw_pcie, model.c_copy = _fit_linear(copy[0], copy[3])
     return model.for_expert(shape, quant) if shape else model

@@ -100,7 +100,7 @@ class CostModel:
     def has_gpu(self) -> bool:
         return self.bw_gpu > 0 and self.bw_pcie > 0
 
-    def for_expert(self, shape: ExpertShape, quant: str = "bf16") -> "CostModel":
+    def for_expert(self, shape: ExpertShape, quant: str = "bf16") -> CostModel:
         """A copy of these constants costing one expert of `shape` stored as `quant`."""
         params = shape.params_per_expert()
         bw = self.bw_cpu_by_quant.get(quant, self.bw_cpu)
@@ -123,7 +123,11 @@ class CostModel:
         """n matrix-vector passes: the first streams the expert from RAM, the others re-read it."""
         c = self.c_cpu if self.c_cpu_one is None else self.c_cpu_one
         first = self.expert_bytes / self.bw_cpu_one + c
-        return first + (n - 1) * (self.t_reread(self.expert_bytes) + self.c_cpu_reread) if n > 1 else first
+        return (
+            first + (n - 1) * (self.t_reread(self.expert_bytes) + self.c_cpu_reread)
+            if n > 1
+            else first
+        )
 
     def t_reread(self, nbytes: float) -> float:
         """Seconds to stream `nbytes` again, from the innermost cache level that holds them all, else
@@ -136,7 +140,9 @@ class CostModel:
     def t_gpu(self, n: int) -> float:
         if not self.has_gpu:
             return math.inf
-        return max(self.expert_bytes / self.bw_gpu, n * self.flops_per_token / self.f_gpu) + self.c_gpu
+        return (
+            max(self.expert_bytes / self.bw_gpu, n * self.flops_per_token / self.f_gpu) + self.c_gpu
+        )
 
     def t_copy(self) -> float:
         if not self.has_gpu:
@@ -153,11 +159,11 @@ class CostModel:
         """Seconds a GPU hit saves over running the expert on the CPU."""
         return max(0.0, self.t_cpu(n) - self.t_gpu(n)) if self.has_gpu else 0.0
 
-    def sized(self, expert_bytes: float, flops: float, n_tokens: int) -> "CostModel":
+    def sized(self, expert_bytes: float, flops: float, n_tokens: int) -> CostModel:
         """This model for one call of `n_tokens` on an expert of `expert_bytes` costing `flops`."""
         return replace(self, expert_bytes=expert_bytes, flops_per_token=flops / max(n_tokens, 1))
 
-    def without_gpu(self) -> "CostModel":
+    def without_gpu(self) -> CostModel:
         return replace(self, bw_gpu=0.0, f_gpu=0.0, c_gpu=0.0, bw_pcie=0.0, c_copy=0.0, c_act=0.0)
 
     # ---- persistence -------------------------------------------------------------------------
@@ -168,20 +174,26 @@ class CostModel:
         write_atomic(path, json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
-    def from_json(cls, data: dict) -> "CostModel":
+    def from_json(cls, data: dict) -> CostModel:
         """Version 1 profiles load too: the fields they lack default to the formulas they were fitted for."""
         known = {f for f in cls.__dataclass_fields__}
         missing = [k for k in ("bw_cpu", "f_cpu", "c_cpu") if k not in data]
         if data.get("format") != "hybridmoe-cost-profile" or missing:
-            raise UserError("this file is not a hybridmoe cost profile; write one with `hybridmoe calibrate --out FILE`")
+            raise UserError(
+                "this file is not a hybridmoe cost profile; write one with `hybridmoe calibrate --out FILE`"
+            )
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise UserError(f"cost profile {path} does not exist; write it with `hybridmoe calibrate --out {path}`")
+            raise UserError(
+                f"cost profile {path} does not exist; write it with `hybridmoe calibrate --out {path}`"
+            )
         except json.JSONDecodeError:
-            raise UserError(f"cost profile {path} is not valid JSON; write it again with `hybridmoe calibrate`")
+            raise UserError(
+                f"cost profile {path} is not valid JSON; write it again with `hybridmoe calibrate`"
+            )
         return cls.from_json(data)

@@ -74,7 +74,9 @@ class Plan:
     cpu: list[Routed] = field(default_factory=list)
     gpu_hits: list[Routed] = field(default_factory=list)
     gpu_copied: list[Routed] = field(default_factory=list)  # run on the GPU once their copy is done
-    ready: dict[int, float] = field(default_factory=dict)  # expert -> copy completion, for gpu_copied
+    ready: dict[int, float] = field(
+        default_factory=dict
+    )  # expert -> copy completion, for gpu_copied
     copies: list[Copy] = field(default_factory=list)  # demand copies, for this layer
     prefetches: list[Copy] = field(default_factory=list)  # background copies, for later use
     cpu_finish: float = 0.0
@@ -122,7 +124,14 @@ class PlannerConfig:
 
 
 class Planner:
-    def __init__(self, cost: CostModel, cache: ExpertCache, policy, predictor: Predictor, config: PlannerConfig | None = None):
+    def __init__(
+        self,
+        cost: CostModel,
+        cache: ExpertCache,
+        policy,
+        predictor: Predictor,
+        config: PlannerConfig | None = None,
+    ):
         self.cost, self.cache, self.policy, self.predictor = cost, cache, policy, predictor
         self.config = config or PlannerConfig()
         self.layers = predictor.layers
@@ -179,7 +188,9 @@ class Planner:
         if finished_at is not None:
             self.stats.measured_s += measured
         a = self.config.layer_time_alpha
-        self.layer_time = measured if self.layer_time == 0 else (1 - a) * self.layer_time + a * measured
+        self.layer_time = (
+            measured if self.layer_time == 0 else (1 - a) * self.layer_time + a * measured
+        )
 
     # ---- helpers for policies ----------------------------------------------------------------
     def distance(self, layer: int) -> int:
@@ -227,10 +238,16 @@ class Planner:
         if rule == "none":
             options = [(r, None, 0.0) for r in movable]
         elif rule == "threshold":  # Fiddler: per expert, copy if copy + GPU beats the CPU
-            fast = [r for r in misses if self.cost.t_copy() + self.cost.t_gpu(r.n_tokens) < self.cost.t_cpu(r.n_tokens)]
+            fast = [
+                r
+                for r in misses
+                if self.cost.t_copy() + self.cost.t_gpu(r.n_tokens) < self.cost.t_cpu(r.n_tokens)
+            ]
             options = [(r, None, 0.0) for r in movable] + [(r, "copy", 0.0) for r in fast]
         else:
-            options = [(r, None, 0.0) for r in movable] + self._copy_options(layer, misses, now, plan)
+            options = [(r, None, 0.0) for r in movable] + self._copy_options(
+                layer, misses, now, plan
+            )
         if rule == "threshold":
             chosen = options
         else:
@@ -240,7 +257,9 @@ class Planner:
         for r, how, _ in chosen:
             if how is not None:
                 self._issue(layer, r.expert, how, now, plan.copies)
-            plan.ready[r.expert] = self.cache.ready_at.get((layer, r.expert), plan.copies[-1].ready if how else now)
+            plan.ready[r.expert] = self.cache.ready_at.get(
+                (layer, r.expert), plan.copies[-1].ready if how else now
+            )
             plan.gpu_copied.append(r)
 
     def _copy_options(self, layer, misses, now, plan) -> list[tuple]:
@@ -249,7 +268,13 @@ class Planner:
         free = self.cache.free_count()
         out = []
         # Biggest CPU saving first; among equals (decode: all one token) the policy's favourite.
-        order = sorted(misses, key=lambda r: (-self.cost.t_cpu(r.n_tokens), -self.policy.copy_priority((layer, r.expert))))
+        order = sorted(
+            misses,
+            key=lambda r: (
+                -self.cost.t_cpu(r.n_tokens),
+                -self.policy.copy_priority((layer, r.expert)),
+            ),
+        )
         for r in order:
             key = (layer, r.expert)
             ok, victim = self.policy.make_room(key, protect, now, free)
@@ -383,7 +408,11 @@ def make_planner(
     planner = Planner(cost, cache, policy, predictor, config)
     if stats is not None:
         predictor.warm_start(stats.counts, stats.tokens)
-    placed_by = stats if stats is not None or not profile else ExpertStats.of_steps(profile, layers, num_experts)
+    placed_by = (
+        stats
+        if stats is not None or not profile
+        else ExpertStats.of_steps(profile, layers, num_experts)
+    )
     if placed_by is not None:
         policy.warm_start(placed_by)
     for step in profile:

@@ -39,7 +39,12 @@ class Policy:
     needs_future = False  # knows the trace ahead: runs only in the simulator
 
     def bind(self, planner) -> None:
-        self.planner, self.cache, self.cost, self.predictor = planner, planner.cache, planner.cost, planner.predictor
+        self.planner, self.cache, self.cost, self.predictor = (
+            planner,
+            planner.cache,
+            planner.cost,
+            planner.predictor,
+        )
         self.L = len(planner.layers)
         self._ranked, self._ranked_epoch = [], None
 
@@ -70,7 +75,9 @@ class Policy:
     def worth(self, key: Key, victim: Key | None, now: float) -> bool:
         return True
 
-    def make_room(self, key: Key, protect: set[Key], now: float, free: int) -> tuple[bool, Key | None]:
+    def make_room(
+        self, key: Key, protect: set[Key], now: float, free: int
+    ) -> tuple[bool, Key | None]:
         """(True, None): a free slot; (True, victim): evict it; (False, None): no room."""
         if self.partition:
             return self._room_in_layer(key, protect, now, free)
@@ -84,7 +91,11 @@ class Policy:
         """The evictable key with the lowest keep_score. Scores only change when the planner's
         epoch does (a new layer, or new observations), so the ranking is computed once per epoch."""
         group = keys if isinstance(keys, list) else None
-        ranking = self._ranking(now) if group is None else sorted(group, key=lambda k: self.keep_score(k, now))
+        ranking = (
+            self._ranking(now)
+            if group is None
+            else sorted(group, key=lambda k: self.keep_score(k, now))
+        )
         for k in ranking:
             if k not in protect and k in self.cache and k not in self.cache.pinned:
                 return k
@@ -103,7 +114,9 @@ class Policy:
 
     def _room_in_layer(self, key, protect, now, free):
         mine = [k for k in self.cache.dynamic() if k[0] == key[0]]
-        if free > 0 and len(mine) + sum(1 for k in self.cache.pinned if k[0] == key[0]) < self._quota(key[0]):
+        if free > 0 and len(mine) + sum(
+            1 for k in self.cache.pinned if k[0] == key[0]
+        ) < self._quota(key[0]):
             return True, None
         victim = self._victim(mine, protect, now)
         return victim is not None, victim
@@ -234,7 +247,11 @@ class ValuePolicy(Policy):
         p = max(self.predictor.p_next(key), 1e-3)
         q = max(self.predictor.p_base(key), 1e-3)
         d = self.planner.distance(key[0])
-        if arrive is not None and self.planner.layer_time > 0 and arrive > now + d * self.planner.layer_time:
+        if (
+            arrive is not None
+            and self.planner.layer_time > 0
+            and arrive > now + d * self.planner.layer_time
+        ):
             d += self.L  # the copy would miss this visit
         return d + self.L * (1.0 - p) / q
 
@@ -253,7 +270,9 @@ class ValuePolicy(Policy):
         if victim is None:
             return self.predictor.p_next(key) > 0.0
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
-        return self.distance(key, now, arrive) < (1.0 - tuning.VALUE_MARGIN) * self.distance(victim, now)
+        return self.distance(key, now, arrive) < (1.0 - tuning.VALUE_MARGIN) * self.distance(
+            victim, now
+        )
 
     def background(self, layer, now, plan):
         cands = []
@@ -280,7 +299,9 @@ class BeladyPolicy(Policy):
 
     def __init__(self, future=None):
         if future is None:
-            raise UserError("the belady policy needs the future and runs only in `hybridmoe simulate`; choose another policy")
+            raise UserError(
+                "the belady policy needs the future and runs only in `hybridmoe simulate`; choose another policy"
+            )
         self.future = future
 
     def keep_score(self, key, now):
@@ -296,7 +317,16 @@ class BeladyPolicy(Policy):
 
 POLICIES = {
     cls.name: cls
-    for cls in (CPUPolicy, StaticPolicy, FiddlerPolicy, HybriMoEPolicy, LRUPolicy, LFUPolicy, ValuePolicy, BeladyPolicy)
+    for cls in (
+        CPUPolicy,
+        StaticPolicy,
+        FiddlerPolicy,
+        HybriMoEPolicy,
+        LRUPolicy,
+        LFUPolicy,
+        ValuePolicy,
+        BeladyPolicy,
+    )
 }
 
 

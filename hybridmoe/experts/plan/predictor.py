@@ -27,8 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridmoe.experts.plan.shape import Key
-
-from hybridmoe.tuning import AGE_EDGES, CROSS_LAYER_PRIOR, FREQ_EDGES, LIFT_EDGES, PREDICTOR_PRIOR_WEIGHT, PREDICTOR_WINDOW
+from hybridmoe.tuning import (
+    AGE_EDGES,
+    CROSS_LAYER_PRIOR,
+    FREQ_EDGES,
+    LIFT_EDGES,
+    PREDICTOR_PRIOR_WEIGHT,
+    PREDICTOR_WINDOW,
+)
 
 
 @dataclass
@@ -84,7 +90,9 @@ class CrossLayer:
         """Per expert of layer i+h, its probability given what layer i used at this step."""
         src = self.sets[i]
         f = np.minimum(np.asarray(rate, dtype=float), 1.0)  # [E]
-        cond = (self.co[h][i][src] + CROSS_LAYER_PRIOR * f) / (self.n[h][i][src, None] + CROSS_LAYER_PRIOR)  # [|S|, E]
+        cond = (self.co[h][i][src] + CROSS_LAYER_PRIOR * f) / (
+            self.n[h][i][src, None] + CROSS_LAYER_PRIOR
+        )  # [|S|, E]
         # The strongest pull wins: the mean dilutes a strong successor by 1/|S| (docs/notes/2026-11-24-measurements-in-code.md).
         return cond.max(axis=0)
 
@@ -100,14 +108,20 @@ class Predictor:
         self.count = [[0.0] * E for _ in range(L)]
         self.weight = [0.0] * L  # visits counted in `count` (discounted like it)
         self.visits = [0] * L  # steps observed per layer
-        self.router: dict[int, list[int]] = {}  # layer ordinal -> rank of each expert by router score
-        self._p: dict[int, list[float]] = {}  # layer ordinal -> p_next of each expert, until it changes
+        self.router: dict[
+            int, list[int]
+        ] = {}  # layer ordinal -> rank of each expert by router score
+        self._p: dict[
+            int, list[float]
+        ] = {}  # layer ordinal -> p_next of each expert, until it changes
         self._base: dict[int, list[float]] = {}  # the same without the cross-layer signal
         self.hits: dict[tuple, float] = {}
         self.trials: dict[tuple, float] = {}
         # Pairs need more history than single experts (E*E counts): 4x the frequency window.
         self.cross = CrossLayer(L, E, 4 * self.window) if cross_layer else None
-        self.lift: dict[int, tuple[int, list[float]]] = {}  # layer ordinal -> (h, cross-layer score per expert)
+        self.lift: dict[
+            int, tuple[int, list[float]]
+        ] = {}  # layer ordinal -> (h, cross-layer score per expert)
         self.stats = PredictorStats()
 
     # ---- inputs ------------------------------------------------------------------------------
@@ -212,7 +226,9 @@ class Predictor:
     def _estimate(self, i: int, e: int, cross: bool = True) -> float:
         cell = self._cells(i, e)[-1 if cross else 0]
         prior = min(1.0, self._rate(i, e))
-        return (self.hits.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT * prior) / (self.trials.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT)
+        return (self.hits.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT * prior) / (
+            self.trials.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT
+        )
 
     def _rate(self, i: int, e: int) -> float:
         return self.count[i][e] / max(1.0, self.weight[i])
@@ -228,7 +244,11 @@ class Predictor:
     def _cell(self, i: int, e: int) -> tuple:
         age = self.visits[i] - self.last_use[i][e] + 1  # 1 = used at the previous visit
         rel = self.count[i][e] / max(1.0, self.weight[i]) * self.num_experts / self.top_k
-        return (self._router_bucket(i, e), bisect.bisect_left(AGE_EDGES, age), bisect.bisect_left(FREQ_EDGES, rel))
+        return (
+            self._router_bucket(i, e),
+            bisect.bisect_left(AGE_EDGES, age),
+            bisect.bisect_left(FREQ_EDGES, rel),
+        )
 
     def _cross_bucket(self, i: int, e: int) -> int:
         """0: no cross-layer score for this visit; else one band per (horizon, score level)."""

@@ -20,7 +20,8 @@ PROFILES: dict[str, CostModel] = {
     "rtx4090-ddr5": CostModel(
         name="rtx4090-ddr5",
         bw_cpu=60 * GB,  # DESIGN: dual-channel DDR5 desktop, all cores, 60-63 GB/s measured
-        f_cpu=1.0 * T,  # est.: 16 cores x AVX-512/AVX2 FMA ~4 TFLOP/s fp32 peak, expert kernels reach ~25%
+        f_cpu=1.0
+        * T,  # est.: 16 cores x AVX-512/AVX2 FMA ~4 TFLOP/s fp32 peak, expert kernels reach ~25%
         c_cpu=5 * US,
         bw_gpu=920 * GB,  # DESIGN: RTX 4090, 920 GB/s measured
         f_gpu=165 * T,  # DESIGN: 165 TFLOP/s bf16
@@ -31,7 +32,8 @@ PROFILES: dict[str, CostModel] = {
     ),
     "rtx3090-ddr4": CostModel(
         name="rtx3090-ddr4",
-        bw_cpu=40 * GB,  # est.: dual-channel DDR4-3200 is 51.2 GB/s (spec); ~78% reached, as DDR5 above
+        bw_cpu=40
+        * GB,  # est.: dual-channel DDR4-3200 is 51.2 GB/s (spec); ~78% reached, as DDR5 above
         f_cpu=0.8 * T,  # est.: 8-16 AVX2 cores, ~25% of peak
         c_cpu=5 * US,
         bw_gpu=936 * GB,  # spec: RTX 3090, 936 GB/s GDDR6X
@@ -47,7 +49,8 @@ PROFILES: dict[str, CostModel] = {
         f_cpu=1.0 * T,  # est., as rtx4090-ddr5
         c_cpu=5 * US,
         bw_gpu=272 * GB,  # spec: RTX 4060, 272 GB/s GDDR6
-        f_gpu=30 * T,  # spec: ~60 TFLOP/s fp16 tensor with fp16 accumulate; half with fp32 accumulate
+        f_gpu=30
+        * T,  # spec: ~60 TFLOP/s fp16 tensor with fp16 accumulate; half with fp32 accumulate
         c_gpu=5 * US,
         bw_pcie=12 * GB,  # est.: the 4060 is PCIe 4.0 x8, half of DESIGN's 24 GB/s for x16
         c_copy=10 * US,
@@ -55,8 +58,10 @@ PROFILES: dict[str, CostModel] = {
     ),
     "h100-spr": CostModel(
         name="h100-spr",
-        bw_cpu=220 * GB,  # est.: Sapphire Rapids 8x DDR5-4800 = 307 GB/s per socket (spec), ~72% reached
-        f_cpu=20 * T,  # est.: AMX bf16 on 56 cores, well below its ~200 TFLOP/s peak for skinny matmuls
+        bw_cpu=220
+        * GB,  # est.: Sapphire Rapids 8x DDR5-4800 = 307 GB/s per socket (spec), ~72% reached
+        f_cpu=20
+        * T,  # est.: AMX bf16 on 56 cores, well below its ~200 TFLOP/s peak for skinny matmuls
         c_cpu=5 * US,
         bw_gpu=3350 * GB,  # spec: H100 SXM5, 3.35 TB/s HBM3
         f_gpu=989 * T,  # spec: 989 TFLOP/s dense bf16
@@ -102,4 +107,6 @@ def get_profile(name: str) -> CostModel:
         return PROFILES[name]
     if name.endswith(".json"):
         return CostModel.load(name)
-    raise UserError(f"unknown hardware profile {name!r}; use one of {', '.join(PROFILES)} or a calibration JSON file")
+    raise UserError(
+        f"unknown hardware profile {name!r}; use one of {', '.join(PROFILES)} or a calibration JSON file"
+    )

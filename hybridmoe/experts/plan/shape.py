@@ -33,7 +33,9 @@ def is_moe_layer(cfg, i: int) -> bool:
     `mlp_only_layers`."""
     if i < cfg.get("first_k_dense_replace", default=0):
         return False
-    if i % cfg.get("moe_layer_freq", default=1) or (i + 1) % cfg.get("decoder_sparse_step", default=1):
+    if i % cfg.get("moe_layer_freq", default=1) or (i + 1) % cfg.get(
+        "decoder_sparse_step", default=1
+    ):
         return False
     return i not in set(cfg.get("mlp_only_layers", default=[]))
 

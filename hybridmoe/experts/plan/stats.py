@@ -37,7 +37,7 @@ class ExpertStats:
             row[e] += 1
 
     @classmethod
-    def of_steps(cls, steps, layers: list[int], num_experts: int) -> "ExpertStats":
+    def of_steps(cls, steps, layers: list[int], num_experts: int) -> ExpertStats:
         """Counts over routed steps (per step, per MoE layer, records with .expert and .n_tokens)."""
         stats = cls(list(layers), num_experts)
         for step in steps:
@@ -50,13 +50,23 @@ class ExpertStats:
     def ranked(self) -> list[Key]:
         """All keys, most used first; ties in (layer, expert) order so the result is deterministic."""
         keys = [(layer, e) for i, layer in enumerate(self.layers) for e in range(self.num_experts)]
-        flat = {(layer, e): self.counts[i][e] for i, layer in enumerate(self.layers) for e in range(self.num_experts)}
+        flat = {
+            (layer, e): self.counts[i][e]
+            for i, layer in enumerate(self.layers)
+            for e in range(self.num_experts)
+        }
         return sorted(keys, key=lambda k: -flat[k])
 
 
 def write_stats(path: str | Path, stats: ExpertStats) -> None:
-    data = {"format": "hybridmoe-expert-stats", "version": 1, "layers": stats.layers,
-            "num_experts": stats.num_experts, "tokens": stats.tokens, "counts": stats.counts}
+    data = {
+        "format": "hybridmoe-expert-stats",
+        "version": 1,
+        "layers": stats.layers,
+        "num_experts": stats.num_experts,
+        "tokens": stats.tokens,
+        "counts": stats.counts,
+    }
     write_atomic(path, json.dumps(data) + "\n")
 
 
@@ -64,10 +74,20 @@ def read_stats(path: str | Path) -> ExpertStats:
     try:
         data = json.loads(Path(path).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
-        raise UserError(f"expert statistics {path} are missing or not JSON; write them with --expert-stats-out {path}")
+        raise UserError(
+            f"expert statistics {path} are missing or not JSON; write them with --expert-stats-out {path}"
+        )
     if data.get("format") != "hybridmoe-expert-stats":
-        raise UserError(f"{path} is not a hybridmoe expert-statistics file; write one with --expert-stats-out")
-    stats = ExpertStats(list(data["layers"]), int(data["num_experts"]), int(data["tokens"]), data["counts"])
-    if len(stats.counts) != len(stats.layers) or any(len(r) != stats.num_experts for r in stats.counts):
-        raise UserError(f"{path} has counts that do not match its layers and experts; write it again")
+        raise UserError(
+            f"{path} is not a hybridmoe expert-statistics file; write one with --expert-stats-out"
+        )
+    stats = ExpertStats(
+        list(data["layers"]), int(data["num_experts"]), int(data["tokens"]), data["counts"]
+    )
+    if len(stats.counts) != len(stats.layers) or any(
+        len(r) != stats.num_experts for r in stats.counts
+    ):
+        raise UserError(
+            f"{path} has counts that do not match its layers and experts; write it again"
+        )
     return stats

@@ -48,7 +48,9 @@ def read_trace(path: str | Path) -> list[TraceLine]:
     n_layers = len(lines[0].layers)
     for number, line in enumerate(lines, 1):
         if len(line.layers) != n_layers:
-            raise UserError(f"line {number} of trace {path} has {len(line.layers)} layers, line 1 has {n_layers}; fix or re-record it")
+            raise UserError(
+                f"line {number} of trace {path} has {len(line.layers)} layers, line 1 has {n_layers}; fix or re-record it"
+            )
     return lines
 
 
@@ -63,7 +65,9 @@ def _parse(raw: str, path, number: int) -> TraceLine:
                 raise ValueError("probs do not match layers")
         return TraceLine(int(row.get("tok", number)), layers, probs, row.get("req"))
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"line {number} of trace {path} is not a routing record ({e}); each line needs \"layers\": [[ids], ...]")
+        raise UserError(
+            f'line {number} of trace {path} is not a routing record ({e}); each line needs "layers": [[ids], ...]'
+        )
 
 
 class TraceWriter:

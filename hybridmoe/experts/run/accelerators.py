@@ -39,11 +39,11 @@ Buffer = int | Staging  # a cache slot, or a staging buffer
 class Accelerator(Protocol):
     """What the hybrid runtime calls, per MoE layer:
 
-        start = acc.begin_layer()
-        buf = acc.copy(layer, expert, slot)       # slot None: a staging buffer, valid this layer only
-        h = acc.run(x_rows, layer, expert, buf)   # buf: a slot number or what copy() returned
-        ys = acc.gather([h, ...])                 # host tensors [n, H]
-        finish = acc.end_layer(cpu_seconds)
+    start = acc.begin_layer()
+    buf = acc.copy(layer, expert, slot)       # slot None: a staging buffer, valid this layer only
+    h = acc.run(x_rows, layer, expert, buf)   # buf: a slot number or what copy() returned
+    ys = acc.gather([h, ...])                 # host tensors [n, H]
+    finish = acc.end_layer(cpu_seconds)
     """
 
     kind: str
@@ -85,7 +85,11 @@ class _Buffers:
 
     def weights(self, buf: Buffer) -> ExpertWeights:
         i = self.index(buf)
-        return ExpertWeights(self.gate_up[i], self.down[i]) if i < self.slots else self.staging[i - self.slots]
+        return (
+            ExpertWeights(self.gate_up[i], self.down[i])
+            if i < self.slots
+            else self.staging[i - self.slots]
+        )
 
     def staging_buffer(self, used: int) -> Staging:
         """The `used`-th staging buffer of this layer, allocated the first time it is needed."""
@@ -110,7 +114,9 @@ class _Buffers:
     def check_holder(self, buf: Buffer, key: Key) -> None:
         held = self.holds[self.index(buf)]
         if held != key:
-            raise RuntimeError(f"expert {key} was scheduled on buffer {buf}, which holds {held}: a plan/executor bug")
+            raise RuntimeError(
+                f"expert {key} was scheduled on buffer {buf}, which holds {held}: a plan/executor bug"
+            )
 
 
 class _Layer:
@@ -171,7 +177,9 @@ class EmulatedAccelerator:
 
     def __init__(self, store: ExpertStore, slots: int, cost: CostModel, keep_log: bool = False):
         if not cost.has_gpu:
-            raise ValueError("the emulated accelerator needs a cost model with GPU and PCIe constants")
+            raise ValueError(
+                "the emulated accelerator needs a cost model with GPU and PCIe constants"
+            )
         self.cost, self.slots = cost, slots
         self.buffers = _Buffers(store, slots, "cpu")
         self.layer = _Layer(self.buffers)
@@ -238,9 +246,13 @@ class EmulatedAccelerator:
         """Invariants for tests: no GPU expert starts before its copy's event, no copy overwrites a
         buffer the GPU is still reading."""
         for r in self.runs:
-            assert r.start + 1e-12 >= r.ready, f"{r.key} ran at {r.start} before its copy was ready at {r.ready}"
+            assert r.start + 1e-12 >= r.ready, (
+                f"{r.key} ran at {r.start} before its copy was ready at {r.ready}"
+            )
         for c in self.copies:
-            assert c.start + 1e-12 >= c.free_at, f"copy of {c.key} overwrote buffer {c.buffer} while in use"
+            assert c.start + 1e-12 >= c.free_at, (
+                f"copy of {c.key} overwrote buffer {c.buffer} while in use"
+            )
 
 
 # ---- CUDA --------------------------------------------------------------------------------------
@@ -308,7 +320,9 @@ class CUDAAccelerator:
             if self.ready[i] is not None:
                 self.compute_stream.wait_event(self.ready[i])
             self._mark_first()
-            y = expert_ffn(x.to(self.device, non_blocking=True), self.buffers.weights(buf))  # [n, H]
+            y = expert_ffn(
+                x.to(self.device, non_blocking=True), self.buffers.weights(buf)
+            )  # [n, H]
             out.copy_(y, non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.compute_stream)
@@ -359,10 +373,14 @@ class HostOnly:
         raise RuntimeError("placement on a machine without an accelerator: a planner bug")
 
     def copy(self, layer, expert, slot):
-        raise RuntimeError("a plan asked for a copy on a machine without an accelerator: a planner bug")
+        raise RuntimeError(
+            "a plan asked for a copy on a machine without an accelerator: a planner bug"
+        )
 
     def run(self, x, layer, expert, buf):
-        raise RuntimeError("a plan put an expert on the GPU on a machine without one: a planner bug")
+        raise RuntimeError(
+            "a plan put an expert on the GPU on a machine without one: a planner bug"
+        )
 
     def gather(self, handles):
         return []
@@ -374,7 +392,9 @@ class HostOnly:
         """Nothing to check: no GPU work ever runs."""
 
 
-def make_accelerator(device: str, store: ExpertStore, slots: int, cost: CostModel, keep_log: bool = False) -> Accelerator:
+def make_accelerator(
+    device: str, store: ExpertStore, slots: int, cost: CostModel, keep_log: bool = False
+) -> Accelerator:
     """device: "cuda" | "emulated" | "cpu" (already resolved from "auto" by the caller)."""
     if device == "cuda":
         return CUDAAccelerator(store, slots, cost)

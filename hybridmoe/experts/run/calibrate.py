@@ -69,7 +69,9 @@ class Calibration:
     dtype: torch.dtype
     samples: list[Sample] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
-    model: tuple[int, int] | None = None  # the (hidden, intermediate) measured with the standard shapes
+    model: tuple[int, int] | None = (
+        None  # the (hidden, intermediate) measured with the standard shapes
+    )
 
     def max_cpu_error(self) -> float:
         errs = [abs(c.error) for c in self.checks if c.kind == "cpu"]
@@ -202,9 +204,13 @@ def _jobs(quick: bool, cuda: bool, model: tuple[int, int] | None = None) -> list
     return jobs
 
 
-def _sample(kind: str, hidden: int, inter: int, n: int, dtype, seconds: float, weight: float = 1.0) -> Sample:
+def _sample(
+    kind: str, hidden: int, inter: int, n: int, dtype, seconds: float, weight: float = 1.0
+) -> Sample:
     params = expert_params(hidden, inter)
-    return Sample(kind, n, seconds, bytes=params * dtype.itemsize, flops=2.0 * params * n, weight=weight)
+    return Sample(
+        kind, n, seconds, bytes=params * dtype.itemsize, flops=2.0 * params * n, weight=weight
+    )
 
 
 def _weight(hidden: int, inter: int, model: tuple[int, int] | None) -> float:
@@ -238,8 +244,13 @@ def _measure_device(job: tuple, dtype, reps: int) -> float:
     return time_gpu_expert(_experts(h, i, dtype, "cuda", 0), n, reps)
 
 
-def calibrate(dtype: torch.dtype = torch.float32, quick: bool = False, progress: bool = True,
-              cuda: bool | None = None, model: tuple[int, int] | None = None) -> Calibration:
+def calibrate(
+    dtype: torch.dtype = torch.float32,
+    quick: bool = False,
+    progress: bool = True,
+    cuda: bool | None = None,
+    model: tuple[int, int] | None = None,
+) -> Calibration:
     """Measure, fit on the fit set, check on the held-out set. `model`: the (hidden, intermediate)
     of the experts the profile is for, measured along with the standard shapes."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -247,16 +258,25 @@ def calibrate(dtype: torch.dtype = torch.float32, quick: bool = False, progress:
     jobs = _jobs(quick, cuda, model)
     cpu_jobs = [j for j in jobs if j[0] == "cpu"]
     device_jobs = [j for j in jobs if j[0] != "cpu"]
-    bar = tqdm(total=len(cpu_jobs) * rounds + len(device_jobs), desc="calibrating", unit="run",
-               file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(cpu_jobs) * rounds + len(device_jobs),
+        desc="calibrating",
+        unit="run",
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    )
     seconds = dict(zip(cpu_jobs, _measure_cpu(cpu_jobs, dtype, rounds, bar)))
     for job in device_jobs:
         bar.set_postfix_str(f"{job[0]} {job[2]}x{job[3]} n={job[4]}")
         seconds[job] = _measure_device(job, dtype, rounds)
         bar.update()
     bar.close()
-    fit_samples = [_sample(k, h, i, n, dtype, seconds[(k, r, h, i, n)], _weight(h, i, model))
-                   for k, r, h, i, n in jobs if r == "fit"]
+    fit_samples = [
+        _sample(k, h, i, n, dtype, seconds[(k, r, h, i, n)], _weight(h, i, model))
+        for k, r, h, i, n in jobs
+        if r == "fit"
+    ]
     profile = fit_profile(fit_samples)
     checks = []
     for job in jobs:
@@ -272,7 +292,9 @@ def fit_profile(samples: list[Sample]) -> CostModel:
     return fit(samples, name="calibrated", caches=cpu_caches(torch.get_num_threads()))
 
 
-def cpu_caches(threads: int, root: str | Path = "/sys/devices/system/cpu/cpu0/cache") -> tuple[float, ...]:
+def cpu_caches(
+    threads: int, root: str | Path = "/sys/devices/system/cpu/cpu0/cache"
+) -> tuple[float, ...]:
     """Bytes of each data cache level from L2 out, as `threads` threads see them: a private
     level counts once per thread (up to its instances), a shared one once. () where Linux's sysfs
     does not say (re-reads are then costed as from RAM). L1 is left out: an expert never fits it."""
@@ -322,8 +344,12 @@ def default_profile_path(dtype: torch.dtype, model: tuple[int, int] | None = Non
     return user_cache_dir() / f"calibration-{shape}{name}-{torch.get_num_threads()}threads.json"
 
 
-def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: bool = True,
-                      model: tuple[int, int] | None = None) -> CostModel:
+def load_or_calibrate(
+    path: str | Path | None,
+    dtype: torch.dtype,
+    progress: bool = True,
+    model: tuple[int, int] | None = None,
+) -> CostModel:
     """The profile at `path`; without one, the cached profile of this machine for experts of shape
     `model` (hidden, intermediate), measured on first use."""
     if path is not None:
@@ -335,8 +361,11 @@ def load_or_calibrate(path: str | Path | None, dtype: torch.dtype, progress: boo
                 return CostModel.load(cached)
         except Exception:
             pass  # a broken cache file, or one of an older format, is measured again below
-    log.warning("measuring this machine's expert speed once (cached in %s); `hybridmoe calibrate` does a "
-                "longer run", cached)
+    log.warning(
+        "measuring this machine's expert speed once (cached in %s); `hybridmoe calibrate` does a "
+        "longer run",
+        cached,
+    )
     result = calibrate(dtype, quick=True, progress=progress, model=model)
     try:
         result.save(cached)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +62,9 @@ class CPUPool:
         threads = torch.get_num_threads()
         ready = threading.Barrier(workers + 1)
         for inbox in self._inbox:
-            threading.Thread(target=self._loop, args=(inbox, ready), daemon=True, name="hybridmoe-expert").start()
+            threading.Thread(
+                target=self._loop, args=(inbox, ready), daemon=True, name="hybridmoe-expert"
+            ).start()
         ready.wait()
         # torch.set_num_threads(1) in a worker also lowered the count that threads made later start
         # with (a process-wide default); put the caller's back.

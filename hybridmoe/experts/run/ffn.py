@@ -21,7 +21,9 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     to bf16 once; a token's result does not depend on how many came with it."""
     if native.applies(x, w.gate_up, w.down):
         return native.expert(x, w.gate_up, w.down).to(torch.bfloat16)  # [n, H]
-    gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(2, dim=-1)  # [n, I] each, views of [n, 2I]
+    gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(
+        2, dim=-1
+    )  # [n, I] each, views of [n, 2I]
     return F.linear(F.silu(gate) * up, w.down)  # [n, H]
 
 
@@ -45,8 +47,9 @@ def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, tor
     return groups
 
 
-
-def combine_grouped(x: torch.Tensor, groups, ys: list[torch.Tensor], topk_weights: torch.Tensor) -> torch.Tensor:
+def combine_grouped(
+    x: torch.Tensor, groups, ys: list[torch.Tensor], topk_weights: torch.Tensor
+) -> torch.Tensor:
     """The weighted sum [T, H] of the experts' outputs ys ([n, H] each, in the order of `groups`), in
     fp32, each token's terms added in increasing expert id.
 
@@ -64,7 +67,9 @@ def combine_grouped(x: torch.Tensor, groups, ys: list[torch.Tensor], topk_weight
     return out.index_add_(0, rows, terms).to(x.dtype)
 
 
-def combine_token(x: torch.Tensor, ys: list[torch.Tensor], topk_weights: torch.Tensor) -> torch.Tensor:
+def combine_token(
+    x: torch.Tensor, ys: list[torch.Tensor], topk_weights: torch.Tensor
+) -> torch.Tensor:
     """One token's weighted sum [1, H] of its K experts' outputs ys ([1, H] each, in top-k order), as
     one [1, K] @ [K, H] product accumulated in fp32."""
     return (topk_weights.float() @ torch.cat(ys).float()).to(x.dtype)

@@ -42,19 +42,37 @@ DTYPE_QUANT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 class HybridConfig:
     """Where experts run. A field with a help text is also a flag of the model commands (cli/options.py)."""
 
-    policy: str | None = field(default=None, metadata={
-        "help": "where experts run and what the GPU keeps (default: value with a budget, else cpu)",
-        "choices": RUN_POLICIES})
-    budget: str | None = field(default=None, metadata={
-        "flag": "--gpu-expert-budget", "metavar": "SIZE",
-        "help": "GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes (0.1)"})
-    placement: str | None = field(default=None, metadata={
-        "help": "experts placed on the GPU at start (default: the policy's own)", "choices": PLACEMENTS})
+    policy: str | None = field(
+        default=None,
+        metadata={
+            "help": "where experts run and what the GPU keeps (default: value with a budget, else cpu)",
+            "choices": RUN_POLICIES,
+        },
+    )
+    budget: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--gpu-expert-budget",
+            "metavar": "SIZE",
+            "help": "GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes (0.1)",
+        },
+    )
+    placement: str | None = field(
+        default=None,
+        metadata={
+            "help": "experts placed on the GPU at start (default: the policy's own)",
+            "choices": PLACEMENTS,
+        },
+    )
     device: str = "cpu"  # "cuda" | "emulated" | "cpu" (resolved from --device auto by the caller)
-    expert_stats: str | None = field(default=None, metadata={
-        "metavar": "FILE", "help": "activation statistics for placement and warm start"})
+    expert_stats: str | None = field(
+        default=None,
+        metadata={"metavar": "FILE", "help": "activation statistics for placement and warm start"},
+    )
     cpu_workers: int | None = None  # CPU expert workers (None: one per torch thread)
-    cpu_clock: str = "measured"  # emulated: the CPU side of the virtual clock, "measured" or "model"
+    cpu_clock: str = (
+        "measured"  # emulated: the CPU side of the virtual clock, "measured" or "model"
+    )
     keep_log: bool = False  # emulated: keep every copy and GPU run (tests)
     history: int = 256  # per-step stats kept
 
@@ -64,7 +82,9 @@ class HybridConfig:
             self.policy = "cpu" if self.budget in ("0", 0) else "value"
 
 
-def make_runtime(shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel | None) -> ExpertRuntime:
+def make_runtime(
+    shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel | None
+) -> ExpertRuntime:
     """The runtime `config` asks for: the hybrid one when there is an accelerator (CUDA or emulated),
     else the CPU one (cost: the calibrated cost model, needed only by the hybrid one)."""
     if config.device != "cpu":
@@ -79,18 +99,34 @@ def device_cost(cost: CostModel, device: str) -> CostModel:
         return cost.without_gpu()
     if not cost.has_gpu:
         if device == "cuda":
-            log.warning("the cost profile has no GPU figures; planning with %s's until `hybridmoe calibrate` "
-                        "is run on this machine", tuning.EMULATED_GPU)
+            log.warning(
+                "the cost profile has no GPU figures; planning with %s's until `hybridmoe calibrate` "
+                "is run on this machine",
+                tuning.EMULATED_GPU,
+            )
         g = PROFILES[tuning.EMULATED_GPU]
-        return replace(cost, bw_gpu=g.bw_gpu, f_gpu=g.f_gpu, c_gpu=g.c_gpu, bw_pcie=g.bw_pcie,
-                       c_copy=g.c_copy, c_act=g.c_act)
+        return replace(
+            cost,
+            bw_gpu=g.bw_gpu,
+            f_gpu=g.f_gpu,
+            c_gpu=g.c_gpu,
+            bw_pcie=g.bw_pcie,
+            c_copy=g.c_copy,
+            c_act=g.c_act,
+        )
     return cost
 
 
 class HybridRuntime(BaseRuntime):
-    def __init__(self, shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel):
-        super().__init__(shape, dtype, RuntimeStats(config.device, config.policy, 0, config.history),
-                         config.cpu_workers)
+    def __init__(
+        self, shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel
+    ):
+        super().__init__(
+            shape,
+            dtype,
+            RuntimeStats(config.device, config.policy, 0, config.history),
+            config.cpu_workers,
+        )
         self.config = config
         self.quant = DTYPE_QUANT.get(dtype, "bf16")
         self.cost = device_cost(cost, config.device).for_expert(shape, self.quant)
@@ -100,16 +136,30 @@ class HybridRuntime(BaseRuntime):
         super().finish_loading()
         cfg, shape = self.config, self.shape
         stats = read_stats(cfg.expert_stats) if cfg.expert_stats else None
-        if stats is not None and (stats.layers != self.layers or stats.num_experts != shape.num_experts):
-            raise UserError(f"{cfg.expert_stats} holds statistics of another model (layers or experts differ); "
-                            "write them for this model with --expert-stats-out")
+        if stats is not None and (
+            stats.layers != self.layers or stats.num_experts != shape.num_experts
+        ):
+            raise UserError(
+                f"{cfg.expert_stats} holds statistics of another model (layers or experts differ); "
+                "write them for this model with --expert-stats-out"
+            )
         policy = make_policy(cfg.policy)
         slots = 0
         if policy.uses_gpu and self.cost.has_gpu:
             slots = parse_budget(cfg.budget, self.store.total_nbytes(), self.store.expert_nbytes())
-        self.planner = make_planner(self.cost, self.layers, shape.num_experts, shape.top_k, slots, policy,
-                                    stats, cfg.placement)
-        self.acc = make_accelerator(cfg.device, self.store, self.planner.cache.slots, self.cost, cfg.keep_log)
+        self.planner = make_planner(
+            self.cost,
+            self.layers,
+            shape.num_experts,
+            shape.top_k,
+            slots,
+            policy,
+            stats,
+            cfg.placement,
+        )
+        self.acc = make_accelerator(
+            cfg.device, self.store, self.planner.cache.slots, self.cost, cfg.keep_log
+        )
         for key, slot in self.planner.cache.slot_of.items():
             self.acc.preload(key[0], key[1], slot)
         self.stats.slots = self.planner.cache.slots
@@ -124,7 +174,9 @@ class HybridRuntime(BaseRuntime):
         """Plan and run one layer; its output [T, H] and what happened."""
         groups = group_by_expert(topk_ids)
         rows_of = {e: rows for e, rows, _ in groups}
-        routed = [Routed(e, len(rows), float(topk_weights[rows, cols].sum())) for e, rows, cols in groups]
+        routed = [
+            Routed(e, len(rows), float(topk_weights[rows, cols].sum())) for e, rows, cols in groups
+        ]
         predicted = self._predict_next(layer, hint)
         acc, before = self.acc, vars(self.planner.stats).copy()
         gpu_before, copy_before = acc.gpu_busy_s, acc.copy_busy_s
@@ -133,8 +185,10 @@ class HybridRuntime(BaseRuntime):
         staged = self._issue_copies(plan)
         cpu = self._run_cpu(layer, [(r.expert, x[rows_of[r.expert]]) for r in plan.cpu])
         gpu_order = plan.gpu_hits + sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert])
-        handles = [acc.run(x[rows_of[r.expert]], layer, r.expert, self._buffer(layer, r.expert, staged))
-                   for r in gpu_order]
+        handles = [
+            acc.run(x[rows_of[r.expert]], layer, r.expert, self._buffer(layer, r.expert, staged))
+            for r in gpu_order
+        ]
         cpu_out, cpu_s = cpu.result()
         gpu_out = acc.gather(handles)
         finish = acc.end_layer(self._cpu_clock(plan, cpu_s))
@@ -143,8 +197,12 @@ class HybridRuntime(BaseRuntime):
         outputs.update(zip((r.expert for r in gpu_order), gpu_out))
         after = vars(self.planner.stats)
         report = {f: after[f] - before[f] for f in PLANNER_FIELDS}
-        report.update(cpu_busy_s=cpu_s, gpu_busy_s=acc.gpu_busy_s - gpu_before,
-                      copy_busy_s=acc.copy_busy_s - copy_before, measured_s=finish - start)
+        report.update(
+            cpu_busy_s=cpu_s,
+            gpu_busy_s=acc.gpu_busy_s - gpu_before,
+            copy_busy_s=acc.copy_busy_s - copy_before,
+            measured_s=finish - start,
+        )
         return combine(outputs, groups, x, topk_ids, topk_weights), report
 
     def _issue_copies(self, plan: Plan) -> dict[int, object]:

@@ -44,7 +44,14 @@ class _Observer:
 
 
 class RoutingReplay(_Observer):
-    def __init__(self, lines: list[TraceLine], layers: list[int], num_experts: int, top_k: int, where: str = "the trace"):
+    def __init__(
+        self,
+        lines: list[TraceLine],
+        layers: list[int],
+        num_experts: int,
+        top_k: int,
+        where: str = "the trace",
+    ):
         _check(lines, num_experts, top_k, where)
         self.lines = lines
         self.ordinal = {layer: i for i, layer in enumerate(layers)}
@@ -53,7 +60,9 @@ class RoutingReplay(_Observer):
         self._local = threading.local()  # .rows: this thread's step's trace lines
 
     @classmethod
-    def from_file(cls, path: str | Path, layers: list[int], num_experts: int, top_k: int) -> "RoutingReplay":
+    def from_file(
+        cls, path: str | Path, layers: list[int], num_experts: int, top_k: int
+    ) -> RoutingReplay:
         return cls(read_trace(path), layers, num_experts, top_k, str(path))
 
     def begin_step(self, step) -> None:
@@ -65,21 +74,29 @@ class RoutingReplay(_Observer):
     def ids(self, layer: int) -> torch.Tensor:
         """Top-k ids [T, K] of this thread's step at decoder layer `layer` (an MoE layer)."""
         o = self.ordinal[layer]
-        return torch.tensor([line.layers[o % len(line.layers)] for line in self._local.rows], dtype=torch.long)
+        return torch.tensor(
+            [line.layers[o % len(line.layers)] for line in self._local.rows], dtype=torch.long
+        )
 
 
 def _check(lines: list[TraceLine], num_experts: int, top_k: int, where: str) -> None:
     for number, line in enumerate(lines, 1):
         for ids in line.layers:
             if len(ids) != top_k:
-                raise UserError(f"line {number} of {where} chooses {len(ids)} experts per layer but the model "
-                                f"routes to {top_k}; record the trace with a model of the same top-k")
+                raise UserError(
+                    f"line {number} of {where} chooses {len(ids)} experts per layer but the model "
+                    f"routes to {top_k}; record the trace with a model of the same top-k"
+                )
             if ids and (max(ids) >= num_experts or min(ids) < 0):
-                raise UserError(f"line {number} of {where} uses expert {max(ids)} but the model has "
-                                f"{num_experts} experts per layer; use a trace of a matching model")
+                raise UserError(
+                    f"line {number} of {where} uses expert {max(ids)} but the model has "
+                    f"{num_experts} experts per layer; use a trace of a matching model"
+                )
             if len(set(ids)) != len(ids):
-                raise UserError(f"line {number} of {where} repeats an expert in one layer; a token routes "
-                                "to distinct experts, so the trace is damaged")
+                raise UserError(
+                    f"line {number} of {where} repeats an expert in one layer; a token routes "
+                    "to distinct experts, so the trace is damaged"
+                )
 
 
 class TraceRecorder(_Observer):
@@ -89,14 +106,19 @@ class TraceRecorder(_Observer):
         try:
             self.writer = TraceWriter(path)
         except OSError as e:
-            raise UserError(f"cannot write the routing trace {path} ({e.strerror}); pass a writable --record-trace path")
+            raise UserError(
+                f"cannot write the routing trace {path} ({e.strerror}); pass a writable --record-trace path"
+            )
         self.num_moe_layers = num_moe_layers
         self.tokens = 0
         self._lock = threading.Lock()
 
     def begin_step(self, step) -> None:
         if step.decode_rows:
-            step.notes[self] = ([None] * self.num_moe_layers, [None] * self.num_moe_layers)  # ids, weights
+            step.notes[self] = (
+                [None] * self.num_moe_layers,
+                [None] * self.num_moe_layers,
+            )  # ids, weights
 
     def on_layer(self, step, ordinal, topk_ids, topk_weights, report) -> None:
         """topk_ids, topk_weights: [T, K] of MoE layer `ordinal`."""
@@ -113,8 +135,12 @@ class TraceRecorder(_Observer):
         with self._lock:
             for row, req in step.decode_rows:
                 self.tokens += 1
-                self.writer.write(self.tokens, [layer[row] for layer in ids],
-                                  [[round(w, 6) for w in layer[row]] for layer in weights], req)
+                self.writer.write(
+                    self.tokens,
+                    [layer[row] for layer in ids],
+                    [[round(w, 6) for w in layer[row]] for layer in weights],
+                    req,
+                )
 
     def close(self) -> None:
         self.writer.close()
@@ -141,5 +167,7 @@ class ActivationCounter(_Observer):
         try:
             write_stats(self.path, self.stats)
         except OSError as e:
-            raise UserError(f"could not write the expert statistics {self.path} ({e.strerror}); "
-                            "pass a writable --expert-stats-out path") from None
+            raise UserError(
+                f"could not write the expert statistics {self.path} ({e.strerror}); "
+                "pass a writable --expert-stats-out path"
+            ) from None

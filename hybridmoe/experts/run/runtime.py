@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -40,15 +41,23 @@ class Step:
 
     num_tokens: int
     decode_rows: list[tuple[int, str]]  # (row, request id) of its decode tokens
-    notes: dict = field(default_factory=dict)  # each observer's state for this step, under its own key
+    notes: dict = field(
+        default_factory=dict
+    )  # each observer's state for this step, under its own key
 
 
 class Observer(Protocol):
     """Watches a runtime's steps and layers; never changes what runs."""
 
     def begin_step(self, step: Step) -> None: ...
-    def on_layer(self, step: Step, ordinal: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 report: dict[str, float]) -> None: ...
+    def on_layer(
+        self,
+        step: Step,
+        ordinal: int,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        report: dict[str, float],
+    ) -> None: ...
     def end_step(self, step: Step) -> None: ...
     def close(self) -> None: ...
 
@@ -63,8 +72,14 @@ class ExpertRuntime(Protocol):
 
     def finish_loading(self) -> None: ...
     def begin_step(self, num_tokens: int, decode_rows: list[tuple[int, str]]) -> None: ...
-    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                hint: Hint | None = None) -> torch.Tensor: ...
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        hint: Hint | None = None,
+    ) -> torch.Tensor: ...
     def add_observer(self, observer: Observer) -> None: ...
     def close(self) -> None: ...
 
@@ -79,7 +94,13 @@ class BaseRuntime:
 
     reentrant = False
 
-    def __init__(self, shape: ExpertShape, dtype: torch.dtype, stats: RuntimeStats, cpu_workers: int | None = None):
+    def __init__(
+        self,
+        shape: ExpertShape,
+        dtype: torch.dtype,
+        stats: RuntimeStats,
+        cpu_workers: int | None = None,
+    ):
         self.shape = shape
         self.store = ExpertStore(shape, dtype)
         self.layers = list(shape.moe_layers)
@@ -95,7 +116,9 @@ class BaseRuntime:
         missing = self.store.missing()
         if missing:
             layer, expert = missing[0]
-            raise ValueError(f"no weights were loaded for expert {expert} of layer {layer} ({len(missing)} missing)")
+            raise ValueError(
+                f"no weights were loaded for expert {expert} of layer {layer} ({len(missing)} missing)"
+            )
 
     def add_observer(self, observer: Observer) -> None:
         self.observers.append(observer)
@@ -109,7 +132,9 @@ class BaseRuntime:
         """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert outputs."""
         step = self._local.step
         if step is None:
-            raise RuntimeError("an MoE layer ran outside a step: the model's forward must call begin_step first")
+            raise RuntimeError(
+                "an MoE layer ran outside a step: the model's forward must call begin_step first"
+            )
         o = self.ordinal[layer]
         out, report = self._layer(layer, x, topk_ids, topk_weights, hint)
         for observer in self.observers:
@@ -120,7 +145,9 @@ class BaseRuntime:
                 observer.end_step(step)
         return out
 
-    def _layer(self, layer, x, topk_ids, topk_weights, hint) -> tuple[torch.Tensor, dict[str, float]]:
+    def _layer(
+        self, layer, x, topk_ids, topk_weights, hint
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The layer's output [T, H], and what happened (RuntimeStats' fields) for the observers."""
         raise NotImplementedError
 
@@ -144,7 +171,9 @@ class CPURuntime(BaseRuntime):
 
     reentrant = True  # no state between calls but the observers', which keep theirs per step
 
-    def __init__(self, shape: ExpertShape, dtype: torch.dtype = torch.float32, cpu_workers: int | None = None):
+    def __init__(
+        self, shape: ExpertShape, dtype: torch.dtype = torch.float32, cpu_workers: int | None = None
+    ):
         super().__init__(shape, dtype, RuntimeStats("cpu", "cpu", 0), cpu_workers)
 
     def _layer(self, layer, x, topk_ids, topk_weights, hint):
@@ -158,8 +187,15 @@ class CPURuntime(BaseRuntime):
         else:
             groups = group_by_expert(topk_ids)
             experts = [e for e, _, _ in groups]
-            ys, busy = self._run_cpu(layer, [(e, x[rows]) for e, rows, _ in groups]).result()  # [n, H] each
+            ys, busy = self._run_cpu(
+                layer, [(e, x[rows]) for e, rows, _ in groups]
+            ).result()  # [n, H] each
             out = combine_grouped(x, groups, ys, topk_weights)
         n = len(set(experts))
-        return out, {"routed": n, "misses": n, "cpu_runs": n, "cpu_busy_s": busy,
-                     "measured_s": time.perf_counter() - t0}
+        return out, {
+            "routed": n,
+            "misses": n,
+            "cpu_runs": n,
+            "cpu_busy_s": busy,
+            "measured_s": time.perf_counter() - t0,
+        }

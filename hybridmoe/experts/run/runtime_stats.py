@@ -14,8 +14,17 @@ from collections import deque
 
 # Counters taken from PlannerStats (summed per step).
 PLANNER_FIELDS = (
-    "routed", "hits", "late_hits", "misses", "cpu_runs", "gpu_runs", "demand_copies",
-    "prefetches_issued", "prefetches_used", "bytes_copied", "predicted_s",
+    "routed",
+    "hits",
+    "late_hits",
+    "misses",
+    "cpu_runs",
+    "gpu_runs",
+    "demand_copies",
+    "prefetches_issued",
+    "prefetches_used",
+    "bytes_copied",
+    "predicted_s",
 )
 # Counters only the runtime knows.
 MEASURED_FIELDS = ("layers", "tokens", "cpu_busy_s", "gpu_busy_s", "copy_busy_s", "measured_s")
@@ -31,7 +40,9 @@ def derived(c: dict) -> dict:
     measured = c["measured_s"]
     return {
         "hit_rate": c["hits"] / c["routed"] if c["routed"] else 0.0,
-        "prefetch_precision": c["prefetches_used"] / c["prefetches_issued"] if c["prefetches_issued"] else 0.0,
+        "prefetch_precision": c["prefetches_used"] / c["prefetches_issued"]
+        if c["prefetches_issued"]
+        else 0.0,
         "predicted_over_measured": c["predicted_s"] / measured if measured else 0.0,
         "cpu_busy_fraction": c["cpu_busy_s"] / measured if measured else 0.0,
         "gpu_busy_fraction": c["gpu_busy_s"] / measured if measured else 0.0,
@@ -45,7 +56,9 @@ class RuntimeStats:
         self.steps = 0
         self.total = _blank()
         self.history: deque[dict] = deque(maxlen=history)  # finished steps, newest last
-        self.predictor = None  # an object with .precision and .recall (the planner's predictor's stats)
+        self.predictor = (
+            None  # an object with .precision and .recall (the planner's predictor's stats)
+        )
         self._lock = threading.Lock()
 
     # ---- the observer ------------------------------------------------------------------------
@@ -73,22 +86,31 @@ class RuntimeStats:
     def to_dict(self) -> dict:
         """Totals and rates, flat (what a /metrics endpoint exports)."""
         p = self.predictor
-        return {"device": self.device, "policy": self.policy, "slots": self.slots, "steps": self.steps,
-                **self.total, **derived(self.total),
-                "predictor_precision": p.precision if p else 0.0, "predictor_recall": p.recall if p else 0.0}
+        return {
+            "device": self.device,
+            "policy": self.policy,
+            "slots": self.slots,
+            "steps": self.steps,
+            **self.total,
+            **derived(self.total),
+            "predictor_precision": p.precision if p else 0.0,
+            "predictor_recall": p.recall if p else 0.0,
+        }
 
     def summary(self) -> str:
         d = self.to_dict()
-        return "\n".join([
-            f"expert runtime: {d['device']}, policy {d['policy']}, {d['slots']} GPU slots, "
-            f"{d['steps']} steps, {int(d['tokens'])} tokens",
-            f"  experts: {int(d['routed'])} routed, {int(d['hits'])} hits ({100 * d['hit_rate']:.1f}%), "
-            f"{int(d['misses'])} misses; ran {int(d['cpu_runs'])} on CPU, {int(d['gpu_runs'])} on GPU",
-            f"  copies: {int(d['demand_copies'])} on demand, {int(d['prefetches_issued'])} prefetches "
-            f"({int(d['prefetches_used'])} used, precision {100 * d['prefetch_precision']:.0f}%), "
-            f"{d['bytes_copied'] / 1e6:.1f} MB",
-            f"  time: measured {1e3 * d['measured_s']:.1f} ms ({d['expert_ms_per_token']:.2f} ms/token), "
-            f"predicted {1e3 * d['predicted_s']:.1f} ms; CPU busy {1e3 * d['cpu_busy_s']:.1f} ms, "
-            f"GPU busy {1e3 * d['gpu_busy_s']:.1f} ms, copy stream {1e3 * d['copy_busy_s']:.1f} ms",
-            f"  predictor: precision {100 * d['predictor_precision']:.0f}%, recall {100 * d['predictor_recall']:.0f}%",
-        ])
+        return "\n".join(
+            [
+                f"expert runtime: {d['device']}, policy {d['policy']}, {d['slots']} GPU slots, "
+                f"{d['steps']} steps, {int(d['tokens'])} tokens",
+                f"  experts: {int(d['routed'])} routed, {int(d['hits'])} hits ({100 * d['hit_rate']:.1f}%), "
+                f"{int(d['misses'])} misses; ran {int(d['cpu_runs'])} on CPU, {int(d['gpu_runs'])} on GPU",
+                f"  copies: {int(d['demand_copies'])} on demand, {int(d['prefetches_issued'])} prefetches "
+                f"({int(d['prefetches_used'])} used, precision {100 * d['prefetch_precision']:.0f}%), "
+                f"{d['bytes_copied'] / 1e6:.1f} MB",
+                f"  time: measured {1e3 * d['measured_s']:.1f} ms ({d['expert_ms_per_token']:.2f} ms/token), "
+                f"predicted {1e3 * d['predicted_s']:.1f} ms; CPU busy {1e3 * d['cpu_busy_s']:.1f} ms, "
+                f"GPU busy {1e3 * d['gpu_busy_s']:.1f} ms, copy stream {1e3 * d['copy_busy_s']:.1f} ms",
+                f"  predictor: precision {100 * d['predictor_precision']:.0f}%, recall {100 * d['predictor_recall']:.0f}%",
+            ]
+        )

@@ -12,25 +12,38 @@ import torch
 
 from hybridmoe.experts.plan.shape import ExpertShape, Key
 
+
 @dataclass
 class ExpertWeights:
     gate_up: torch.Tensor  # [2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection
     down: torch.Tensor  # [H, I]
 
     def nbytes(self) -> int:
-        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        return (
+            self.gate_up.numel() * self.gate_up.element_size()
+            + self.down.numel() * self.down.element_size()
+        )
 
 
 class ExpertStore:
     """Host-RAM home of every routed expert; pinned memory when CUDA is present."""
 
-    def __init__(self, shape: ExpertShape, dtype: torch.dtype = torch.float32, pin: bool | None = None):
+    def __init__(
+        self, shape: ExpertShape, dtype: torch.dtype = torch.float32, pin: bool | None = None
+    ):
         self.shape = shape
         self.dtype = dtype
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.records: dict[Key, ExpertWeights] = {}
 
-    def put(self, layer: int, expert: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    def put(
+        self,
+        layer: int,
+        expert: int,
+        w_gate: torch.Tensor,
+        w_up: torch.Tensor,
+        w_down: torch.Tensor,
+    ) -> None:
         """Store one expert given its gate [I, H], up [I, H] and down [H, I] weights."""
         gate_up = torch.cat([w_gate, w_up], dim=0).to(self.dtype).contiguous()  # [2I, H]
         down = w_down.to(self.dtype).contiguous()  # [H, I]
