@@ -1,4 +1,5 @@
-"""User-facing errors: one sentence naming the thing and the fix (CLI exit code 2, HTTP 4xx)."""
+"""User-facing errors: one sentence naming the thing and the fix; the CLI prints it and exits with
+code 2. (The server's client errors are server/protocol.py ApiError, a 4xx with OpenAI's body.)"""
 
 
 class UserError(Exception):

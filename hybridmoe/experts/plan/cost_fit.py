@@ -230,7 +230,7 @@ def fit(
 
     Single-token CPU samples get their own bandwidth (`bw_cpu_one`) in the same
     fit, and so do the few-token ones when they run row by row. `caches`: the capacities in bytes
-    of the CPU's cache levels (experts/calibrate.py reads them), where re-read passes find weights.
+    of the CPU's cache levels (experts/run/calibrate.py reads them), where re-read passes find weights.
     """
     if not samples:
         raise UserError(

@@ -8,7 +8,7 @@ Call sequence (the engine's hybrid runtime and the simulator make exactly these 
         for each MoE layer, in model order:
             routed = [Routed(expert, n_tokens, weight), ...]    # one per distinct expert selected
             plan = planner.plan(layer, routed, now=clock_seconds, predicted=scores_or_None)
-            # executors, all started at `now`:
+            # the accelerator and the CPU side, all started at `now`:
             #   copy stream: for c in plan.copies + plan.prefetches, in that order:
             #       wait until the GPU has finished with c.evicted (its last use was an earlier layer),
             #       copy expert (c.layer, c.expert) into slot c.slot (None = a staging buffer that
@@ -19,7 +19,7 @@ Call sequence (the engine's hybrid runtime and the simulator make exactly these 
             planner.complete(plan, finished_at=clock_seconds_when_all_done)   # or None: predicted
 
 Build it with `make_planner(cost, layers, num_experts, top_k, slots, make_policy(name), stats,
-placement, profile)` (cost: `CostModel.for_expert(shape, quant)`; slots: `cache.parse_budget(...)`;
+placement_kind, profile)` (cost: `CostModel.for_expert(shape, quant)`; slots: `cache.parse_budget(...)`;
 stats: an `ExpertStats` from `stats.read_stats(FILE)` or None; profile: routed steps to learn from
 before planning, the simulator's fair protocol).
 

@@ -1,7 +1,7 @@
 """Named hardware profiles for simulation: cost-model constants of machines we do not have.
 
-Sources: "DESIGN" = the project's design figures (docs/architecture.md, measured); "spec" = the vendor's public
-specification; "est." = our estimate, with the reasoning beside it. Fixed costs (c_*) are typical
+Sources: "DESIGN" = the measured figures of docs/architecture.md ("Figures behind the defaults");
+"spec" = the vendor's public specification; "est." = our estimate, with the reasoning beside it. Fixed costs (c_*) are typical
 launch/dispatch latencies (est.: a CUDA kernel launch or a cudaMemcpyAsync call is ~5-10 us; waking
 a CPU thread pool ~5 us). A calibrated profile of a real machine (`hybridmoe calibrate`) always
 beats these.

@@ -3,7 +3,7 @@
 CPU: one SwiGLU expert (the function the runtime runs) over n = 1..512 tokens, for expert shapes
 from 0.2 MB to beyond the last-level cache, plus the model's own shape when the profile is for a
 model; with CUDA, the same on the GPU and pinned host->device copies of several sizes. Some
-shapes and token counts fit the constants (experts/cost_model.py `fit`); the others are held out,
+shapes and token counts fit the constants (experts/plan/cost_fit.py `fit`); the others are held out,
 and the report gives predicted vs measured time on them, so the profile's error is known.
 """
 

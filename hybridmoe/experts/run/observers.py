@@ -12,7 +12,8 @@
 - `ActivationCounter` (--expert-stats-out FILE): how often each expert was routed to, written as
   activation statistics (experts/plan/stats.py) when the runtime closes.
 
-Each keeps a step's state in that step (`Step.notes`), so two passes on two threads never mix.
+Two passes may run at once on two threads: the recorder keeps a step's state in that step
+(`Step.notes`), the replay in a thread-local, the counter its totals under a lock, so they never mix.
 """
 
 from __future__ import annotations
