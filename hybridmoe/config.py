@@ -11,7 +11,8 @@ _MISSING = object()
 
 
 class HFConfig:
-    """A config.json dict; `get` accepts several names for one setting (they vary by architecture)."""
+    """A config.json dict; `get` accepts several names for one setting (they vary by
+    architecture)."""
 
     def __init__(self, data: dict):
         self.data = dict(data)

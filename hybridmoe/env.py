@@ -33,7 +33,7 @@ def omp_wait_policy() -> str | None:
 def set_defaults() -> None:
     """OpenMP threads that finish a parallel region first spin-wait for the others by default; when
     the cores are shared with other processes, the thread they wait for is often descheduled and the
-    spin burns the time it needed (docs/notes/2026-11-24-measurements-in-code.md, "OMP_WAIT_POLICY").
-    OpenMP reads the variable once, when torch loads it, so this runs when hybridmoe is imported, before
-    torch (the CLI); a value the user set is kept."""
+    spin burns the time it needed (docs/notes/2026-11-24-measurements-in-code.md,
+    "OMP_WAIT_POLICY"). OpenMP reads the variable once, when torch loads it, so this runs when
+    hybridmoe is imported, before torch (the CLI); a value the user set is kept."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -1,4 +1,5 @@
-"""Where hybridmoe keeps what it builds once and reuses: demo models, calibrations, native kernels."""
+"""Where hybridmoe keeps what it builds once and reuses: demo models, calibrations,
+native kernels."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ THREADED_NATIVE_ROWS = 8
 
 # ---- calibration -------------------------------------------------------------------------------
 
-# Bytes of expert copies a calibration rotates through, beyond any desktop or server CPU's last-level
-# cache, so that every timed call streams its weights from RAM as a decode step does.
+# Bytes of expert copies a calibration rotates through, beyond any desktop or server CPU's
+# last-level cache, so that every timed call streams its weights from RAM as a decode step does.
 ROTATE_BYTES = 96e6
 
 # Token counts up to which the cost-model fit looks for the end of the row-by-row CPU regime.

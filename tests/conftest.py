@@ -27,7 +27,8 @@ def smol_tokenizer_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_chat_model() -> Path:
-    """A tiny random Mixtral with SmolLM2's vocabulary and tokenizer: a chat-capable model in seconds."""
+    """A tiny random Mixtral with SmolLM2's vocabulary and tokenizer: a chat-capable model in
+    seconds."""
     return served_model.tiny_chat_model()
 
 

@@ -1,7 +1,8 @@
 """The simplest forward for tests: a contiguous KV cache per sequence and one model call per chunk.
 
 An independent reference for the engine's paged cache: parity, GGUF and runtime tests drive the
-model through it, so that a bug in paging or scheduling cannot hide a bug in a model (or the reverse)."""
+model through it, so that a bug in paging or scheduling cannot hide a bug in a model (or the
+reverse)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 
 class SequenceKV:
-    """One sequence's cache: for each layer, a tuple of tensors [capacity, ...] and a fill length."""
+    """One sequence's cache: for each layer,
+    a tuple of tensors [capacity, ...] and a fill length."""
 
     def __init__(self):
         self.layers: dict[int, list[torch.Tensor]] = {}

@@ -1,9 +1,10 @@
-"""Test helper: write a GGUF file from a saved Hugging Face checkpoint, the way llama.cpp's converter does.
+"""Test helper: write a GGUF file from a saved Hugging Face checkpoint, the way llama.cpp's
+converter does.
 
 It follows convert_hf_to_gguf.py's conventions, written afresh: gguf's own TensorNameMap for names,
-experts stacked [E, rows, cols] per layer and role, Llama q/k rows permuted for GPT-J RoPE, DeepSeek's
-kv_b_proj split into k_b (transposed) and v_b, and `{arch}.*` metadata from config.json. The loader
-under test has its own reverse tables, so the two meet only through the file format.
+experts stacked [E, rows, cols] per layer and role, Llama q/k rows permuted for GPT-J RoPE,
+DeepSeek's kv_b_proj split into k_b (transposed) and v_b, and `{arch}.*` metadata from config.json.
+The loader under test has its own reverse tables, so the two meet only through the file format.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def write_gguf(
 ) -> Path:
     """Convert the checkpoint in `hf_dir` (config.json + model.safetensors) to the GGUF file `out`.
     `drop` leaves out the GGUF tensor of that name and `arch_name` overrides general.architecture
-    (both for the bad-input tests); `legacy_experts` writes one tensor per expert, blk.N.ffn_up.E.weight,
-    as llama.cpp did before it stacked them."""
+    (both for the bad-input tests); `legacy_experts` writes one tensor per expert,
+    blk.N.ffn_up.E.weight, as llama.cpp did before it stacked them."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
     writer = gguf.GGUFWriter(str(out), arch_name or gguf.MODEL_ARCH_NAMES[arch])
@@ -109,7 +110,8 @@ def llama_cpp_tensors(state: dict[str, torch.Tensor], cfg: dict):
 
 
 def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Per head, rows (2, D/2) -> (D/2, 2): the interleaved pairs of GPT-J RoPE that llama.cpp's llama uses."""
+    """Per head, rows (2, D/2) -> (D/2, 2): the interleaved pairs of GPT-J RoPE that llama.cpp's
+    llama uses."""
     return (
         w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
         .swapaxes(1, 2)
@@ -118,7 +120,8 @@ def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def split_kv_b(name: str, w: torch.Tensor, cfg: dict):
-    """kv_b_proj [H*(nope+v), rank] -> k_b [H, rank, nope] and v_b [H, v, rank], as newer converters write."""
+    """kv_b_proj [H*(nope+v), rank] -> k_b [H, rank, nope] and v_b [H, v, rank],
+    as newer converters write."""
     heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
     k_b, v_b = w.view(heads, nope + v, w.shape[-1]).split([nope, v], dim=1)
     yield name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2).contiguous()
@@ -177,7 +180,8 @@ def write_rope_scaling(w: gguf.GGUFWriter, cfg: dict) -> None:
 
 
 def write_deepseek_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
-    """MLA written as llama.cpp's MQA form: head_count_kv 1, key/value_length of the compressed cache."""
+    """MLA written as llama.cpp's MQA form: head_count_kv 1,
+    key/value_length of the compressed cache."""
     rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     if cfg.get("q_lora_rank"):
         w.add_q_lora_rank(cfg["q_lora_rank"])

@@ -1,5 +1,6 @@
-"""A model to serve in tests: a tiny random Mixtral with the real SmolLM2 tokenizer and chat template,
-or the demo model once it has been built; and a real uvicorn server around it on a free port."""
+"""A model to serve in tests: a tiny random Mixtral with the real SmolLM2 tokenizer and chat
+template, or the demo model once it has been built; and a real uvicorn server around it on a free
+port."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_tokenizer_dir() -> Path:
-    """The SmolLM2 tokenizer saved as tokenizer files (reading it from the GGUF takes ~10 s; done once)."""
+    """The SmolLM2 tokenizer saved as tokenizer files (reading it from the GGUF takes ~10 s; done
+    once)."""
     out = user_cache_dir() / "tests" / "smollm2-tokenizer"
     if not (out / "tokenizer.json").exists():
         from transformers import AutoTokenizer
@@ -41,7 +43,8 @@ def smollm2_tokenizer_dir() -> Path:
 
 @functools.cache
 def tiny_chat_model() -> Path:
-    """A random 2-layer Mixtral (8 experts, top-2) over SmolLM2's 49152-token vocabulary, with its tokenizer."""
+    """A random 2-layer Mixtral (8 experts, top-2) over SmolLM2's 49152-token vocabulary,
+    with its tokenizer."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     out = Path(tempfile.mkdtemp(prefix="hybridmoe-tiny-chat-"))

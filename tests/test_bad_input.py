@@ -1,5 +1,5 @@
-"""Bad input on the Hugging Face path: one line naming the file and the problem, exit code 2, no traceback.
-(Damaged GGUF files are covered in test_gguf.py.)"""
+"""Bad input on the Hugging Face path: one line naming the file and the problem, exit code 2, no
+traceback. (Damaged GGUF files are covered in test_gguf.py.)"""
 
 import json
 import subprocess
@@ -16,7 +16,8 @@ VOCAB = 96  # the tiny models' vocabulary
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A word-level tokenizer over the tiny vocabulary, so the CLI gets past the tokenizer to the weights."""
+    """A word-level tokenizer over the tiny vocabulary,
+    so the CLI gets past the tokenizer to the weights."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,7 +38,8 @@ def model_dir(tmp_path) -> Path:
 
 
 def one_error_line(capsys, argv: list[str]) -> str:
-    """Run the CLI; it must exit 2 and print exactly one error line (a progress bar may share stderr)."""
+    """Run the CLI; it must exit 2 and print exactly one error line (a progress bar may share
+    stderr)."""
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err

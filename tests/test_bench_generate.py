@@ -1,4 +1,5 @@
-"""`hybridmoe bench make-model` and `bench generate` end to end on a tiny model (no timing assertions)."""
+"""`hybridmoe bench make-model` and `bench generate` end to end on a tiny model (no timing
+assertions)."""
 
 import json
 

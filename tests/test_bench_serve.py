@@ -1,5 +1,5 @@
-"""`hybridmoe bench serve`: its two aggregates, computed by hand from known timings, and a run against
-a real server that reports its phase times."""
+"""`hybridmoe bench serve`: its two aggregates, computed by hand from known timings, and a run
+against a real server that reports its phase times."""
 
 import argparse
 import asyncio

@@ -132,7 +132,8 @@ def test_first_start_measures_once_then_reads_the_cache(monkeypatch, tmp_path):
 
 
 def test_first_start_measures_again_over_a_profile_of_an_older_format(monkeypatch, tmp_path):
-    """Profiles before version 2 lack the CPU's row regime: the cache is measured again, not read."""
+    """Profiles before version 2 lack the CPU's row regime: the cache is measured again,
+    not read."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
 

@@ -142,5 +142,6 @@ def test_named_profiles_exist_and_are_ordered_sensibly():
     ):
         assert name in PROFILES
     p = {k: v.for_expert(QWEN3, "bf16") for k, v in PROFILES.items() if v.has_gpu}
-    # At batch 1 a copy costs more than running the expert on the CPU (DESIGN: ~2.5x on DDR5 + PCIe 4).
+    # At batch 1 a copy costs more than running the expert on the CPU
+    # (DESIGN: ~2.5x on DDR5 + PCIe 4).
     assert p["rtx4090-ddr5"].t_copy() / p["rtx4090-ddr5"].t_cpu(1) == pytest.approx(2.5, rel=0.1)

@@ -1,5 +1,5 @@
-"""The native decode-attention kernel: one query token per sequence over its paged bf16 history, read
-through the block table. Against plain softmax attention in float64, and in the engine against
+"""The native decode-attention kernel: one query token per sequence over its paged bf16 history,
+read through the block table. Against plain softmax attention in float64, and in the engine against
 torch's path."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def reference(q, k, v, scale):
 
 def paged_batch(heads, kv_heads, d, dv, block_size, gen, lengths=LENGTHS):
     """Pools holding len(lengths) histories in shuffled blocks, their tables, and queries on the odd
-    rows of [2S, h, d] (the even rows stand for other sequences' tokens, which the kernel must skip)."""
+    rows of [2S, h, d] (the even rows stand for other sequences' tokens, which the kernel must
+    skip)."""
     counts = [(n + block_size - 1) // block_size for n in lengths]
     num_blocks = sum(counts) + 7  # a few blocks nobody uses
     k_pool = torch.randn(num_blocks * block_size, kv_heads, d, generator=gen).to(torch.bfloat16)

@@ -1,5 +1,6 @@
 """DeepSeek-V3 checkpoints carry a multi-token-prediction layer after the last decoder layer
-(model.layers.61 in the real one); generation does not use it, so loading skips it, experts included."""
+(model.layers.61 in the real one); generation does not use it, so loading skips it, experts
+included."""
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -164,8 +164,9 @@ def test_prefill_chunks_run_on_prefill_threads_and_decode_steps_keep_the_callers
 
 
 class HeldPrefill:
-    """Wraps model.forward while in a `with`: a prefill pass (more than one new token) with `hold` set
-    waits until the test lets it go. With the passes in one thread that wait would never end (hence the timeout)."""
+    """Wraps model.forward while in a `with`: a prefill pass (more than one new token) with `hold`
+    set waits until the test lets it go. With the passes in one thread that wait would never end
+    (hence the timeout)."""
 
     def __init__(self, model):
         self.model, self.forward = model, model.forward
@@ -200,7 +201,8 @@ def run_to_end(eng, outs):
 
 
 def decoding_and_held(eng, held, short, long, steps):
-    """`short` decoding while `long`'s prefill pass is held on the prefill thread, after `steps` steps."""
+    """`short` decoding while `long`'s prefill pass is held on the prefill thread,
+    after `steps` steps."""
     outs = {}
     a = eng.add_request(short, GREEDY)
     collect(outs, eng.step())  # short's prefill: started and, with nothing to decode, waited for

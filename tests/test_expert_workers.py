@@ -1,4 +1,5 @@
-"""The CPU runtime on its worker threads gives what it gives inline; worker errors reach the caller."""
+"""The CPU runtime on its worker threads gives what it gives inline;
+worker errors reach the caller."""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
-"""GGUF loading: every tiny architecture written in llama.cpp's layout loads to transformers' logits;
-quantized blocks dequantize as the format spec says; the real SmolLM2 Q4_1 file matches transformers."""
+"""GGUF loading: every tiny architecture written in llama.cpp's layout loads to transformers'
+logits; quantized blocks dequantize as the format spec says; the real SmolLM2 Q4_1 file matches
+transformers."""
 
 import json
 
@@ -23,8 +24,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny_reference(arch: str, out):
-    """A tiny transformers model saved in `out`. DeepSeek: GGUF has one yarn mscale, so mscale is set to
-    mscale_all_dim (as in the real V2/V3 configs) and the reference reloaded with it."""
+    """A tiny transformers model saved in `out`. DeepSeek: GGUF has one yarn mscale, so mscale is
+    set to mscale_all_dim (as in the real V2/V3 configs) and the reference reloaded with it."""
     ref = build_tiny(arch, out)
     cfg = json.loads((out / "config.json").read_text())
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -46,7 +47,8 @@ def round_through_f16(model) -> None:
 
 
 def our_logits(model, ids: list[int]) -> torch.Tensor:
-    """Prefill half the ids, decode the rest one by one: fp32 logits [n - n//2, V] of the decode steps."""
+    """Prefill half the ids, decode the rest one by one: fp32 logits [n - n//2, V] of the decode
+    steps."""
     cache, half = SequenceKV(), len(ids) // 2
     forward_step(model, cache, ids[:half], 0)
     return torch.stack([forward_step(model, cache, [ids[i]], i) for i in range(half, len(ids))])
@@ -145,7 +147,8 @@ def expert_count(cfg: dict):
     )
 
 
-# ---- quantized blocks, against a dequantizer written from the format spec (ggml-quants.c layouts) ----
+# ---- quantized blocks, against a dequantizer written from the format spec
+# (ggml-quants.c layouts) ----
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -172,7 +175,8 @@ def ref_dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def ref_q4_k(raw: np.ndarray) -> np.ndarray:
-    """Q4_K super-block (256 values): d, dmin: f16; scales: 12 bytes of 6-bit (scale, min) x 8; qs: 128 bytes."""
+    """Q4_K super-block (256 values): d, dmin: f16; scales: 12 bytes of 6-bit (scale, min) x 8;
+    qs: 128 bytes."""
     d, dmin, sc, qs = (
         _f16(raw[:, 0:2]),
         _f16(raw[:, 2:4]),
@@ -266,7 +270,8 @@ _K_QUANT_CFG = HFConfig({"model_type": "llama", "num_attention_heads": 1, "num_k
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
-    """gguf cannot quantize K-quants, so random blocks are crafted (sane fp16 scales) and written raw."""
+    """gguf cannot quantize K-quants,
+    so random blocks are crafted (sane fp16 scales) and written raw."""
     rows, cols = 6, 512
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
@@ -310,7 +315,8 @@ def test_smollm2_logits_match_transformers_gguf_load(smollm2, monkeypatch):
     from transformers import LlamaForCausalLM
 
     # transformers rebuilds gguf's tensor-name map once per tensor (~14 s here) and parses the file
-    # through slow memmap slicing; both are pure, so they are sped up: its weights and arithmetic are unchanged
+    # through slow memmap slicing; both are pure, so they are sped up: its weights and arithmetic
+    # are unchanged
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
     monkeypatch.setattr(gguf, "GGUFReader", gguf_file.Reader)
     path, tok, ours = smollm2

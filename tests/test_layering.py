@@ -109,8 +109,8 @@ def test_simulate_and_plan_run_without_torch(tmp_path):
     trace = tmp_path / "t.jsonl"
     code = (
         "from hybridmoe.cli import main\n"
-        f"assert main(['simulate', '--synthetic', 'tokens=40,seed=1', '--model-shape', 'olmoe-1b-7b', "
-        f"'--no-oracle', '--write-trace', {str(trace)!r}]) == 0\n"
+        "assert main(['simulate', '--synthetic', 'tokens=40,seed=1', '--model-shape', "
+        f"'olmoe-1b-7b', '--no-oracle', '--write-trace', {str(trace)!r}]) == 0\n"
         "assert main(['plan', '--hardware', 'rtx4090-ddr5', '--model-shape', 'olmoe-1b-7b']) == 0\n"
         "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
     )

@@ -1,5 +1,5 @@
-"""MLA's two ways to attend — expanding the cached latents, or absorbing kv_b_proj into the queries —
-are the same function."""
+"""MLA's two ways to attend — expanding the cached latents, or absorbing kv_b_proj into the queries
+— are the same function."""
 
 import torch
 

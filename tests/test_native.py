@@ -25,7 +25,8 @@ def bf16(*shape, gen):
 
 
 def assert_close_to_float64(got, w, x):
-    """got: [M, N] fp32 against x @ w^T in float64; bf16 products are exact, only the fp32 sums round."""
+    """got: [M, N] fp32 against x @ w^T in float64; bf16 products are exact,
+    only the fp32 sums round."""
     ref = x.double() @ w.double().t()  # [M, N]
     scale = (
         x.double().abs() @ w.double().abs().t()
@@ -92,7 +93,8 @@ def test_expert_matches_swiglu_with_one_bf16_rounding(m, hidden, inter):
     ref = swiglu_reference(x, gate_up, down)
     got = native.expert(x, gate_up, down)
     assert got.dtype == torch.float32 and got.shape == (m, hidden)
-    # A few entries of h may round the other way (g, u differ from float64 by fp32 rounding): a loose bound.
+    # A few entries of h may round the other way (g, u differ from float64 by fp32 rounding):
+    # a loose bound.
     assert torch.allclose(got.double(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
     # ... and it is much closer than torch's own bf16 path is to the same reference
     gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
@@ -104,7 +106,8 @@ def test_expert_matches_swiglu_with_one_bf16_rounding(m, hidden, inter):
 
 @pytest.fixture
 def torch_only(monkeypatch):
-    """Within the test, the native path switched off as HYBRIDMOE_NATIVE=0 does (available() False)."""
+    """Within the test, the native path switched off as HYBRIDMOE_NATIVE=0 does (available()
+    False)."""
 
     def run(fn, *args):
         with monkeypatch.context() as m:
@@ -183,7 +186,8 @@ def _available_in_subprocess(env: dict) -> str:
 
 def test_switched_off_or_without_a_compiler_torch_keeps_the_work(tmp_path):
     assert _available_in_subprocess({"HYBRIDMOE_NATIVE": "0"}) == "False"
-    # a fresh cache and no compiler: nothing to load, no error, and no half-written library left behind
+    # a fresh cache and no compiler: nothing to load, no error,
+    # and no half-written library left behind
     assert (
         _available_in_subprocess({"XDG_CACHE_HOME": str(tmp_path), "CC": "/nonexistent/cc"})
         == "False"

@@ -1,6 +1,6 @@
-"""The native prefill-attention kernel: a chunk of n queries, the last n of L positions, over its bf16
-history with a causal mask. Against plain softmax attention in float64, and in the engine against
-torch's path."""
+"""The native prefill-attention kernel: a chunk of n queries, the last n of L positions, over its
+bf16 history with a causal mask. Against plain softmax attention in float64, and in the engine
+against torch's path."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ needs_kernels = pytest.mark.skipif(
 
 
 def reference(q, k, v, scale):
-    """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv] in float64; query i sits at position
-    L - n + i and sees keys 0..L-n+i; query head i uses KV head i // (h // kvh)."""
+    """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv] in float64; query i sits at
+    position L - n + i and sees keys 0..L-n+i; query head i uses KV head i // (h // kvh)."""
     n, L, groups = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     k, v = (
         k.double().repeat_interleave(groups, 1),
@@ -37,7 +37,8 @@ def inputs(n, L, heads, kv_heads, d, dv, seed):
     return q, k, v
 
 
-# MHA and GQA; head sizes that are multiples of 32 and ones that are not (odd, masked tails), dv != d
+# MHA and GQA; head sizes that are multiples of 32 and ones that are not (odd, masked tails),
+# dv != d
 LAYOUTS = [
     (9, 3, 64, 64),
     (32, 4, 128, 128),
@@ -93,7 +94,8 @@ def test_a_query_sees_the_same_keys_whatever_chunk_it_came_in():
 
 @needs_kernels
 def test_histories_may_be_strided_views():
-    """K and V as rows of wider pools (a paged pool's consecutive blocks, MLA's split keys and values)."""
+    """K and V as rows of wider pools (a paged pool's consecutive blocks, MLA's split keys and
+    values)."""
     gen = torch.Generator().manual_seed(9)
     pool = torch.randn(400, 2, 3, 48, generator=gen).to(torch.bfloat16)  # [slots, k|v, kvh, d]
     q = torch.randn(90, 6, 40, generator=gen).to(torch.bfloat16)

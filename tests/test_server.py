@@ -1,5 +1,6 @@
 """The HTTP server, as clients see it: the official openai client and plain HTTP against a real
-uvicorn server. Every bad request is a 4xx with OpenAI's error body, and the server keeps serving."""
+uvicorn server. Every bad request is a 4xx with OpenAI's error body, and the server keeps
+serving."""
 
 import asyncio
 import json
@@ -32,7 +33,8 @@ def start(path, name, **config):
 
 @pytest.fixture(scope="module")
 def served():
-    # prefill beside decode, as `hybridmoe serve` runs the CPU runtime on a machine of two cores or more
+    # prefill beside decode, as `hybridmoe serve` runs the CPU runtime on a machine of two
+    # cores or more
     server, engine, tok = start(
         tiny_chat_model(),
         "tiny",

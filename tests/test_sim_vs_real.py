@@ -1,6 +1,7 @@
 """The sim-vs-real pipeline (hybridmoe bench sim-vs-real) on a tiny model: the engine's run and the
 simulator's replay of its trace both produce finite figures, and on the same routing with the same
-cost profile the simulator predicts what the runtime's own planner predicted. No timing is asserted."""
+cost profile the simulator predicts what the runtime's own planner predicted. No timing is
+asserted."""
 
 from __future__ import annotations
 

@@ -172,7 +172,8 @@ def test_the_simulators_shape_has_the_models_dense_layers_between_moe_layers(arc
 
 
 def test_moe_layer_freq_spaces_deepseek_moe_layers():
-    # DeepSeek's rule (its modeling code): MoE from first_k_dense_replace on, every moe_layer_freq-th layer.
+    # DeepSeek's rule (its modeling code): MoE from first_k_dense_replace on,
+    # every moe_layer_freq-th layer.
     cfg = {
         "hidden_size": 8,
         "moe_intermediate_size": 4,

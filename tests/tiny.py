@@ -1,4 +1,5 @@
-"""Tiny random-weight models built with transformers' own classes: the reference for parity tests."""
+"""Tiny random-weight models built with transformers' own classes: the reference for parity
+tests."""
 
 from __future__ import annotations
 
@@ -96,9 +97,9 @@ def _qwen2_moe():
     )
 
 
-# DeepSeek: MLA (nope 8 + rope 8 query/key dims, values 12), YaRN with mscale != mscale_all_dim so that
-# both the cos/sin factor and the softmax scale matter; layer 0 dense, 1-2 MoE with a shared expert;
-# 8 experts in 4 groups of which 2 are kept, so group-limited routing changes choices.
+# DeepSeek: MLA (nope 8 + rope 8 query/key dims, values 12), YaRN with mscale != mscale_all_dim so
+# that both the cos/sin factor and the softmax scale matter; layer 0 dense, 1-2 MoE with a shared
+# expert; 8 experts in 4 groups of which 2 are kept, so group-limited routing changes choices.
 DEEPSEEK_COMMON = dict(
     **{**TINY_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
     intermediate_size=96,
@@ -191,8 +192,9 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def bf16_batch_greedy(arch: str, out: Path):
-    """A tiny bf16 `arch` model built in `out`, and a function that runs six prompts (1 to 40 tokens)
-    through the batching engine with chunked prefill, greedily: to compare a kernel on and off."""
+    """A tiny bf16 `arch` model built in `out`, and a function that runs six prompts (1 to 40
+    tokens) through the batching engine with chunked prefill, greedily: to compare a kernel on and
+    off."""
     from hybridmoe.engine.config import EngineConfig
     from hybridmoe.engine.llm_engine import LLMEngine
     from hybridmoe.engine.sampler import SamplingParams

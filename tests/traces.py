@@ -17,5 +17,6 @@ def shared_trace(name: str) -> Path:
         if path.is_file():
             return path
     pytest.fail(
-        f"{name} is not in any shared/traces/ beside {ROOT}; the tests need the shared routing traces"
+        f"{name} is not in any shared/traces/ beside {ROOT}; the tests need the shared routing "
+        "traces"
     )

@@ -1,4 +1,5 @@
-"""`hybridmoe bench generate`: prefill and decode tok/s of one model, optionally beside transformers.
+"""`hybridmoe bench generate`: prefill and decode tok/s of one model, optionally beside
+transformers.
 
 Both engines are loaded into one process, see the same random prompt, and decode greedily for the
 same number of steps with the same torch threads. Each measurement is repeated after a warm-up run
@@ -69,7 +70,8 @@ def _check(args) -> None:
 
 
 def measure(engines: dict, prompt: list[int], max_tokens: int, repeats: int, warmup: int) -> dict:
-    """Run each `engine(prompt, max_tokens) -> (prefill_s, decode_s, decode_steps)` warmup + repeats times.
+    """Run each `engine(prompt, max_tokens) -> (prefill_s, decode_s, decode_steps)` warmup + repeats
+    times.
 
     The engines take turns within each repeat (in alternating order), so that a burst of load from
     other processes on a shared machine falls on both rather than on one engine's whole series.
@@ -109,7 +111,8 @@ def hybridmoe_engine(model):
 
 
 def transformers_engine(model):
-    """transformers' forward with its DynamicCache, greedy, in a plain loop (no generate() overhead)."""
+    """transformers' forward with its DynamicCache, greedy,
+    in a plain loop (no generate() overhead)."""
     from transformers import DynamicCache
 
     @torch.inference_mode()
@@ -171,7 +174,8 @@ def run_benchmark(args) -> dict:
 
 
 def machine() -> dict:
-    """What the figures depend on; the load average shows whether other processes shared the cores."""
+    """What the figures depend on; the load average shows whether other processes shared the
+    cores."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -189,8 +193,8 @@ def run(args) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        f"{result['model']}  {result['dtype']}  prompt {result['prompt_len']}  decode {result['max_tokens']} tokens"
-        f"  threads {result['threads']}  median of {result['repeats']}"
+        f"{result['model']}  {result['dtype']}  prompt {result['prompt_len']}  decode "
+        f"{result['max_tokens']} tokens  threads {result['threads']}  median of {result['repeats']}"
         f"  load average {result['machine']['load_avg_1min']} -> {result['load_avg_1min_after']}"
     )
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>15}")

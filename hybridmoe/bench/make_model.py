@@ -9,8 +9,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "make-model",
         help="write a random-weight model with the layer shapes of a real MoE",
-        description="Build a random-weight model with a real MoE's layer shapes using transformers' "
-        "own class, and save it (atomically) as a Hugging Face directory.",
+        description="Build a random-weight model with a real MoE's layer shapes using "
+        "transformers' own class, and save it (atomically) as a Hugging Face directory.",
     )
     p.add_argument(
         "--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b", help="whose layer shapes"

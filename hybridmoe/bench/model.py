@@ -59,7 +59,8 @@ SHAPES = {
 
 
 def build_reference(shape: str, layers: int, dtype: torch.dtype, seed: int = 0):
-    """A random-weight transformers Qwen3MoeForCausalLM with `shape`'s layers, made directly in `dtype`."""
+    """A random-weight transformers Qwen3MoeForCausalLM with `shape`'s layers,
+    made directly in `dtype`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if shape not in SHAPES:
@@ -80,7 +81,8 @@ def build_reference(shape: str, layers: int, dtype: torch.dtype, seed: int = 0):
 def make_model(
     shape: str, layers: int, out: str | Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ) -> Path:
-    """Build and save a benchmark model into `out`, atomically (a temporary sibling, then a rename)."""
+    """Build and save a benchmark model into `out`,
+    atomically (a temporary sibling, then a rename)."""
     out = Path(out).expanduser().resolve()
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it or choose another --out")

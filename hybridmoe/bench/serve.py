@@ -9,16 +9,17 @@ Per request: time to first token (TTFT), prefill tok/s = prompt tokens / TTFT, d
 (completion tokens - 1) / (last chunk - first chunk), inter-token latencies (gaps between chunks).
 Aggregated per level, two ways:
 
-- over the window (the stricter): decode tok/s = all requests' decode tokens / the span from the first
-  request's first token to the last request's last token, so it includes the prefill steps of requests
-  that started decoding later; prefill tok/s = all prompt tokens / the span from sending to the last
-  first token.
+- over the window (the stricter): decode tok/s = all requests' decode tokens / the span from the
+  first request's first token to the last request's last token, so it includes the prefill steps of
+  requests that started decoding later; prefill tok/s = all prompt tokens / the span from sending to
+  the last first token.
 - summed, as KTransformers' test_speed.py reports "total decode speed": the sum over the concurrent
-  requests of each one's decode tok/s (and likewise prefill tok/s). Each request's speeds come from the
-  phase times the server reports in `usage` when asked (`return_speed`, KTransformers' extension:
-  prefill_time from being scheduled to the first token, decode_time from the first token to the last),
-  else from the client's clock as above. test_speed.py divides all completion tokens by decode_time;
-  the first token comes from prefill, so here it is (completion tokens - 1) / decode_time.
+  requests of each one's decode tok/s (and likewise prefill tok/s). Each request's speeds come from
+  the phase times the server reports in `usage` when asked (`return_speed`, KTransformers'
+  extension: prefill_time from being scheduled to the first token, decode_time from the first token
+  to the last), else from the client's clock as above. test_speed.py divides all completion tokens
+  by decode_time; the first token comes from prefill, so here it is (completion tokens - 1) /
+  decode_time.
 """
 
 from __future__ import annotations
@@ -245,21 +246,23 @@ def _model_name(args) -> str:
 
 def _print_table(results: list[dict]) -> None:
     print(
-        f"{'prompt':>6} {'conc':>4} | {'prefill tok/s':>13} {'(window)':>8} {'(sum)':>8} | {'decode tok/s':>12} "
-        f"{'(window)':>8} {'(sum)':>8} | {'TTFT p50 s':>10} {'p90':>7} | {'ITL p50 ms':>10} {'p90':>7} {'p99':>7}"
+        f"{'prompt':>6} {'conc':>4} | {'prefill tok/s':>13} {'(window)':>8} {'(sum)':>8} | "
+        f"{'decode tok/s':>12} {'(window)':>8} {'(sum)':>8} | {'TTFT p50 s':>10} {'p90':>7} | "
+        f"{'ITL p50 ms':>10} {'p90':>7} {'p99':>7}"
     )
     for r in results:
         print(
             f"{r['prompt_len']:>6} {r['concurrency']:>4} | {r['prefill_tps_per_request']:>13.1f} "
-            f"{r['prefill_tps_aggregate']:>8.1f} {r['prefill_tps_sum']:>8.1f} | {r['decode_tps_per_request']:>12.2f} "
-            f"{r['decode_tps_aggregate']:>8.2f} {r['decode_tps_sum']:>8.2f} | "
-            f"{r['ttft_s']['p50']:>10.3f} {r['ttft_s']['p90']:>7.3f} | {r['itl_ms']['p50']:>10.1f} "
-            f"{r['itl_ms']['p90']:>7.1f} {r['itl_ms']['p99']:>7.1f}"
+            f"{r['prefill_tps_aggregate']:>8.1f} {r['prefill_tps_sum']:>8.1f} | "
+            f"{r['decode_tps_per_request']:>12.2f} {r['decode_tps_aggregate']:>8.2f} "
+            f"{r['decode_tps_sum']:>8.2f} | {r['ttft_s']['p50']:>10.3f} {r['ttft_s']['p90']:>7.3f} "
+            f"| {r['itl_ms']['p50']:>10.1f} {r['itl_ms']['p90']:>7.1f} {r['itl_ms']['p99']:>7.1f}"
         )
     times = {r["speed_times"] for r in results}
     print(
         "window: all tokens / the span they took (the first token to the last, across requests); "
-        f"sum: each request's own tok/s added up, as KTransformers' test_speed.py (times from the {'/'.join(times)})"
+        "sum: each request's own tok/s added up, as KTransformers' test_speed.py (times from the "
+        f"{'/'.join(times)})"
     )
 
 

@@ -86,7 +86,8 @@ def measure(path: Path, cost, trace: Path, prompt_ids: list[int], max_tokens: in
 
 
 def simulate_trace(trace: Path, config_json: Path, cost) -> dict:
-    """The same trace through the simulator, cpu policy, every token measured (nothing to warm up)."""
+    """The same trace through the simulator, cpu policy,
+    every token measured (nothing to warm up)."""
     from hybridmoe.experts.plan.trace_format import read_trace
     from hybridmoe.experts.run.hybrid_runtime import device_cost
     from hybridmoe.sim.locality import consecutive_overlap
@@ -134,9 +135,10 @@ def run(args) -> int:
     )
     print(json.dumps(out, indent=2))
     print(
-        f"simulated {out['simulated_ms_per_token']:.2f} ms/token vs measured {out['measured_ms_per_token']:.2f} "
-        f"({100 * (out['simulated_over_measured'] - 1):+.0f}%); the run had {100 * out['cpu_share']:.0f}% of a core: "
-        f"measured x share {out['measured_times_cpu_share_ms_per_token']:.2f} "
+        f"simulated {out['simulated_ms_per_token']:.2f} ms/token vs measured "
+        f"{out['measured_ms_per_token']:.2f} ({100 * (out['simulated_over_measured'] - 1):+.0f}%); "
+        f"the run had {100 * out['cpu_share']:.0f}% of a core: measured x share "
+        f"{out['measured_times_cpu_share_ms_per_token']:.2f} "
         f"({100 * (out['simulated_over_measured_times_share'] - 1):+.0f}%)",
         file=sys.stderr,
     )

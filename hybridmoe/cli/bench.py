@@ -1,4 +1,5 @@
-"""`hybridmoe bench SUB`: benchmarks (not tests). Each sub-benchmark is a module with `add_parser(sub)`."""
+"""`hybridmoe bench SUB`: benchmarks (not tests). Each sub-benchmark is a module with
+`add_parser(sub)`."""
 
 from __future__ import annotations
 

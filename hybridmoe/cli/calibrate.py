@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
         "--dtype",
         choices=["auto", *sorted(DTYPES)],
         default="auto",
-        help="expert weights' dtype (auto: as the model commands choose, bfloat16 on CPUs with native bf16)",
+        help="expert weights' dtype (auto: as the model commands choose, bfloat16 on CPUs with "
+        "native bf16)",
     )
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: all cores)"
@@ -63,7 +64,7 @@ def run(args) -> int:
     try:
         result.save(out)
     except OSError as e:
-        raise UserError(f"cannot write {out} ({e.strerror}); pass a writable --out path")
+        raise UserError(f"cannot write {out} ({e.strerror}); pass a writable --out path") from None
     print(report(result), file=sys.stderr)
     print(f"saved {out}")
     return 0
@@ -73,7 +74,7 @@ def parse_shape(text: str) -> tuple[int, int]:
     try:
         hidden, inter = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise UserError(f"--expert-shape {text}: give hidden x intermediate, e.g. 576x48")
+        raise UserError(f"--expert-shape {text}: give hidden x intermediate, e.g. 576x48") from None
     if hidden < 1 or inter < 1:
         raise UserError(f"--expert-shape {text}: both sizes must be positive")
     return hidden, inter
@@ -102,7 +103,8 @@ def cpu_line(p) -> str:
     )
     batched = (
         f"{f'n >= {p.cpu_gemm_from}' if p.bw_cpu_one else 'every n'}: {overlap} streaming at "
-        f"{p.bw_cpu / 1e9:.1f} GB/s and arithmetic at {p.f_cpu / 1e9:.0f} GFLOP/s, + {p.c_cpu * 1e6:.0f} us"
+        f"{p.bw_cpu / 1e9:.1f} GB/s and arithmetic at {p.f_cpu / 1e9:.0f} GFLOP/s, + "
+        f"{p.c_cpu * 1e6:.0f} us"
     )
     if not p.bw_cpu_one:
         return batched
@@ -114,7 +116,10 @@ def cpu_line(p) -> str:
             f"{bw / 1e9:.0f} GB/s within {cap / 2**20:.0f} MiB" for cap, bw in p.cpu_caches if bw
         ]
         ram = p.bw_cpu_reread or p.bw_cpu_one
-        line += f"; re-reads {', '.join(levels + [f'{ram / 1e9:.0f} GB/s beyond'])} + {p.c_cpu_reread * 1e6:.0f} us"
+        line += (
+            f"; re-reads {', '.join(levels + [f'{ram / 1e9:.0f} GB/s beyond'])} + "
+            f"{p.c_cpu_reread * 1e6:.0f} us"
+        )
     return f"{batched}; {line}"
 
 
@@ -128,8 +133,8 @@ def report(result) -> str:
     ]
     if p.has_gpu:
         lines.append(
-            f"GPU: {p.bw_gpu / 1e9:.0f} GB/s, {p.f_gpu / 1e12:.1f} TFLOP/s, {p.c_gpu * 1e6:.0f} us; "
-            f"PCIe {p.bw_pcie / 1e9:.1f} GB/s + {p.c_copy * 1e6:.0f} us per copy"
+            f"GPU: {p.bw_gpu / 1e9:.0f} GB/s, {p.f_gpu / 1e12:.1f} TFLOP/s, {p.c_gpu * 1e6:.0f} "
+            f"us; PCIe {p.bw_pcie / 1e9:.1f} GB/s + {p.c_copy * 1e6:.0f} us per copy"
         )
     if result.model:
         lines.append(model_fit_line(result))
@@ -144,6 +149,7 @@ def report(result) -> str:
             f"{c.predicted * 1e3:>8.3f}ms {100 * c.error:>+6.1f}%"
         )
     lines.append(
-        f"largest CPU error on held-out shapes: {100 * result.max_cpu_error():.1f}% (target: within 20%)"
+        f"largest CPU error on held-out shapes: {100 * result.max_cpu_error():.1f}% (target: "
+        "within 20%)"
     )
     return "\n".join(lines)

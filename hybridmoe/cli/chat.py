@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "chat",
         help="chat interactively with a model",
-        description="Chat with a model in the terminal. Empty line or Ctrl-D quits; /reset forgets.",
+        description="Chat with a model in the terminal. Empty line or Ctrl-D quits; /reset "
+        "forgets.",
     )
     add_model_options(p)
     p.add_argument("--system", default=None, help="system message")

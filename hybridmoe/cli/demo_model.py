@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
         "--shared",
         type=float,
         default=DEFAULT_SPEC.shared,
-        help=f"fraction of each FFN's neurons in an always-active shared expert ({DEFAULT_SPEC.shared}; 0: none)",
+        help="fraction of each FFN's neurons in an always-active shared expert "
+        f"({DEFAULT_SPEC.shared}; 0: none)",
     )
     p.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     p.add_argument(

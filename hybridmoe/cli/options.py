@@ -1,4 +1,5 @@
-"""Options shared by the commands that load a model, and the one place that turns them into objects."""
+"""Options shared by the commands that load a model,
+and the one place that turns them into objects."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         metavar="PATH",
-        help="Hugging Face directory or .gguf file (default: the built-in demo model, built on first use)",
+        help="Hugging Face directory or .gguf file (default: the built-in demo model, built on "
+        "first use)",
     )
     g.add_argument(
         "--tokenizer",
@@ -107,7 +109,8 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--record-trace",
         metavar="FILE",
-        help="record this run's routing as a JSONL trace: a line per decode token, with its request id",
+        help="record this run's routing as a JSONL trace: a line per decode token, with its "
+        "request id",
     )
 
 
@@ -133,8 +136,9 @@ def _device(args: argparse.Namespace) -> str:
 
 
 def runtime_factory(args: argparse.Namespace):
-    """The expert runtime the options ask for: make_runtime decides from where experts may run, never
-    from what is observed (--stats, --record-trace, ... attach observers to whichever runs)."""
+    """The expert runtime the options ask for: make_runtime decides from where experts may run,
+    never from what is observed (--stats, --record-trace, ... attach observers to whichever
+    runs)."""
     from hybridmoe.experts.plan.cache import parse_budget
     from hybridmoe.experts.run.calibrate import load_or_calibrate
     from hybridmoe.experts.run.hybrid_runtime import HybridConfig, make_runtime
@@ -155,7 +159,8 @@ def runtime_factory(args: argparse.Namespace):
 
 
 def attach_observers(model, routing_trace=None, record_trace=None, expert_stats_out=None) -> None:
-    """What the options ask to watch: routing replayed from a trace, recorded to one, activation counts."""
+    """What the options ask to watch: routing replayed from a trace, recorded to one,
+    activation counts."""
     from hybridmoe.experts.run.observers import ActivationCounter, RoutingReplay, TraceRecorder
 
     runtime = model.runtime
@@ -173,7 +178,8 @@ def attach_observers(model, routing_trace=None, record_trace=None, expert_stats_
 
 
 def finish_runtime(model, args: argparse.Namespace) -> None:
-    """After a command's run: print the runtime's stats if --stats; write its trace and statistics."""
+    """After a command's run: print the runtime's stats if --stats;
+    write its trace and statistics."""
     runtime = model.runtime
     if runtime is None:
         return
@@ -184,8 +190,8 @@ def finish_runtime(model, args: argparse.Namespace) -> None:
 
 @contextmanager
 def loaded_model(args: argparse.Namespace):
-    """(model, tokenizer) for the run of a command; what its observers were asked to write is written
-    when the run ends, however it ends."""
+    """(model, tokenizer) for the run of a command; what its observers were asked to write is
+    written when the run ends, however it ends."""
     model, tokenizer = load_from_args(args)
     try:
         yield model, tokenizer

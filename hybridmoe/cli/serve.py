@@ -22,8 +22,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, "
-        "batching concurrent requests (default model: the built-in demo model).",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+        "/metrics, batching concurrent requests (default model: the built-in demo model).",
     )
     add_model_options(p)
     g = p.add_argument_group("server")
@@ -43,8 +43,8 @@ def add_parser(sub) -> None:
         "--overlap-prefill",
         choices=("auto", "on", "off"),
         default="auto",
-        help="prefill prompts on a second core while the first decodes (auto: on with the CPU expert "
-        "runtime, one torch thread and at least two cores)",
+        help="prefill prompts on a second core while the first decodes (auto: on with the CPU "
+        "expert runtime, one torch thread and at least two cores)",
     )
     p.set_defaults(func=run)
 
@@ -56,7 +56,8 @@ def engine_config(args) -> EngineConfig:
             raise UserError(f"--{name.replace('_', '-')} {value}: give a positive number")
     if args.kv_cache_tokens < args.block_size:
         raise UserError(
-            f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); raise it"
+            f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); "
+            "raise it"
         )
     return EngineConfig(**values)
 
@@ -70,8 +71,8 @@ def overlap_prefill(args, model) -> bool:
     fits = overlap_unsupported(model) is None and available_cores() >= 2
     if args.overlap_prefill == "on" and not fits:
         raise UserError(
-            "--overlap-prefill on needs the CPU expert runtime (no GPU options), --threads 1 and at "
-            "least two cores; leave it at auto"
+            "--overlap-prefill on needs the CPU expert runtime (no GPU options), --threads 1 and "
+            "at least two cores; leave it at auto"
         )
     return fits
 

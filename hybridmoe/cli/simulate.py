@@ -16,9 +16,11 @@ from hybridmoe.sim.shapes import SHAPES
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "simulate",
-        help="predict decode speed of each placement policy on modelled hardware from a routing trace",
-        description="Replay a routing trace through the same planner the engine runs, on a model of the "
-        "CPU, GPU and copy stream. The first --profile-tokens only build statistics; figures are on the rest.",
+        help="predict decode speed of each placement policy on modelled hardware from a routing "
+        "trace",
+        description="Replay a routing trace through the same planner the engine runs, on a model "
+        "of the CPU, GPU and copy stream. The first --profile-tokens only build statistics; "
+        "figures are on the rest.",
     )
     p.add_argument(
         "--trace", metavar="FILE", help="routing trace (JSONL, as written by --record-trace)"
@@ -39,7 +41,8 @@ def add_parser(subparsers) -> None:
         "--hardware",
         metavar="PROFILE",
         default="rtx4090-ddr5",
-        help=f"a profile ({', '.join(PROFILES)}) or a calibration JSON; comma-separate several with --sweep",
+        help=f"a profile ({', '.join(PROFILES)}) or a calibration JSON; comma-separate several "
+        "with --sweep",
     )
     p.add_argument(
         "--gpu-expert-budget",
@@ -109,14 +112,15 @@ def load_lines(args, shape):
             key, _, value = item.partition("=")
             if key not in SynthConfig.__dataclass_fields__ or not value:
                 raise UserError(
-                    f"--synthetic item {item!r} is not one of key=value for {', '.join(SynthConfig.__dataclass_fields__)}"
+                    f"--synthetic item {item!r} is not one of key=value for "
+                    f"{', '.join(SynthConfig.__dataclass_fields__)}"
                 )
             try:
                 setattr(
                     cfg, key, type(getattr(cfg, key))(float(value))
                 )  # int fields take 300 or 300.0
             except ValueError:
-                raise UserError(f"--synthetic item {item!r} needs a number")
+                raise UserError(f"--synthetic item {item!r} needs a number") from None
         lines = generate(cfg)
     if args.write_trace:
         write_trace(args.write_trace, lines)
@@ -171,19 +175,23 @@ def run(args: argparse.Namespace) -> int:
 
 def format_result(r: dict) -> str:
     lines = [
-        f"policy {r['policy']} on {r['hardware']} ({r['quant']} experts), budget {r['budget']} = {r['slots']} slots, "
-        f"{r['tokens']} measured tokens",
-        f"  expert time      {r['expert_ms_per_token']:.3f} ms/token  ->  {r['tokens_per_s']:.1f} tok/s (expert-bound)",
+        f"policy {r['policy']} on {r['hardware']} ({r['quant']} experts), budget {r['budget']} = "
+        f"{r['slots']} slots, {r['tokens']} measured tokens",
+        f"  expert time      {r['expert_ms_per_token']:.3f} ms/token  ->  {r['tokens_per_s']:.1f} "
+        "tok/s (expert-bound)",
         f"  hit rate         {r['hit_rate']:.3f}",
-        f"  copies           {r['copies_per_token']:.2f} /token, PCIe {r['pcie_mb_per_token']:.1f} MB/token",
+        f"  copies           {r['copies_per_token']:.2f} /token, PCIe {r['pcie_mb_per_token']:.1f} "
+        "MB/token",
         f"  busy             CPU {100 * r['cpu_busy']:.0f}%, GPU {100 * r['gpu_busy']:.0f}%",
-        f"  prefetch         {r['prefetches_per_token']:.2f} /token, precision {r['prefetch_precision']:.2f}; "
-        f"predictor precision {r['predictor_precision']:.2f}, recall {r['predictor_recall']:.2f}",
+        f"  prefetch         {r['prefetches_per_token']:.2f} /token, precision "
+        f"{r['prefetch_precision']:.2f}; predictor precision {r['predictor_precision']:.2f}, "
+        f"recall {r['predictor_recall']:.2f}",
     ]
     if "pct_of_oracle_speed" in r:
         lines.append(
-            f"  vs oracle        {r['pct_of_oracle_speed']:.1f}% of its speed ({r['oracle_expert_ms_per_token']:.3f} ms/token), "
-            f"{r['pct_of_min_hit_rate']:.1f}% of Belady MIN's hit rate ({r['belady_min_hit_rate']:.3f})"
+            f"  vs oracle        {r['pct_of_oracle_speed']:.1f}% of its speed "
+            f"({r['oracle_expert_ms_per_token']:.3f} ms/token), {r['pct_of_min_hit_rate']:.1f}% of "
+            f"Belady MIN's hit rate ({r['belady_min_hit_rate']:.3f})"
         )
     return "\n".join(lines)
 
@@ -195,7 +203,8 @@ def run_sweep(args, shape, lines) -> int:
     for name in policies:
         if name not in POLICIES and name != "oracle":
             raise UserError(
-                f"unknown policy {name!r} in --policies; use names from {', '.join([*POLICIES, 'oracle'])}"
+                f"unknown policy {name!r} in --policies; use names from "
+                f"{', '.join([*POLICIES, 'oracle'])}"
             )
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     rows = sweep(

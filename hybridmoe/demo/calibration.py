@@ -150,7 +150,10 @@ def generate(
         masks.append(torch.cat([att.bool(), alive], dim=1))
         scored.append(torch.cat([torch.zeros_like(att, dtype=torch.bool), alive], dim=1))
     L = max(r.shape[1] for r in rows)
-    pad_to = lambda t, v: torch.nn.functional.pad(t, (L - t.shape[1], 0), value=v)
+
+    def pad_to(t, v):
+        return torch.nn.functional.pad(t, (L - t.shape[1], 0), value=v)
+
     return Corpus(
         torch.cat([pad_to(r, pad) for r in rows]),
         torch.cat([pad_to(m, False) for m in masks]),

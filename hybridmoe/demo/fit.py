@@ -9,8 +9,8 @@ model's own hidden states (distillation), layer after layer:
 
 Layers are fitted in order on the calibration text as the MoE model built so far sees it, so each
 refit corrects what earlier layers got wrong instead of letting the errors compound. Figures and
-the variants that did not help: docs/notes/2026-11-21-demo-model-recipe.md. `python -m hybridmoe.demo.fit`
-reproduces the data shipped in hybridmoe/demo/data.
+the variants that did not help: docs/notes/2026-11-21-demo-model-recipe.md. `python -m
+hybridmoe.demo.fit` reproduces the data shipped in hybridmoe/demo/data.
 """
 
 from __future__ import annotations

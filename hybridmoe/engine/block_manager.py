@@ -1,9 +1,10 @@
-"""Paged KV bookkeeping: a pool of fixed-size blocks, a block table per sequence, and a prefix cache.
+"""Paged KV bookkeeping: a pool of fixed-size blocks, a block table per sequence, and a prefix
+cache.
 
-Plain Python over ids. A block holds `block_size` consecutive tokens of one sequence. Once a block is
-full and its entries are computed, it gets a key: (key of the previous block, its tokens), so equal
-keys mean equal token prefixes. A new sequence whose leading full blocks have known keys takes those
-blocks (reference counted) instead of recomputing them. A block whose count falls to 0 stays
+Plain Python over ids. A block holds `block_size` consecutive tokens of one sequence. Once a block
+is full and its entries are computed, it gets a key: (key of the previous block, its tokens), so
+equal keys mean equal token prefixes. A new sequence whose leading full blocks have known keys takes
+those blocks (reference counted) instead of recomputing them. A block whose count falls to 0 stays
 findable until it is handed out again: free blocks without a key are reused first, keyed ones in
 least-recently-freed order, so a repeated system prompt survives while memory allows.
 """
@@ -99,7 +100,8 @@ class BlockManager:
         seq.num_cached = seq.num_computed = 0
 
     def commit(self, seq: Sequence) -> None:
-        """Give keys to the sequence's blocks that are now full and computed, so others can share them."""
+        """Give keys to the sequence's blocks that are now full and computed,
+        so others can share them."""
         full = seq.num_computed // self.block_size
         if full == 0 or self.blocks[seq.block_table[full - 1]].key is not None:
             return
@@ -118,7 +120,8 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Extend the table to cover `num_tokens` tokens; False (and nothing taken) if blocks are short."""
+        """Extend the table to cover `num_tokens` tokens;
+        False (and nothing taken) if blocks are short."""
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free):
             return False
@@ -138,10 +141,11 @@ class BlockManager:
                     self.free.move_to_end(block_id, last=False)  # nothing to keep: reuse it first
         seq.block_table = []
 
-    # A sequence whose blocks are consecutive is attended to in place (paged_kv.history_index), without
-    # gathering its history into a copy. So a new sequence starts in the middle of the longest run of
-    # free blocks (the sequence before the run can grow into the first half), and a growing one takes
-    # the block after its last when that is free. Cached (keyed) blocks are left to the LRU order.
+    # A sequence whose blocks are consecutive is attended to in place (paged_kv.history_index),
+    # without gathering its history into a copy. So a new sequence starts in the middle of the
+    # longest run of free blocks (the sequence before the run can grow into the first half), and a
+    # growing one takes the block after its last when that is free. Cached (keyed) blocks are left
+    # to the LRU order.
     def _preferred(self, table: list[int]) -> int | None:
         if table:
             nxt = table[-1] + 1

@@ -34,11 +34,11 @@ class EngineConfig:
             "help": "longest prompt + output (default: the model's context, at most the KV cache)"
         },
     )
-    # Torch threads for passes of at least `threads_from_tokens` new tokens (prefill chunks), which are
-    # compute-bound and split well; smaller passes (decode) keep the thread count torch has. None: one
-    # count for every pass.
+    # Torch threads for passes of at least `threads_from_tokens` new tokens (prefill chunks), which
+    # are compute-bound and split well; smaller passes (decode) keep the thread count torch has.
+    # None: one count for every pass.
     prefill_threads: int | None = None
     threads_from_tokens: int = 64
-    # Prefill chunks on a second thread (one torch thread each) while this one decodes. Needs a model
-    # whose forward may run twice at once (the plain CPU expert runtime) and one torch thread.
+    # Prefill chunks on a second thread (one torch thread each) while this one decodes. Needs a
+    # model whose forward may run twice at once (the plain CPU expert runtime) and one torch thread.
     overlap_prefill: bool = False

@@ -1,4 +1,5 @@
-"""Generation for one prompt (the `generate` and `chat` commands): the batching engine with a batch of one."""
+"""Generation for one prompt (the `generate` and `chat` commands): the batching engine with a batch
+of one."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def generate_ids(
     eos_ids=frozenset(),
     stats: GenerationStats | None = None,
 ) -> Iterator[int]:
-    """Yield generated token ids until EOS (not yielded, but counted) or max_tokens; the engine, batch of one.
-    Stop strings are the caller's, on text."""
+    """Yield generated token ids until EOS (not yielded, but counted) or max_tokens; the engine,
+    batch of one. Stop strings are the caller's, on text."""
     stats = stats if stats is not None else GenerationStats()
     params = replace(params, stop=[])
     for out in _run(

@@ -3,7 +3,7 @@
     engine = LLMEngine(model, tokenizer, EngineConfig(...))
     engine.add_request(prompt_ids, SamplingParams(...), "req-1")
     while engine.has_unfinished():
-        for out in engine.step():      # schedule, one forward pass over the batch, sample, detokenize
+        for out in engine.step():  # schedule, one forward pass over the batch, sample, detokenize
             print(out.request_id, out.text, out.finished)
 
 Single-threaded by design; the server drives it from one background thread. With `overlap_prefill`
@@ -162,7 +162,8 @@ class LLMEngine:
 
     @property
     def expert_stats(self) -> dict:
-        """The expert runtime's totals and rates (its `stats.to_dict()`); empty for a dense model."""
+        """The expert runtime's totals and rates (its `stats.to_dict()`);
+        empty for a dense model."""
         runtime = self.model.runtime
         return runtime.stats.to_dict() if runtime is not None else {}
 
@@ -187,10 +188,11 @@ class LLMEngine:
     def _step_overlapped(self) -> list[RequestOutput]:
         """One decode pass on this thread while a prefill pass runs on the other.
 
-        The decode tokens are scheduled first (their blocks reserved), then, if the prefill thread is
-        free, a pass of prefill chunks and admissions starts there; neither may preempt a sequence of
-        the other. The prefill pass's results are taken when it has finished: after this step's
-        decode pass, or at once when there is nothing to decode (then this step waits for it).
+        The decode tokens are scheduled first (their blocks reserved), then, if the prefill thread
+        is free, a pass of prefill chunks and admissions starts there; neither may preempt a
+        sequence of the other. The prefill pass's results are taken when it has finished: after this
+        step's decode pass, or at once when there is nothing to decode (then this step waits for
+        it).
         """
         flying = self._in_flight.pinned if self._in_flight else frozenset()
         decode = self.scheduler.schedule(prefill=False, pinned=flying)
@@ -231,7 +233,8 @@ class LLMEngine:
         aborted: frozenset[Sequence] = frozenset(),
     ) -> list[RequestOutput]:
         """The pass's tokens are in the cache: sample a token from each row of `logits` [n, V] (the
-        sequences that may now sample, in batch order) but the aborted ones', whose blocks go now."""
+        sequences that may now sample, in batch order) but the aborted ones', whose blocks go
+        now."""
         done = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
@@ -247,7 +250,8 @@ class LLMEngine:
         return outputs
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
-        """Sample `seq`'s next token from its logits [V]; detokenize it and see whether it finishes."""
+        """Sample `seq`'s next token from its logits [V];
+        detokenize it and see whether it finishes."""
         req, params = self.requests[seq.request_id], seq.params
         token = sample(logits, params, req.generator, seq.prompt_ids, seq.output_ids)
         seq.append(token)
@@ -303,7 +307,8 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams],
         max_steps: int | None = None,
     ) -> list[list[int]]:
-        """Run `prompts` together to completion; the generated ids of each (EOS included when hit)."""
+        """Run `prompts` together to completion;
+        the generated ids of each (EOS included when hit)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         result: dict[str, list[int]] = {i: [] for i in ids}

@@ -1,5 +1,6 @@
 """Running the model on a scheduled batch: the pass's inputs, the forward pass, and the torch thread
-count it runs with; the KV cache it writes; and, with `overlap_prefill`, the thread of prefill passes.
+count it runs with; the KV cache it writes; and, with `overlap_prefill`, the thread of prefill
+passes.
 
     runner = ModelRunner(model, config, num_blocks)
     logits = runner.run(batch)       # [n, V] on this thread
@@ -24,13 +25,20 @@ from hybridmoe.engine.scheduler import Batch
 
 
 def overlap_unsupported(model) -> str | None:
-    """Why `model` cannot run a prefill pass beside a decode pass here (EngineConfig.overlap_prefill),
-    or None when it can: its expert runtime must allow two forward passes at once, and this thread
-    must run torch on one thread (each pass has a core to itself)."""
+    """Why `model` cannot run a prefill pass beside a decode pass here
+    (EngineConfig.overlap_prefill), or None when it can: its expert runtime must allow two forward
+    passes at once, and this thread must run torch on one thread (each pass has a core to
+    itself)."""
     if not model.reentrant:
-        return "the model's expert runtime cannot run two forward passes at once (the plain CPU runtime can)"
+        return (
+            "the model's expert runtime cannot run two forward passes at once (the plain CPU "
+            "runtime can)"
+        )
     if torch.get_num_threads() != 1:
-        return f"decode and prefill run on one core each; set torch's threads to 1 (it is {torch.get_num_threads()})"
+        return (
+            "decode and prefill run on one core each; set torch's threads to 1 (it is "
+            f"{torch.get_num_threads()})"
+        )
     return None
 
 
@@ -78,8 +86,8 @@ class ModelRunner:
             return self._run(inputs, decode_rows(batch, inputs.ctx.starts))
 
     def start(self, batch: Batch) -> Future:
-        """The same pass on the prefill thread (overlap_prefill): a future of (logits [n, V], seconds
-        the pass itself took, as the engine may take the result later)."""
+        """The same pass on the prefill thread (overlap_prefill): a future of (logits [n, V],
+        seconds the pass itself took, as the engine may take the result later)."""
         inputs = self._inputs(batch)  # here: the engine's thread goes on to change other sequences
         return self._prefill_pool.submit(
             self._timed_run, inputs, []

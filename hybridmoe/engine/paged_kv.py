@@ -50,7 +50,8 @@ class PagedKVCache:
 
 
 def history_index(block_table: list[int], length: int, block_size: int) -> torch.Tensor | slice:
-    """Slots of a sequence's first `length` tokens: a slice when its blocks are consecutive (no copy)."""
+    """Slots of a sequence's first `length` tokens: a slice when its blocks are consecutive (no
+    copy)."""
     first = block_table[0]
     if block_table[-1] - first == len(block_table) - 1 and block_table == list(
         range(first, first + len(block_table))
@@ -63,7 +64,8 @@ def history_index(block_table: list[int], length: int, block_size: int) -> torch
 @dataclass(frozen=True)
 class DecodeTables:
     """The sequences of a step that bring one token each, as a kernel reads their histories straight
-    from the pools (native.decode_attention): block tables, not gathered copies. int32 tensors [S]."""
+    from the pools (native.decode_attention): block tables, not gathered copies. int32 tensors
+    [S]."""
 
     seqs: list[int]  # their indices in the step
     rows: torch.Tensor  # their token's row in the step's [T] rows
@@ -103,8 +105,9 @@ class PagedKVContext:
 
     Besides `update`, layers may take the paged view: `write` the step's entries, then read the
     one-token sequences (`decode`) through their block tables and the others through `histories`.
-    Everything per step is computed here once, not per layer; the context holds no state that a layer
-    changes, so a decode pass and a prefill pass may run at once, each with its own context."""
+    Everything per step is computed here once, not per layer; the context holds no state that a
+    layer changes, so a decode pass and a prefill pass may run at once, each with its own
+    context."""
 
     def __init__(
         self,

@@ -66,7 +66,8 @@ class Scheduler:
     def schedule(
         self, decode: bool = True, prefill: bool = True, pinned: frozenset = frozenset()
     ) -> Batch:
-        """The next forward pass: decode tokens, prefill chunks (admitting waiting sequences), or both."""
+        """The next forward pass: decode tokens, prefill chunks (admitting waiting sequences),
+        or both."""
         batch, budget = Batch(), self.max_tokens_per_step
         chosen = [
             s
@@ -99,7 +100,8 @@ class Scheduler:
         return batch
 
     def _reserve(self, seq: Sequence, num_tokens: int, batch: Batch, pinned: frozenset) -> bool:
-        """Blocks for `seq` to hold `num_tokens`, preempting the newest unpinned sequences as needed."""
+        """Blocks for `seq` to hold `num_tokens`,
+        preempting the newest unpinned sequences as needed."""
         while not self.blocks.grow(seq, num_tokens):
             victim = next(
                 s for s in reversed(self.running) if s not in pinned

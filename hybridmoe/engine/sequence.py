@@ -45,7 +45,8 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        """Tokens still to run through the model before the next token can be sampled (1 when decoding)."""
+        """Tokens still to run through the model before the next token can be sampled (1 when
+        decoding)."""
         return len(self) - self.num_computed
 
     @property
@@ -60,7 +61,8 @@ class Sequence:
         self.output_ids.append(token)
 
     def reset_for_recompute(self) -> None:
-        """After preemption: the cache is gone, every token (prompt and output so far) is prefilled again."""
+        """After preemption: the cache is gone,
+        every token (prompt and output so far) is prefilled again."""
         self.block_table = []
         self.num_computed = 0
         self.num_cached = 0

@@ -28,27 +28,31 @@ class KVContext(Protocol):
     seq_lens: list[int]  # new tokens of each sequence in this step, in row order (sum = T)
 
     def update(self, layer: int, *entries: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """Append this step's entries ([T, ...] each) to `layer`'s cache; return each sequence's history."""
+        """Append this step's entries ([T, ...] each) to `layer`'s cache;
+        return each sequence's history."""
         ...
 
 
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv]; the n queries are the last n positions.
+    """q: [n, h, d], k: [L, kvh, d], v: [L, kvh, dv] -> [n, h, dv]; the n queries are the last n
+    positions.
 
-    The query heads that share a KV head are stacked as rows of one [g*n, d] matrix per KV head, so K
-    and V are never repeated (repeating them copied the whole history every layer and step). The
+    The query heads that share a KV head are stacked as rows of one [g*n, d] matrix per KV head, so
+    K and V are never repeated (repeating them copied the whole history every layer and step). The
     leading batch dimension matters: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
-    fall back to the unfused math path. Chunks of more than one bf16 query on the CPU take the native
-    kernel instead when it is available, several times faster (docs/notes/2026-11-24-measurements-in-code.md, "causal_attention").
+    fall back to the unfused math path. Chunks of more than one bf16 query on the CPU take the
+    native kernel instead when it is available, several times faster
+    (docs/notes/2026-11-24-measurements-in-code.md, "causal_attention").
     """
     n, heads, d = q.shape
     if n > 1 and native.prefill_applies(q, k, v):
         return native.prefill_attention(q, k, v, scale)
     length, kv_heads = k.shape[0], k.shape[1]
     groups = heads // kv_heads
-    # query head h uses KV head h // groups (as transformers' repeat_kv); row order is (group, position)
+    # query head h uses KV head h // groups (as transformers' repeat_kv);
+    # row order is (group, position)
     qg = (
         q.view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * n, d)
     )  # [1, kvh, g*n, d]
@@ -127,10 +131,11 @@ class Attention(nn.Module):
         """q: [T, h, d], k, v: [T, kvh, d] -> [T, h, d]: every sequence's queries over its history.
 
         Sequences that bring one token take the native kernel, reading K and V from the paged pools
-        through their block tables, when the context offers that view (`decode`) and the kernel takes
-        these tensors (bf16 on the CPU, native.available()); the others, and every sequence of any
-        other context, causal_attention over their history. The kernel needs no gather of a history
-        whose blocks are not consecutive (docs/notes/2026-11-24-measurements-in-code.md, "Attention.attend")."""
+        through their block tables, when the context offers that view (`decode`) and the kernel
+        takes these tensors (bf16 on the CPU, native.available()); the others, and every sequence of
+        any other context, causal_attention over their history. The kernel needs no gather of a
+        history whose blocks are not consecutive (docs/notes/2026-11-24-measurements-in-code.md,
+        "Attention.attend")."""
         scale = self.head_dim**-0.5
         out = q.new_empty(q.shape)  # [T, h, d]
         seqs = range(len(ctx.seq_lens))

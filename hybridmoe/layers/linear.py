@@ -5,9 +5,9 @@ Used by the attention, MLP and MLA layers and by the models' LM head; experts/ k
 
 A decode step of B sequences multiplies B rows by every dense weight. In fp32, torch's default
 kernel (MKL sgemm) is slow at 2 <= B <= 32 when the weight comes from memory, where oneDNN's linear
-on the same unpacked weights is about 1.5-4x faster (docs/notes/2026-11-24-measurements-in-code.md, "FEW_ROWS"). One row stays on
-F.linear, so single-sequence decode keeps its exact arithmetic; prefill chunks (many rows) and
-other dtypes (bf16 already goes to oneDNN) are unchanged.
+on the same unpacked weights is about 1.5-4x faster (docs/notes/2026-11-24-measurements-in-code.md,
+"FEW_ROWS"). One row stays on F.linear, so single-sequence decode keeps its exact arithmetic;
+prefill chunks (many rows) and other dtypes (bf16 already goes to oneDNN) are unchanged.
 
 Up to native.MAX_ROWS bf16 rows (bf16 decode, one row per sequence) go to the native kernel where it
 runs (hybridmoe/native: it streams the weight once for all rows, at about twice oneDNN's speed on
@@ -27,8 +27,8 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with x: [M, K], weight: [N, K] -> [M, N] on oneDNN for a few fp32 rows, on the native
-    kernel for a few bf16 rows."""
+    """F.linear, with x: [M, K], weight: [N, K] -> [M, N] on oneDNN for a few fp32 rows, on the
+    native kernel for a few bf16 rows."""
     rows = native.MAX_ROWS if torch.get_num_threads() == 1 else THREADED_NATIVE_ROWS
     if native.applies(x, weight, max_rows=rows) and not torch.is_grad_enabled():
         y = native.gemm(x, weight)  # [M, N] fp32

@@ -1,9 +1,10 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3): keys and values come from one small latent per token.
+"""Multi-head Latent Attention (DeepSeek-V2/V3): keys and values come from one small latent per
+token.
 
 Per token the cache holds only the latent c_kv [kv_lora_rank] (after kv_a_layernorm) and the rotated
-rope key k_pe [qk_rope_head_dim], shared by all heads: for DeepSeek-V3 that is 512 + 64 values instead
-of 2 * 128 heads * 128. At attention time kv_b_proj expands the history into per-head keys (no-rope
-part) and values.
+rope key k_pe [qk_rope_head_dim], shared by all heads: for DeepSeek-V3 that is 512 + 64 values
+instead of 2 * 128 heads * 128. At attention time kv_b_proj expands the history into per-head keys
+(no-rope part) and values.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from hybridmoe.layers.rotary import Rotary, apply_rotary, yarn_mscale
 
 
 def softmax_scale(qk_head_dim: int, rope: dict) -> float:
-    """1/sqrt(d), times YaRN's mscale(factor, mscale_all_dim) squared when the rope is scaled (DeepSeek)."""
+    """1/sqrt(d), times YaRN's mscale(factor, mscale_all_dim) squared when the rope is scaled
+    (DeepSeek)."""
     scale = qk_head_dim**-0.5
     mscale_all = rope.get("mscale_all_dim")
     if rope["rope_type"] != "default" and mscale_all:
@@ -29,14 +31,15 @@ def softmax_scale(qk_head_dim: int, rope: dict) -> float:
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., d] with rope pairs (x0, x1), (x2, x3), ... -> [..., d] as (x0, x2, ..., x1, x3, ...).
 
-    DeepSeek's weights rotate adjacent pairs; after this permutation the rotate-half RoPE does the same
-    rotation. Queries and keys are permuted alike, so their dot products do not change.
+    DeepSeek's weights rotate adjacent pairs; after this permutation the rotate-half RoPE does the
+    same rotation. Queries and keys are permuted alike, so their dot products do not change.
     """
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 class MLAttention(nn.Module):
-    """MLA with an optional low-rank query (q_lora_rank None: a plain q_proj, as DeepSeek-V2-Lite)."""
+    """MLA with an optional low-rank query (q_lora_rank None: a plain q_proj, as
+    DeepSeek-V2-Lite)."""
 
     def __init__(self, cfg, layer: int, rotary: Rotary, interleaved: bool):
         super().__init__()
@@ -75,7 +78,8 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.heads, self.nope + self.rope)  # [T, h, nope+rope]
 
     def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached latents c_kv [L, rank], k_pe [L, rope] -> keys [L, h, nope+rope], values [L, h, v]."""
+        """Cached latents c_kv [L, rank], k_pe [L, rope] -> keys [L, h, nope+rope],
+        values [L, h, v]."""
         L = c_kv.shape[0]
         kv = self.kv_b_proj(c_kv).view(L, self.heads, self.nope + self.v_dim)  # [L, h, nope+v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
@@ -102,8 +106,9 @@ class MLAttention(nn.Module):
         )  # [n, h, v]
 
     def _attend(self, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
-        # Expanding costs L * rank * h * (nope + v); absorbing costs about n * L * h * (2 * rank + rope)
-        # more than plain attention: absorb for decode and small chunks, expand for prefill.
+        # Expanding costs L * rank * h * (nope + v); absorbing costs about
+        # n * L * h * (2 * rank + rope) more than plain attention: absorb for decode and small
+        # chunks, expand for prefill.
         if q_nope.shape[0] * (2 * self.rank + self.rope) < self.rank * (self.nope + self.v_dim):
             return self._attend_absorbed(q_nope, q_pe, c_kv, k_pe)
         k, v = self._expand(c_kv, k_pe)

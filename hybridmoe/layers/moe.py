@@ -76,8 +76,8 @@ def sigmoid_group_topk(
     renormalize: bool = True,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3: sigmoid scores; the load-balancing bias `correction` [E] shifts which experts are
-    chosen (groups by their top-2 sum, then top-k) but not their weights.
+    """DeepSeek-V3: sigmoid scores; the load-balancing bias `correction` [E] shifts which experts
+    are chosen (groups by their top-2 sum, then top-k) but not their weights.
 
     logits: [T, E] (fp32) -> ids [T, k], weights [T, k].
     """
@@ -94,9 +94,9 @@ class SparseMoE(nn.Module):
 
     The routed experts' weights are not parameters of this module: the runtime holds them, so that
     it alone decides where each expert runs (CPU, GPU cache, GPU after a copy). Two router features
-    serve the runtime: the next MoE block's router, applied to this layer's input, is handed to it as
-    a hint (its predictor ranks the next layer's experts by it: the residual stream moves slowly),
-    and a routing replay (--routing-trace) may choose the experts instead of this router.
+    serve the runtime: the next MoE block's router, applied to this layer's input, is handed to it
+    as a hint (its predictor ranks the next layer's experts by it: the residual stream moves
+    slowly), and a routing replay (--routing-trace) may choose the experts instead of this router.
     """
 
     def __init__(self, shape, renormalize: bool, layer: int, runtime):
@@ -115,15 +115,16 @@ class SparseMoE(nn.Module):
         return softmax_topk(self.gate(x), self.top_k, self.renormalize)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts x [T, H] runs on: the router's choice, or the replayed trace's with this router's
-        weights for them."""
+        """The experts x [T, H] runs on: the router's choice, or the replayed trace's with this
+        router's weights for them."""
         if self.replay is None:
             return self.choose(x)
         ids = self.replay.ids(self.layer)  # [T, K]
         return ids, self.weights_at(x, ids)
 
     def router_probs(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> per-expert routing probability [T, E] (fp32): what ranks experts for top-k."""
+        """x: [T, H] -> per-expert routing probability [T, E] (fp32): what ranks experts for
+        top-k."""
         return F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
 
     def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

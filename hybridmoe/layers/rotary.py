@@ -8,7 +8,8 @@ import torch
 
 
 def rope_parameters(cfg) -> dict:
-    """rope_theta and rope_scaling from a config, old (rope_scaling) or new (rope_parameters) style."""
+    """rope_theta and rope_scaling from a config,
+    old (rope_scaling) or new (rope_parameters) style."""
     params = dict(cfg.get("rope_parameters", default=None) or {})
     scaling = dict(cfg.get("rope_scaling", default=None) or {})
     params = {**scaling, **params}
@@ -51,8 +52,8 @@ def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature factor for a context extension of `scale`; DeepSeek also squares it into
-    its softmax scale (mscale_all_dim)."""
+    """YaRN's attention temperature factor for a context extension of `scale`; DeepSeek also squares
+    it into its softmax scale (mscale_all_dim)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

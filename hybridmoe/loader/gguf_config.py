@@ -15,7 +15,8 @@ Shapes = dict[str, tuple[int, ...]]  # GGUF tensor name -> torch-order shape
 
 
 class Meta:
-    """`{arch}.<key>` lookups in a GGUF metadata dict; `need` names the file when a key is missing."""
+    """`{arch}.<key>` lookups in a GGUF metadata dict;
+    `need` names the file when a key is missing."""
 
     def __init__(self, meta: dict, arch: str, where: str):
         self.meta, self.arch, self.where = meta, arch, where
@@ -34,7 +35,8 @@ class Meta:
 
 
 def hf_config(meta: dict, shapes: Shapes, where: str) -> dict:
-    """The config.json dict of the model in a GGUF file with metadata `meta` and tensors `shapes`."""
+    """The config.json dict of the model in a GGUF file with metadata `meta` and tensors
+    `shapes`."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelFileError(
@@ -83,7 +85,8 @@ def _rope_scaling(m: Meta) -> dict | None:
             if (value := m.get(f"rope.scaling.{key}")) is not None:
                 scaling[hf] = value
         if (log_mul := m.get("rope.scaling.yarn_log_multiplier")) is not None:
-            # DeepSeek: the converter writes 0.1 * mscale_all_dim; mscale equals it in V2 and V3 configs
+            # DeepSeek: the converter writes 0.1 * mscale_all_dim;
+            # mscale equals it in V2 and V3 configs
             scaling["mscale"] = scaling["mscale_all_dim"] = round(log_mul / 0.1, 6)
     return scaling
 
@@ -107,7 +110,8 @@ def _llama(m: Meta, shapes: Shapes) -> dict:
             "model_type": "llama",
             "head_dim": _head_dim(m),
         }
-    # llama.cpp stores Mixtral as arch llama with experts; its feed_forward_length is the expert's size
+    # llama.cpp stores Mixtral as arch llama with experts;
+    # its feed_forward_length is the expert's size
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
@@ -164,7 +168,8 @@ def _olmoe(m: Meta, shapes: Shapes) -> dict:
 
 
 def _deepseek2(m: Meta, shapes: Shapes) -> dict:
-    """DeepSeek-V2 and V3 share llama.cpp's deepseek2; V3 is the one with sigmoid scores and a score bias."""
+    """DeepSeek-V2 and V3 share llama.cpp's deepseek2;
+    V3 is the one with sigmoid scores and a score bias."""
     rope_dim = m.need("rope.dimension_count")
     if (
         m.get("attention.key_length_mla") is not None
@@ -181,14 +186,16 @@ def _deepseek2(m: Meta, shapes: Shapes) -> dict:
     return {
         "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v3" if v3 else "deepseek_v2",
-        "num_key_value_heads": heads,  # the converter writes 1 (MLA as MQA); HF counts the decompressed heads
+        # the converter writes 1 (MLA as MQA); HF counts the decompressed heads
+        "num_key_value_heads": heads,
         "q_lora_rank": m.get("attention.q_lora_rank"),
         "kv_lora_rank": m.need("attention.kv_lora_rank"),
         "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": qk_head - rope_dim,
         "v_head_dim": v_head,
         "head_dim": rope_dim,
-        "rope_interleave": True,  # llama.cpp's deepseek2 always rotates interleaved pairs, as HF's V2 does
+        # llama.cpp's deepseek2 always rotates interleaved pairs, as HF's V2 does
+        "rope_interleave": True,
         "moe_intermediate_size": m.need("expert_feed_forward_length"),
         "n_routed_experts": m.need("expert_count"),
         "num_experts_per_tok": m.need("expert_used_count"),

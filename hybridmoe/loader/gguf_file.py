@@ -1,8 +1,10 @@
-"""GGUF files (llama.cpp's format), read through the `gguf` package: config, and tensors one at a time.
+"""GGUF files (llama.cpp's format), read through the `gguf` package: config, and tensors one at a
+time.
 
-GGUF lists a tensor's dims innermost first, so a torch [rows, cols] weight is stored as (cols, rows);
-the reader's arrays are already in row-major order. Quantized blocks are dequantized to fp32 one
-tensor (one expert, for stacked experts) at a time, so that memory stays near the loaded model's.
+GGUF lists a tensor's dims innermost first, so a torch [rows, cols] weight is stored as
+(cols, rows); the reader's arrays are already in row-major order. Quantized blocks are dequantized
+to fp32 one tensor (one expert, for stacked experts) at a time, so that memory stays near the
+loaded model's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def check(path: str | Path) -> None:
 
 
 def count_tensors(path: str | Path) -> int:
-    """How many (name, tensor) pairs iter_tensors yields: one per expert of a stack, one per MLA pair."""
+    """How many (name, tensor) pairs iter_tensors yields: one per expert of a stack,
+    one per MLA pair."""
     total = 0
     for t in _reader(path).tensors:
         if names.legacy_expert(t.name):
@@ -50,7 +53,8 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     """Yield (Hugging Face name, tensor) one at a time, experts split out of their stacks."""
     reader, where = _reader(path), str(path)
     naming = names.NAMING.get(cfg.model_type, names.Naming())
-    # llama.cpp's llama converter interleaves q/k rows per head (GPT-J rope); HF keeps the halves apart
+    # llama.cpp's llama converter interleaves q/k rows per head (GPT-J rope);
+    # HF keeps the halves apart
     heads = {"attn_q": cfg.get("num_attention_heads"), "attn_k": cfg.get("num_key_value_heads")}
     if _metadata(reader).get("general.architecture") != "llama":
         heads = {}
@@ -102,7 +106,8 @@ def _fix_layout(base: str, tensor: torch.Tensor, heads: dict[str, int]) -> torch
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo convert_hf_to_gguf's permute: per head, rows (pair, 2) -> (2, pair). w: [n_head*D, ...]."""
+    """Undo convert_hf_to_gguf's permute: per head,
+    rows (pair, 2) -> (2, pair). w: [n_head*D, ...]."""
     return (
         w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
         .transpose(1, 2)
@@ -111,7 +116,8 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
-    """k_b [heads, kv_rank, nope] and v_b [heads, v_dim, kv_rank] -> kv_b_proj [heads*(nope+v_dim), kv_rank]."""
+    """k_b [heads, kv_rank, nope] and v_b [heads, v_dim, kv_rank] -> kv_b_proj
+    [heads*(nope+v_dim), kv_rank]."""
     kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope+v_dim, kv_rank]
     return kv.reshape(-1, kv.shape[-1]).contiguous()
 
@@ -156,7 +162,8 @@ def _read(t, f, index: int | None) -> np.ndarray:
 
 
 def _metadata(reader) -> dict:
-    """Scalar and string metadata as Python values; arrays (the vocabulary) are left to the tokenizer."""
+    """Scalar and string metadata as Python values;
+    arrays (the vocabulary) are left to the tokenizer."""
     kinds = gguf.GGUFValueType
     meta = {}
     for key, f in reader.fields.items():
@@ -179,7 +186,8 @@ def _shapes(reader) -> dict[str, tuple[int, ...]]:
 
 
 def _reader(path: str | Path):
-    """The parsed file; kept while loading (config, count, tensors) because parsing a vocabulary takes seconds."""
+    """The parsed file; kept while loading (config, count, tensors) because parsing a vocabulary
+    takes seconds."""
     p = Path(path)
     try:
         st = os.stat(p)
@@ -189,8 +197,9 @@ def _reader(path: str | Path):
 
 
 class Reader(gguf.GGUFReader):
-    """GGUFReader, parsing over a plain ndarray view of its memory map: slicing an np.memmap builds a
-    memmap object per slice, and a 49k-token vocabulary is ~500k slices (3.6x faster: docs/notes/)."""
+    """GGUFReader, parsing over a plain ndarray view of its memory map: slicing an np.memmap builds
+    a memmap object per slice, and a 49k-token vocabulary is ~500k slices (3.6x faster:
+    docs/notes/)."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
         if isinstance(self.data, np.memmap):

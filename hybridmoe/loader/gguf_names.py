@@ -47,7 +47,8 @@ LAYER = {
 # all experts of a layer in one tensor [E, rows, cols]; the value is the role
 EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
-# DeepSeek MLA: newer converters split kv_b_proj into these two halves (k_b transposed); we rejoin them
+# DeepSeek MLA: newer converters split kv_b_proj into these two halves (k_b transposed);
+# we rejoin them
 MLA_HALVES = ("attn_k_b", "attn_v_b")
 
 
@@ -70,7 +71,8 @@ NAMING = {
 
 
 def split(name: str, where: str) -> tuple[int | None, str, str]:
-    """blk.3.attn_q.weight -> (3, 'attn_q', 'weight'); output.weight -> (None, 'output', 'weight')."""
+    """blk.3.attn_q.weight -> (3, 'attn_q', 'weight');
+    output.weight -> (None, 'output', 'weight')."""
     m = _BLOCK.match(name)
     if m:
         return int(m[1]), m[2], m[3]
@@ -87,7 +89,8 @@ def hf_name(layer: int | None, base: str, suffix: str, naming: Naming, where: st
     if layer is not None and base == "exp_probs_b":
         return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     if layer is not None and base in LAYER:
-        return f"model.layers.{layer}.{LAYER[base].format(moe=naming.moe, shared=naming.shared)}.{suffix}"
+        name = LAYER[base].format(moe=naming.moe, shared=naming.shared)
+        return f"model.layers.{layer}.{name}.{suffix}"
     if (
         base == "rope_freqs"
     ):  # Llama 3.1 frequency factors: our rotary takes them only from a config

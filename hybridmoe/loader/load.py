@@ -27,7 +27,8 @@ def _resolve(path: str | Path) -> tuple[Path, str]:
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(
-            f"{p}: no such file or directory; pass --model with a Hugging Face directory or a .gguf file"
+            f"{p}: no such file or directory; pass --model with a Hugging Face directory or a "
+            ".gguf file"
         )
     if p.is_dir():
         if not (p / "config.json").exists():

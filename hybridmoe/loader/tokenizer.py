@@ -1,4 +1,5 @@
-"""Tokenizer and chat template, from a model directory, a GGUF file's metadata, or --tokenizer DIR."""
+"""Tokenizer and chat template, from a model directory, a GGUF file's metadata,
+or --tokenizer DIR."""
 
 from __future__ import annotations
 

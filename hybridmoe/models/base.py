@@ -25,7 +25,8 @@ from hybridmoe.layers.rotary import Rotary, rope_parameters
 _EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
 )
-# All experts of a layer stacked (transformers >= 5 in memory): model.layers.3.mlp.experts.gate_up_proj
+# All experts of a layer stacked (transformers >= 5 in memory):
+# model.layers.3.mlp.experts.gate_up_proj
 _FUSED = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$"
 )
@@ -85,8 +86,8 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
 
     def replay_routing(self, replay) -> None:
-        """Route every MoE block by a trace (experts/run/observers.py RoutingReplay), which the runtime
-        tells where each step begins."""
+        """Route every MoE block by a trace (experts/run/observers.py RoutingReplay), which the
+        runtime tells where each step begins."""
         for block in self.moe_blocks():
             block.replay = replay
         self.runtime.add_observer(replay)
@@ -99,7 +100,8 @@ class CausalLM(nn.Module):
         ctx,
         decode_rows: list[tuple[int, str]] = (),
     ) -> torch.Tensor:
-        """input_ids, positions: [T] (sequences one after another, as ctx.seq_lens says) -> hidden [T, H].
+        """input_ids, positions: [T] (sequences one after another, as ctx.seq_lens says) -> hidden
+        [T, H].
 
         One call is one step of the expert runtime: it is told so here, with `decode_rows`, the
         (row, request id) of the pass's decode tokens, which only the engine knows (routing traces
@@ -114,7 +116,8 @@ class CausalLM(nn.Module):
 
     @property
     def reentrant(self) -> bool:
-        """Whether two forward passes may run at once, on two threads (the engine's overlap_prefill)."""
+        """Whether two forward passes may run at once,
+        on two threads (the engine's overlap_prefill)."""
         return self.runtime is None or self.runtime.reentrant
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -164,7 +167,8 @@ class CausalLM(nn.Module):
             if pending:
                 (layer, expert), parts = next(iter(pending.items()))
                 raise ModelFileError(
-                    f"expert {expert} of layer {layer} lacks {sorted({'gate', 'up', 'down'} - set(parts))}"
+                    f"expert {expert} of layer {layer} lacks "
+                    f"{sorted({'gate', 'up', 'down'} - set(parts))}"
                 )
             self.runtime.finish_loading()
 

@@ -37,12 +37,13 @@ class DeepseekMoE(SparseMoE):
         self.scoring = scoring
         self.n_group = cfg.get("n_group", default=1)
         self.topk_group = cfg.get("topk_group", default=self.n_group)
-        # transformers' V2 ignores norm_topk_prob (False in every released V2); when set we renormalise
-        # before scaling, as V3 does
+        # transformers' V2 ignores norm_topk_prob (False in every released V2); when set we
+        # renormalise before scaling, as V3 does
         self.renormalize = bool(cfg.get("norm_topk_prob", default=False))
         self.scale = float(cfg.get("routed_scaling_factor", default=1.0))
         if scoring == "sigmoid":
-            # A parameter of the gate, so that checkpoints' mlp.gate.e_score_correction_bias load into it.
+            # A parameter of the gate, so that checkpoints' mlp.gate.e_score_correction_bias load
+            # into it.
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(shape.num_experts))
         elif cfg.get("topk_method", default="greedy") == "greedy":
             self.n_group = self.topk_group = 1  # V2's plain greedy ignores any group settings
@@ -55,7 +56,8 @@ class DeepseekMoE(SparseMoE):
         return F.linear(x.float(), self.gate.weight.float())  # [T, E], fp32 as DeepSeek's reference
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-expert scores [T, E] that weigh the chosen experts (before renormalising and scaling)."""
+        """Per-expert scores [T, E] that weigh the chosen experts (before renormalising and
+        scaling)."""
         return torch.sigmoid(logits) if self.scoring == "sigmoid" else F.softmax(logits, dim=-1)
 
     def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +77,9 @@ class DeepseekMoE(SparseMoE):
         )
 
     def router_probs(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, E]: what ranks experts for selection, the scores plus (V3) the correction bias, with the
-        experts of groups the router would not keep at 0. For the predictor, which only ranks."""
+        """[T, E]: what ranks experts for selection, the scores plus (V3) the correction bias, with
+        the experts of groups the router would not keep at 0. For the predictor, which only
+        ranks."""
         scores = self._scores(self._logits(x))  # [T, E]
         if self.scoring == "sigmoid":
             scores = scores + self.gate.e_score_correction_bias.float()
@@ -88,8 +91,8 @@ class DeepseekMoE(SparseMoE):
 
     def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weights [T, K] DeepSeek's router gives experts `ids` [T, K]: their scores (sigmoid or
-        softmax, never the correction bias, which only chooses), renormalised if norm_topk_prob, times
-        routed_scaling_factor; exactly what `choose` gives when ids are its own choice."""
+        softmax, never the correction bias, which only chooses), renormalised if norm_topk_prob,
+        times routed_scaling_factor; exactly what `choose` gives when ids are its own choice."""
         weights = self._scores(self._logits(x)).gather(1, ids)  # [T, K]
         return scale_weights(weights, self.renormalize, self.scale)
 
@@ -114,8 +117,9 @@ class DeepseekV2ForCausalLM(CausalLM):
         return GatedMLP(self.cfg.get("hidden_size"), self.cfg.get("intermediate_size"))
 
     def load_weights(self, tensors) -> None:
-        # The correction bias only ranks experts, by small margins: bf16 rounding would change choices, so
-        # it stays fp32 whatever dtype the model is loaded in (transformers does the same).
+        # The correction bias only ranks experts, by small margins: bf16 rounding would change
+        # choices, so it stays fp32 whatever dtype the model is loaded in (transformers does the
+        # same).
         for block in self.moe_blocks():
             if block.scoring == "sigmoid":
                 block.gate.e_score_correction_bias.data = (
@@ -124,7 +128,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         super().load_weights(self._without_mtp(tensors))
 
     def _without_mtp(self, tensors):
-        """Drop the multi-token-prediction layers (DeepSeek-V3's model.layers.61): generation does not use them."""
+        """Drop the multi-token-prediction layers (DeepSeek-V3's model.layers.61): generation does
+        not use them."""
         n = len(self.layers)
         for name, tensor in tensors:
             m = _LAYER.match(name)

@@ -1,5 +1,6 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Llama attention with q/k/v biases, and an MoE block of
-softmax top-k routed experts plus one shared expert scaled per token by sigmoid(shared_expert_gate x)."""
+softmax top-k routed experts plus one shared expert scaled per token by
+sigmoid(shared_expert_gate x)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from hybridmoe.models.base import CausalLM
 
 
 class SharedExpertMoE(SparseMoE):
-    """Routed experts (through the runtime) + a gated dense shared expert, which stays with the model."""
+    """Routed experts (through the runtime) + a gated dense shared expert,
+    which stays with the model."""
 
     def __init__(self, shape, renormalize, layer, runtime, shared_intermediate: int):
         super().__init__(shape, renormalize, layer, runtime)

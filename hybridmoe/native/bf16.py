@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.native.build import F, I, N, P, cpu_flags, load
+from hybridmoe.native.build import INT, F, N, P, cpu_flags, load
 
 SOURCE = Path(__file__).with_name("bf16.c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
@@ -29,21 +29,25 @@ MAX_ROWS = 32
 
 # name -> (argument types, result type), each under a copy of its C prototype in bf16.c
 SIGNATURES = {
-    # void hm_gemm_bf16(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I,
-    #                   long M)
+    # void hm_gemm_bf16(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O,
+    #                   long I, long M)
     "hm_gemm_bf16": ([P, P, N, P, N, N, N, N], None),
-    # void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const uint16_t *X, long ldx,
-    #                          float *Y, long ldy, long M, long H, long I, float *scratch, uint16_t *h)
+    # void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const uint16_t *X,
+    #                          long ldx, float *Y, long ldy, long M, long H, long I, float *scratch,
+    #                          uint16_t *h)
     "hm_expert_rows_bf16": ([P, P, P, N, P, N, N, N, N, P, P], None),
-    # int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, long ldk, const uint16_t *V,
-    #     long ldv, const int32_t *tables, const int32_t *table_starts, const int32_t *lengths,
-    #     const int32_t *rows, long n, long block_size, long heads, long kv_heads, long d, long dv,
-    #     float scale, void *out, long ldo, int out_bf16)
-    "hm_decode_attention_bf16": ([P, N, P, N, P, N, P, P, P, P, N, N, N, N, N, N, F, P, N, I], I),
-    # int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint16_t *K, long ldk,
-    #     long ldkh, const uint16_t *V, long ldv, long ldvh, long n, long L, long heads, long kv_heads,
-    #     long d, long dv, float scale, void *out, long ldo, int out_bf16)
-    "hm_prefill_attention_bf16": ([P, N, N, P, N, N, P, N, N, N, N, N, N, N, N, F, P, N, I], I),
+    # int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, long ldk,
+    #     const uint16_t *V, long ldv, const int32_t *tables, const int32_t *table_starts,
+    #     const int32_t *lengths, const int32_t *rows, long n, long block_size, long heads,
+    #     long kv_heads, long d, long dv, float scale, void *out, long ldo, int out_bf16)
+    "hm_decode_attention_bf16": (
+        [P, N, P, N, P, N, P, P, P, P, N, N, N, N, N, N, F, P, N, INT],
+        INT,
+    ),
+    # int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint16_t *K,
+    #     long ldk, long ldkh, const uint16_t *V, long ldv, long ldvh, long n, long L, long heads,
+    #     long kv_heads, long d, long dv, float scale, void *out, long ldo, int out_bf16)
+    "hm_prefill_attention_bf16": ([P, N, N, P, N, N, P, N, N, N, N, N, N, N, N, F, P, N, INT], INT),
 }
 
 
@@ -73,7 +77,8 @@ def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def applies(x: torch.Tensor, *weights: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
-    """Whether the kernels take this call: up to max_rows bf16 rows on the CPU, contiguous bf16 weights."""
+    """Whether the kernels take this call: up to max_rows bf16 rows on the CPU,
+    contiguous bf16 weights."""
     return (
         _bf16_on_cpu(x, *weights)
         and x.numel() <= max_rows * x.shape[-1]
@@ -102,7 +107,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """M tokens through a SwiGLU expert: x: [M, H] bf16, gate_up: [2I, H], down: [H, I] -> [M, H] fp32."""
+    """M tokens through a SwiGLU expert: x: [M, H] bf16, gate_up: [2I, H],
+    down: [H, I] -> [M, H] fp32."""
     x = _rows(x)  # [M, H]
     m, (hidden, inter) = x.shape[0], down.shape
     y = torch.empty(m, hidden, dtype=torch.float32)  # [M, H]
@@ -127,7 +133,8 @@ def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 
 def attention_applies(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-    """Whether decode_attention takes these: bf16 queries and pools on the CPU, the pools' rows contiguous."""
+    """Whether decode_attention takes these: bf16 queries and pools on the CPU,
+    the pools' rows contiguous."""
     return (
         _bf16_on_cpu(q, k_pool, v_pool)
         and k_pool.is_contiguous()
@@ -150,10 +157,11 @@ def decode_attention(
 ) -> None:
     """Attention of one query token per sequence over its paged history, into out's rows.
 
-    q: [T, h, d] bf16; k_pool: [slots, kvh, d], v_pool: [slots, kvh, dv] bf16; out: [T, h, dv] bf16 or
-    fp32, rows contiguous. Sequence s (int32 tensors [S]): query and output row rows[s], positions
-    0..lengths[s]-1, position l at slot table[l // block_size] * block_size + l % block_size where
-    table = tables[table_starts[s]:]. Scores and sums in fp32; query head i uses KV head i // (h // kvh).
+    q: [T, h, d] bf16; k_pool: [slots, kvh, d], v_pool: [slots, kvh, dv] bf16; out: [T, h, dv] bf16
+    or fp32, rows contiguous. Sequence s (int32 tensors [S]): query and output row rows[s],
+    positions 0..lengths[s]-1, position l at slot table[l // block_size] * block_size
+    + l % block_size where table = tables[table_starts[s]:]. Scores and sums in fp32; query head i
+    uses KV head i // (h // kvh).
     """
     if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
         q = q.contiguous()
@@ -187,7 +195,8 @@ def decode_attention(
 
 
 def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether prefill_attention takes these: bf16 on the CPU, unit stride along the head dimension."""
+    """Whether prefill_attention takes these: bf16 on the CPU,
+    unit stride along the head dimension."""
     return (
         _bf16_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and available()
     )
@@ -200,12 +209,12 @@ def prefill_attention(
     scale: float,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Causal attention of a chunk: q [n, h, d], k [L, kvh, d], v [L, kvh, dv] bf16 -> [n, h, dv] out_dtype
-    (bf16 or fp32).
+    """Causal attention of a chunk: q [n, h, d], k [L, kvh, d], v [L, kvh, dv] bf16 -> [n, h, dv]
+    out_dtype (bf16 or fp32).
 
-    The n queries are the last n of the L positions; query head i uses KV head i // (h // kvh). Scores,
-    softmax and sums in fp32; a bf16 result is the fp32 one rounded once. k and v may be strided views
-    (a pool's rows): the kernel packs each KV head once per call anyway.
+    The n queries are the last n of the L positions; query head i uses KV head i // (h // kvh).
+    Scores, softmax and sums in fp32; a bf16 result is the fp32 one rounded once. k and v may be
+    strided views (a pool's rows): the kernel packs each KV head once per call anyway.
     """
     n, heads, d = q.shape
     length, kv_heads, dv = v.shape

@@ -17,7 +17,7 @@ from hybridmoe import env
 from hybridmoe.paths import user_cache_dir
 
 # ctypes types for the C prototypes: pointers and longs, as the kernels take them
-P, N, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+P, N, F, INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
 
 @lru_cache(maxsize=1)

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API over an engine running on its own thread.
 
-    app = create_app(AsyncEngine(LLMEngine(model, tokenizer, config)), tokenizer, "my-model", api_key=None)
+    app = create_app(
+        AsyncEngine(LLMEngine(model, tokenizer, config)), tokenizer, "my-model", api_key=None
+    )
     uvicorn.run(app, host="127.0.0.1", port=10002)
 
 Routes: POST /v1/chat/completions, POST /v1/completions (whole answers, or SSE streams as OpenAI
@@ -230,15 +232,16 @@ def _result(task: asyncio.Task):
 
 
 def _engine_error(e: Exception) -> ApiError:
-    """What the engine's stream raised, for the client: a ValueError is a refusal whose message names
-    the fix (a 400); a RuntimeError, the engine failing (a 500)."""
+    """What the engine's stream raised, for the client: a ValueError is a refusal whose message
+    names the fix (a 400); a RuntimeError, the engine failing (a 500)."""
     return ApiError(400 if isinstance(e, ValueError) else 500, str(e))
 
 
 async def _sse(
     shape, outputs: AsyncIterator, include_usage: bool, return_speed: bool
 ) -> AsyncIterator[str]:
-    """OpenAI's stream: `data: {chunk}` events, the usage chunk if asked for, then `data: [DONE]`."""
+    """OpenAI's stream: `data: {chunk}` events, the usage chunk if asked for,
+    then `data: [DONE]`."""
     extra = {"usage": None} if include_usage else {}
     first = shape.first_chunk()
     if first:

@@ -44,8 +44,8 @@ class AsyncEngine:
 
     @property
     def metrics_source(self) -> LLMEngine:
-        """The engine, for GET /metrics to read its counters from the HTTP thread: plain numbers, read
-        without a lock, so a scrape may see a step half-counted."""
+        """The engine, for GET /metrics to read its counters from the HTTP thread: plain numbers,
+        read without a lock, so a scrape may see a step half-counted."""
         return self._engine
 
     def start(self) -> None:
@@ -59,7 +59,8 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes them. Leaving early (a disconnect) aborts it."""
+        """The request's outputs as the engine makes them. Leaving early (a disconnect) aborts
+        it."""
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(AddRequest(request_id, prompt_ids, params, sink))
         finished = False

@@ -1,4 +1,5 @@
-"""`GET /metrics`: the engine's counters (and the expert runtime's, when it has any) as Prometheus text."""
+"""`GET /metrics`: the engine's counters (and the expert runtime's, when it has any) as Prometheus
+text."""
 
 from __future__ import annotations
 

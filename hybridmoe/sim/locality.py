@@ -8,8 +8,8 @@ from hybridmoe.experts.plan.trace_format import TraceLine
 
 
 def consecutive_overlap(lines: list[TraceLine]) -> float:
-    """Mean over tokens and layers of |E(t) & E(t-1)| / |E(t)|, within each request (req; None is one
-    request); 0.0 when no request has two tokens."""
+    """Mean over tokens and layers of |E(t) & E(t-1)| / |E(t)|, within each request (req; None is
+    one request); 0.0 when no request has two tokens."""
     previous: dict[object, TraceLine] = {}
     shared = total = 0
     for line in lines:

@@ -59,12 +59,13 @@ def get_shape(name_or_path: str) -> ModelShape:
         path = path / "config.json"
     if not path.is_file():
         raise UserError(
-            f"unknown model shape {name_or_path!r}; use one of {', '.join(SHAPES)} or a config.json path"
+            f"unknown model shape {name_or_path!r}; use one of {', '.join(SHAPES)} or a "
+            "config.json path"
         )
     try:
         return shape_from_config(json.loads(path.read_text()), path.parent.name or str(path))
     except json.JSONDecodeError:
-        raise UserError(f"{path} is not valid JSON; pass a Hugging Face config.json")
+        raise UserError(f"{path} is not valid JSON; pass a Hugging Face config.json") from None
 
 
 def shape_from_config(cfg: dict, name: str) -> ModelShape:

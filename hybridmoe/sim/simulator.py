@@ -84,12 +84,14 @@ def check_trace(lines: list[TraceLine], shape: ModelShape) -> None:
     n_layers = len(lines[0].layers)
     if n_layers != shape.num_moe_layers:
         raise UserError(
-            f"the trace has {n_layers} MoE layers but {shape.name} has {shape.num_moe_layers}; pass the matching --model-shape"
+            f"the trace has {n_layers} MoE layers but {shape.name} has {shape.num_moe_layers}; "
+            "pass the matching --model-shape"
         )
     top = max(max(ids) for line in lines for ids in line.layers if ids)
     if top >= e.num_experts:
         raise UserError(
-            f"the trace uses expert {top} but {shape.name} has {e.num_experts} experts; pass the matching --model-shape"
+            f"the trace uses expert {top} but {shape.name} has {e.num_experts} experts; pass the "
+            "matching --model-shape"
         )
 
 

@@ -67,13 +67,17 @@ def sweep(
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'hardware':18s} {'budget':>6s} {'policy':9s} {'ms/tok':>7s} {'tok/s':>7s} {'hit':>5s} {'copies':>6s} {'%oracle':>7s} {'%MIN hit':>8s}"
+    head = (
+        f"{'hardware':18s} {'budget':>6s} {'policy':9s} {'ms/tok':>7s} {'tok/s':>7s} "
+        f"{'hit':>5s} {'copies':>6s} {'%oracle':>7s} {'%MIN hit':>8s}"
+    )
     out = [head, "-" * len(head)]
     for r in rows:
         s = r.result
         out.append(
-            f"{s.hardware:18s} {s.budget:>6s} {s.policy:9s} {s.expert_ms_per_token:7.3f} {s.tokens_per_s:7.1f} "
-            f"{s.hit_rate:5.2f} {s.copies_per_token:6.1f} {r.pct_of_oracle_speed:6.1f}% {r.pct_of_min_hit_rate:7.1f}%"
+            f"{s.hardware:18s} {s.budget:>6s} {s.policy:9s} {s.expert_ms_per_token:7.3f} "
+            f"{s.tokens_per_s:7.1f} {s.hit_rate:5.2f} {s.copies_per_token:6.1f} "
+            f"{r.pct_of_oracle_speed:6.1f}% {r.pct_of_min_hit_rate:7.1f}%"
         )
     return "\n".join(out)
 

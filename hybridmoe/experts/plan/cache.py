@@ -31,12 +31,14 @@ _UNITS = {
 
 
 def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: float) -> int:
-    """Slots for a budget given as bytes ("6GB", "512MiB") or a fraction of all expert bytes ("0.1")."""
+    """Slots for a budget given as bytes ("6GB", "512MiB") or a fraction of all expert bytes
+    ("0.1")."""
     s = str(text).strip().upper()
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", s)
     if not m or expert_bytes <= 0:
         raise UserError(
-            f"GPU expert budget {text!r} is not a size like 6GB or a fraction like 0.1; write it that way"
+            f"GPU expert budget {text!r} is not a size like 6GB or a fraction like 0.1; write it "
+            "that way"
         )
     value, unit = float(m.group(1)), m.group(2) or ""
     if unit:
@@ -45,7 +47,8 @@ def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: flo
         nbytes = value * total_expert_bytes
     else:
         raise UserError(
-            f"GPU expert budget {text!r} has no unit; write a fraction (0.1) or bytes with a unit (6GB)"
+            f"GPU expert budget {text!r} has no unit; write a fraction (0.1) or bytes with a unit "
+            "(6GB)"
         )
     total_slots = int(round(total_expert_bytes / expert_bytes))
     return min(int(nbytes // expert_bytes + 1e-9), total_slots)
@@ -67,7 +70,8 @@ def placement(
     if kind == "front-loading":  # whole layers first, as --n-cpu-moe style splits do
         within = _per_layer_order(layers, num_experts, order)
         return [k for layer in layers for k in within[layer]][:slots]
-    # uniform: the same number per layer, each layer's most used first; remainder to the first layers
+    # uniform: the same number per layer, each layer's most used first;
+    # remainder to the first layers
     within = _per_layer_order(layers, num_experts, order)
     base, extra = divmod(min(slots, len(layers) * num_experts), len(layers))
     return [k for i, layer in enumerate(layers) for k in within[layer][: base + (i < extra)]]

@@ -44,8 +44,9 @@ def _fit_cpu(
     the samples in two, fitted apart (`_fit_split`). The end kept is the best by the Bayesian
     information criterion: a row regime with re-reads has more constants, and must improve the fit
     by more than their count's worth to keep them (on timings made by the generator of
-    tests/test_cost_model_regimes.py with 3% noise, it found the true end 399 times in 400). The constants of each regime are
-    set by the small experts, where bytes do not hide them, and the bandwidths by the large ones.
+    tests/test_cost_model_regimes.py with 3% noise, it found the true end 399 times in 400). The
+    constants of each regime are set by the small experts, where bytes do not hide them, and the
+    bandwidths by the large ones.
     """
     ends = (
         [1]
@@ -71,7 +72,8 @@ def _fit_cpu(
             best = (fields, bic)
     if best is None:
         raise UserError(
-            "the calibration samples do not grow with the expert size; measure again with more tokens"
+            "the calibration samples do not grow with the expert size; measure again with more "
+            "tokens"
         )
     return best[0]
 
@@ -191,7 +193,8 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares a @ coef = y with every coefficient >= 0 (seconds per byte, seconds per call):
     the best unconstrained solution over each subset of free columns, the others held at 0. Exact,
     and cheap for the few columns of the cost model. Larger subsets first, so that a tie (columns
-    that one expert shape cannot tell apart) keeps every column's share, as plain least squares does."""
+    that one expert shape cannot tell apart) keeps every column's share, as plain least squares
+    does."""
     k = a.shape[1]
     best, best_err = np.zeros(k), float(np.sum(y**2))
     tie = 1e-9 * best_err
@@ -230,7 +233,8 @@ def fit(
 
     Single-token CPU samples get their own bandwidth (`bw_cpu_one`) in the same
     fit, and so do the few-token ones when they run row by row. `caches`: the capacities in bytes
-    of the CPU's cache levels (experts/run/calibrate.py reads them), where re-read passes find weights.
+    of the CPU's cache levels (experts/run/calibrate.py reads them), where re-read passes find
+    weights.
     """
     if not samples:
         raise UserError(

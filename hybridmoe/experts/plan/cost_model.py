@@ -8,8 +8,8 @@ The formulas (docs/architecture.md):
     t_act(n) = 2 * (hidden * n * act_bytes / bw_pcie + c_act)   # activations GPU->CPU and back
 
 The CPU's kernels refine t_cpu (measured, fitted by `fit()`; named profiles keep the plain form):
-below `cpu_gemm_from` tokens the weights are streamed once per token, the first pass from RAM and the
-others from the caches (`t_rows`); from it on, streaming and arithmetic overlap only in part
+below `cpu_gemm_from` tokens the weights are streamed once per token, the first pass from RAM and
+the others from the caches (`t_rows`); from it on, streaming and arithmetic overlap only in part
 (`cpu_overlap`, 1 = the max above, 0 = their sum).
 
 A `CostModel` is the hardware constants plus the geometry of one expert (its bytes in the chosen
@@ -51,7 +51,8 @@ def quant_bytes(quant: str) -> float:
     return QUANT_BYTES[quant]
 
 
-# 2: the CPU's row-by-row regime, cache re-reads and overlap (cpu_gemm_from, cpu_caches, cpu_overlap).
+# 2: the CPU's row-by-row regime,
+# cache re-reads and overlap (cpu_gemm_from, cpu_caches, cpu_overlap).
 PROFILE_VERSION = 2
 
 
@@ -72,7 +73,8 @@ class CostModel:
     # Effective CPU bandwidth per quantisation when it differs from bw_cpu (dequantisation costs).
     bw_cpu_by_quant: dict[str, float] = field(default_factory=dict)
     # One token runs a matrix-vector kernel that streams weights faster than the batched (GEMM)
-    # kernel does at small n (docs/notes/2026-11-24-measurements-in-code.md); 0 = no separate figure, bw_cpu for every n. Set by calibration.
+    # kernel does at small n (docs/notes/2026-11-24-measurements-in-code.md); 0 = no separate
+    # figure, bw_cpu for every n. Set by calibration.
     bw_cpu_one: float = 0.0
     # That kernel's fixed seconds per call (it skips the GEMM's set-up); used with bw_cpu_one.
     # None (profiles written before it existed) = c_cpu.
@@ -86,8 +88,9 @@ class CostModel:
     cpu_caches: list[list[float]] = field(default_factory=list)
     bw_cpu_reread: float = 0.0
     c_cpu_reread: float = 0.0
-    # Share of the smaller of (streaming, arithmetic) that the batched kernel hides behind the larger:
-    # 1 = the roofline's max, 0 = their sum (measured near 0 on one thread: the notes, "cpu_overlap").
+    # Share of the smaller of (streaming, arithmetic) that the batched kernel hides behind the
+    # larger: 1 = the roofline's max, 0 = their sum (measured near 0 on one thread: the notes,
+    # "cpu_overlap").
     cpu_overlap: float = 1.0
     # Geometry, filled in by for_expert():
     expert_bytes: float = 0.0
@@ -130,9 +133,9 @@ class CostModel:
         )
 
     def t_reread(self, nbytes: float) -> float:
-        """Seconds to stream `nbytes` again, from the innermost cache level that holds them all, else
-        from RAM: a stream larger than a cache evicts itself before it comes round again (docs/notes/2026-11-24-measurements-in-code.md,
-        "t_reread")."""
+        """Seconds to stream `nbytes` again, from the innermost cache level that holds them all,
+        else from RAM: a stream larger than a cache evicts itself before it comes round again
+        (docs/notes/2026-11-24-measurements-in-code.md, "t_reread")."""
         fits = [bw for capacity, bw in self.cpu_caches if nbytes <= capacity]
         bw = next((bw for bw in fits if bw > 0), 0.0) or self.bw_cpu_reread or self.bw_cpu_one
         return nbytes / bw
@@ -175,12 +178,14 @@ class CostModel:
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
-        """Version 1 profiles load too: the fields they lack default to the formulas they were fitted for."""
+        """Version 1 profiles load too: the fields they lack default to the formulas they were
+        fitted for."""
         known = {f for f in cls.__dataclass_fields__}
         missing = [k for k in ("bw_cpu", "f_cpu", "c_cpu") if k not in data]
         if data.get("format") != "hybridmoe-cost-profile" or missing:
             raise UserError(
-                "this file is not a hybridmoe cost profile; write one with `hybridmoe calibrate --out FILE`"
+                "this file is not a hybridmoe cost profile; write one with `hybridmoe calibrate "
+                "--out FILE`"
             )
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -190,10 +195,11 @@ class CostModel:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise UserError(
-                f"cost profile {path} does not exist; write it with `hybridmoe calibrate --out {path}`"
-            )
+                f"cost profile {path} does not exist; write it with `hybridmoe calibrate --out "
+                f"{path}`"
+            ) from None
         except json.JSONDecodeError:
             raise UserError(
                 f"cost profile {path} is not valid JSON; write it again with `hybridmoe calibrate`"
-            )
+            ) from None
         return cls.from_json(data)

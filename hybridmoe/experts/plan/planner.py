@@ -10,18 +10,18 @@ Call sequence (the engine's hybrid runtime and the simulator make exactly these 
             plan = planner.plan(layer, routed, now=clock_seconds, predicted=scores_or_None)
             # the accelerator and the CPU side, all started at `now`:
             #   copy stream: for c in plan.copies + plan.prefetches, in that order:
-            #       wait until the GPU has finished with c.evicted (its last use was an earlier layer),
-            #       copy expert (c.layer, c.expert) into slot c.slot (None = a staging buffer that
-            #       is not kept), record an event for it.
+            #       wait until the GPU has finished with c.evicted (its last use was an earlier
+            #       layer), copy expert (c.layer, c.expert) into slot c.slot (None = a staging
+            #       buffer that is not kept), record an event for it.
             #   GPU:  plan.gpu_hits now; each of plan.gpu_copied after its copy's event
             #         (the copy may have been issued by an earlier plan's prefetches).
             #   CPU:  plan.cpu on the worker pool, at the same time.
             planner.complete(plan, finished_at=clock_seconds_when_all_done)   # or None: predicted
 
 Build it with `make_planner(cost, layers, num_experts, top_k, slots, make_policy(name), stats,
-placement_kind, profile)` (cost: `CostModel.for_expert(shape, quant)`; slots: `cache.parse_budget(...)`;
-stats: an `ExpertStats` from `stats.read_stats(FILE)` or None; profile: routed steps to learn from
-before planning, the simulator's fair protocol).
+placement_kind, profile)` (cost: `CostModel.for_expert(shape, quant)`; slots:
+`cache.parse_budget(...)`; stats: an `ExpertStats` from `stats.read_stats(FILE)` or None; profile:
+routed steps to learn from before planning, the simulator's fair protocol).
 
 `predicted` is the next MoE layer's router applied to this layer's input (per-expert
 probabilities, or None); the planner hands it to the predictor. Every decision mutates the cache at
@@ -426,8 +426,8 @@ def make_planner(
 
 def place(planner: Planner, kind: str | None, stats: ExpertStats | None) -> None:
     """Fill the cache at start: pinned for static policies, a warm start for dynamic ones. Without
-    statistics, frequency placement (the default) leaves a dynamic policy's cache to fill as it goes,
-    and spreads a static set evenly over the layers."""
+    statistics, frequency placement (the default) leaves a dynamic policy's cache to fill as it
+    goes, and spreads a static set evenly over the layers."""
     policy, cache = planner.policy, planner.cache
     if kind is None:
         kind = "uniform" if stats is None and policy.pin_placement else policy.default_placement

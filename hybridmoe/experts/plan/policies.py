@@ -5,15 +5,22 @@ may a miss be copied (`copy_rule`), which resident to evict for a key (`make_roo
 leaves behind is worth (`admit_gain`, seconds), which keys to copy in the background
 (`background`), and whether one is worth its victim (`worth`).
 
-| name      | behaviour                                                                  | whose |
-|-----------|----------------------------------------------------------------------------|-------|
-| cpu       | every routed expert on the CPU                                             | KTransformers 0 GPU experts, llama.cpp --cpu-moe |
-| static    | placed set pinned, never changes; misses on the CPU                        | KTransformers --kt-num-gpu-experts, llama.cpp --n-cpu-moe |
-| fiddler   | static popular set; a miss is copied (not kept) iff copy+GPU beats the CPU | Fiddler |
-| hybrimoe  | makespan split, per-layer cache by EMA of router score (a=0.5), next-layer prefetch | HybriMoE |
-| lru, lfu  | per-layer demand caching: every miss is admitted, least recent/frequent out | mixtral-offloading |
-| value     | admission and eviction by predicted time to next use, weighed by the cost model | ours |
-| belady    | demand caching, evicts the key used farthest in the future (simulation)    | offline bound |
+| name      | behaviour                                      | whose                               |
+|-----------|------------------------------------------------|-------------------------------------|
+| cpu       | every routed expert on the CPU                 | KTransformers 0 GPU experts,        |
+|           |                                                | llama.cpp --cpu-moe                 |
+| static    | placed set pinned, never changes; misses on    | KTransformers --kt-num-gpu-experts, |
+|           | the CPU                                        | llama.cpp --n-cpu-moe               |
+| fiddler   | static popular set; a miss is copied (not      | Fiddler                             |
+|           | kept) iff copy+GPU beats the CPU               |                                     |
+| hybrimoe  | makespan split, per-layer cache by EMA of      | HybriMoE                            |
+|           | router score (a=0.5), next-layer prefetch      |                                     |
+| lru, lfu  | per-layer demand caching: every miss is        | mixtral-offloading                  |
+|           | admitted, least recent/frequent out            |                                     |
+| value     | admission and eviction by predicted time to    | ours                                |
+|           | next use, weighed by the cost model            |                                     |
+| belady    | demand caching, evicts the key used farthest   | offline bound                       |
+|           | in the future (simulation)                     |                                     |
 """
 
 from __future__ import annotations
@@ -167,7 +174,8 @@ class HybriMoEPolicy(Policy):
             self.score[key] = a * weights.get(e, 0.0) + (1 - a) * self.score.get(key, 0.0)
 
     def on_insert(self, key, victim, now):
-        # A prefetched expert enters with its predicted score, so the next prefetch does not evict it.
+        # A prefetched expert enters with its predicted score,
+        # so the next prefetch does not evict it.
         p = self.predictor.p_next(key) / self.predictor.top_k
         self.score[key] = max(self.score.get(key, 0.0), self.alpha * p)
 
@@ -243,7 +251,8 @@ class ValuePolicy(Policy):
     def distance(self, key: Key, now: float, arrive: float | None = None) -> float:
         # Used at the next visit with p (which may carry the cross-layer signal, good for that one
         # visit only), at each later one with q (recency, frequency): D = d + (1 - p) * L / q.
-        # The variants measured against it: docs/notes/2026-11-24-measurements-in-code.md, "The value policy's distance".
+        # The variants measured against it: docs/notes/2026-11-24-measurements-in-code.md, "The
+        # value policy's distance".
         p = max(self.predictor.p_next(key), 1e-3)
         q = max(self.predictor.p_base(key), 1e-3)
         d = self.planner.distance(key[0])
@@ -300,7 +309,8 @@ class BeladyPolicy(Policy):
     def __init__(self, future=None):
         if future is None:
             raise UserError(
-                "the belady policy needs the future and runs only in `hybridmoe simulate`; choose another policy"
+                "the belady policy needs the future and runs only in `hybridmoe simulate`; choose "
+                "another policy"
             )
         self.future = future
 

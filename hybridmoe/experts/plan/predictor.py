@@ -93,7 +93,8 @@ class CrossLayer:
         cond = (self.co[h][i][src] + CROSS_LAYER_PRIOR * f) / (
             self.n[h][i][src, None] + CROSS_LAYER_PRIOR
         )  # [|S|, E]
-        # The strongest pull wins: the mean dilutes a strong successor by 1/|S| (docs/notes/2026-11-24-measurements-in-code.md).
+        # The strongest pull wins: the mean dilutes a strong successor by 1/|S|
+        # (docs/notes/2026-11-24-measurements-in-code.md).
         return cond.max(axis=0)
 
 
@@ -145,7 +146,8 @@ class Predictor:
             self.router[i] = rank
 
     def observe(self, layer: int, experts) -> None:
-        """`layer` ran with `experts` (ids) this step: learn from it, then update recency/frequency."""
+        """`layer` ran with `experts` (ids) this step: learn from it,
+        then update recency/frequency."""
         i = self.ordinal[layer]
         used = set(experts)
         self._score_guess(i, used)

@@ -1,10 +1,10 @@
 """Named hardware profiles for simulation: cost-model constants of machines we do not have.
 
 Sources: "DESIGN" = the measured figures of docs/architecture.md ("Figures behind the defaults");
-"spec" = the vendor's public specification; "est." = our estimate, with the reasoning beside it. Fixed costs (c_*) are typical
-launch/dispatch latencies (est.: a CUDA kernel launch or a cudaMemcpyAsync call is ~5-10 us; waking
-a CPU thread pool ~5 us). A calibrated profile of a real machine (`hybridmoe calibrate`) always
-beats these.
+"spec" = the vendor's public specification; "est." = our estimate, with the reasoning beside it.
+Fixed costs (c_*) are typical launch/dispatch latencies (est.: a CUDA kernel launch or a
+cudaMemcpyAsync call is ~5-10 us; waking a CPU thread pool ~5 us). A calibrated profile of a real
+machine (`hybridmoe calibrate`) always beats these.
 """
 
 from __future__ import annotations
@@ -108,5 +108,6 @@ def get_profile(name: str) -> CostModel:
     if name.endswith(".json"):
         return CostModel.load(name)
     raise UserError(
-        f"unknown hardware profile {name!r}; use one of {', '.join(PROFILES)} or a calibration JSON file"
+        f"unknown hardware profile {name!r}; use one of {', '.join(PROFILES)} or a calibration "
+        "JSON file"
     )

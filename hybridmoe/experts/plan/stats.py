@@ -38,7 +38,8 @@ class ExpertStats:
 
     @classmethod
     def of_steps(cls, steps, layers: list[int], num_experts: int) -> ExpertStats:
-        """Counts over routed steps (per step, per MoE layer, records with .expert and .n_tokens)."""
+        """Counts over routed steps (per step, per MoE layer,
+        records with .expert and .n_tokens)."""
         stats = cls(list(layers), num_experts)
         for step in steps:
             stats.tokens += max(r.n_tokens for r in step[0]) if step[0] else 0
@@ -48,7 +49,8 @@ class ExpertStats:
         return stats
 
     def ranked(self) -> list[Key]:
-        """All keys, most used first; ties in (layer, expert) order so the result is deterministic."""
+        """All keys, most used first; ties in (layer, expert) order so the result is
+        deterministic."""
         keys = [(layer, e) for i, layer in enumerate(self.layers) for e in range(self.num_experts)]
         flat = {
             (layer, e): self.counts[i][e]
@@ -75,8 +77,9 @@ def read_stats(path: str | Path) -> ExpertStats:
         data = json.loads(Path(path).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         raise UserError(
-            f"expert statistics {path} are missing or not JSON; write them with --expert-stats-out {path}"
-        )
+            f"expert statistics {path} are missing or not JSON; write them with --expert-stats-out "
+            f"{path}"
+        ) from None
     if data.get("format") != "hybridmoe-expert-stats":
         raise UserError(
             f"{path} is not a hybridmoe expert-statistics file; write one with --expert-stats-out"

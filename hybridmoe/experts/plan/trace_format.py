@@ -38,7 +38,9 @@ def read_trace(path: str | Path) -> list[TraceLine]:
     try:
         text = Path(path).read_text()
     except (FileNotFoundError, IsADirectoryError):
-        raise UserError(f"trace {path} does not exist; record one with --record-trace FILE")
+        raise UserError(
+            f"trace {path} does not exist; record one with --record-trace FILE"
+        ) from None
     lines = []
     for number, raw in enumerate(text.splitlines(), 1):
         if raw.strip():
@@ -49,7 +51,8 @@ def read_trace(path: str | Path) -> list[TraceLine]:
     for number, line in enumerate(lines, 1):
         if len(line.layers) != n_layers:
             raise UserError(
-                f"line {number} of trace {path} has {len(line.layers)} layers, line 1 has {n_layers}; fix or re-record it"
+                f"line {number} of trace {path} has {len(line.layers)} layers, line 1 has "
+                f"{n_layers}; fix or re-record it"
             )
     return lines
 
@@ -66,8 +69,9 @@ def _parse(raw: str, path, number: int) -> TraceLine:
         return TraceLine(int(row.get("tok", number)), layers, probs, row.get("req"))
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(
-            f'line {number} of trace {path} is not a routing record ({e}); each line needs "layers": [[ids], ...]'
-        )
+            f"line {number} of trace {path} is not a routing record ({e}); each line needs "
+            '"layers": [[ids], ...]'
+        ) from None
 
 
 class TraceWriter:

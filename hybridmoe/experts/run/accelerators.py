@@ -62,7 +62,8 @@ class Accelerator(Protocol):
 
 
 def _slabs(store: ExpertStore, count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers for `count` experts: gate_up [count, 2I, H], down [count, H, I] in the store's dtype."""
+    """Buffers for `count` experts: gate_up [count, 2I, H],
+    down [count, H, I] in the store's dtype."""
     s = store.shape
     gate_up = torch.empty((count, 2 * s.intermediate, s.hidden), dtype=store.dtype, device=device)
     down = torch.empty((count, s.hidden, s.intermediate), dtype=store.dtype, device=device)
@@ -115,7 +116,8 @@ class _Buffers:
         held = self.holds[self.index(buf)]
         if held != key:
             raise RuntimeError(
-                f"expert {key} was scheduled on buffer {buf}, which holds {held}: a plan/executor bug"
+                f"expert {key} was scheduled on buffer {buf}, which holds {held}: a plan/executor "
+                "bug"
             )
 
 
@@ -353,7 +355,8 @@ class CUDAAccelerator:
 
 
 class HostOnly:
-    """No accelerator: a wall clock and zero slots. A plan that asks it for GPU work is a planner bug."""
+    """No accelerator: a wall clock and zero slots. A plan that asks it for GPU work is a planner
+    bug."""
 
     kind = "cpu"
     slots = 0

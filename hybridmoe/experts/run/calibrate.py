@@ -1,4 +1,5 @@
-"""Measure this machine and fit the cost model's constants: the profile `hybridmoe calibrate` writes.
+"""Measure this machine and fit the cost model's constants: the profile `hybridmoe calibrate`
+writes.
 
 CPU: one SwiGLU expert (the function the runtime runs) over n = 1..512 tokens, for expert shapes
 from 0.2 MB to beyond the last-level cache, plus the model's own shape when the profile is for a
@@ -179,7 +180,8 @@ def time_copy(nbytes: int, reps: int) -> float:
 
 
 def _shapes(quick: bool, model: tuple[int, int] | None) -> tuple[tuple, tuple]:
-    """(fit shapes, held-out shapes): the model's own expert shape joins the fit, never the check."""
+    """(fit shapes, held-out shapes): the model's own expert shape joins the fit,
+    never the check."""
     fit_shapes = FIT_SHAPES + ((model,) if model and model not in FIT_SHAPES else ())
     check_shapes = tuple(s for s in (QUICK_CHECK_SHAPES if quick else CHECK_SHAPES) if s != model)
     return fit_shapes, check_shapes
@@ -215,7 +217,8 @@ def _sample(
 
 def _weight(hidden: int, inter: int, model: tuple[int, int] | None) -> float:
     """The model's own shape counts as much as all the standard ones together: the profile is for
-    it, and effective bandwidth varies by shape more than the roofline can follow (docs/notes/2026-11-24-measurements-in-code.md)."""
+    it, and effective bandwidth varies by shape more than the roofline can follow
+    (docs/notes/2026-11-24-measurements-in-code.md)."""
     return float(len(FIT_SHAPES)) if model == (hidden, inter) else 1.0
 
 
@@ -327,7 +330,8 @@ def _count_cpus(cpu_list: str) -> int:
 
 
 def predict(profile: CostModel, s: Sample) -> float:
-    """The profile's time for a measured sample (its own bytes and flops): CostModel's own formulas."""
+    """The profile's time for a measured sample (its own bytes and flops): CostModel's own
+    formulas."""
     costed = profile.sized(s.bytes, s.flops, s.n_tokens)
     if s.kind == "copy":
         return costed.t_copy()

@@ -54,7 +54,8 @@ class _InlineBatch:
 
 
 class CPUPool:
-    """`workers` threads with one torch thread each; `submit(jobs)` gives worker j the jobs j, j+W, ..."""
+    """`workers` threads with one torch thread each;
+    `submit(jobs)` gives worker j the jobs j, j+W, ..."""
 
     def __init__(self, workers: int):
         self.workers = workers
@@ -111,7 +112,8 @@ class CPUExperts:
         self.pool: CPUPool | None = None
 
     def start(self, jobs: list[Job], nbytes: int) -> CPUBatch | _InlineBatch:
-        """Start `jobs`, which stream `nbytes` of weights in all; `.result()` -> (outputs, busy seconds)."""
+        """Start `jobs`, which stream `nbytes` of weights in all;
+        `.result()` -> (outputs, busy seconds)."""
         workers = self.workers or torch.get_num_threads()
         if min(workers, len(jobs)) <= 1 or nbytes < tuning.WORKERS_MIN_BYTES:
             return _InlineBatch(jobs)

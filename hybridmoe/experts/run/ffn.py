@@ -16,9 +16,9 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 
     F.linear, not layers/linear.py's oneDNN path: on worker threads oneDNN gave results 7e-6 apart
     from the calling thread's (test_expert_workers), and an expert must not depend on where it runs.
-    Up to native.MAX_ROWS bf16 tokens (decode) go to the native kernel wherever it runs (CPU runtime,
-    pool, calibration), so that holds there too: gate and up stay fp32 and silu(gate) * up is rounded
-    to bf16 once; a token's result does not depend on how many came with it."""
+    Up to native.MAX_ROWS bf16 tokens (decode) go to the native kernel wherever it runs (CPU
+    runtime, pool, calibration), so that holds there too: gate and up stay fp32 and silu(gate) * up
+    is rounded to bf16 once; a token's result does not depend on how many came with it."""
     if native.applies(x, w.gate_up, w.down):
         return native.expert(x, w.gate_up, w.down).to(torch.bfloat16)  # [n, H]
     gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(
@@ -50,12 +50,13 @@ def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, tor
 def combine_grouped(
     x: torch.Tensor, groups, ys: list[torch.Tensor], topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """The weighted sum [T, H] of the experts' outputs ys ([n, H] each, in the order of `groups`), in
-    fp32, each token's terms added in increasing expert id.
+    """The weighted sum [T, H] of the experts' outputs ys ([n, H] each, in the order of `groups`),
+    in fp32, each token's terms added in increasing expert id.
 
     index_add_ adds its source rows in order, so one call for all experts is bit for bit the
     per-expert loop. One call is faster for a decode batch and slower for a prefill chunk, whose
-    [T*K, H] terms outgrow the cache, which keeps the loop (docs/notes/2026-11-24-measurements-in-code.md, "FEW_TOKENS")."""
+    [T*K, H] terms outgrow the cache, which keeps the loop
+    (docs/notes/2026-11-24-measurements-in-code.md, "FEW_TOKENS")."""
     out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
     if x.shape[0] > tuning.FEW_TOKENS:
         for (_, rows, cols), y in zip(groups, ys):
@@ -70,14 +71,15 @@ def combine_grouped(
 def combine_token(
     x: torch.Tensor, ys: list[torch.Tensor], topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """One token's weighted sum [1, H] of its K experts' outputs ys ([1, H] each, in top-k order), as
-    one [1, K] @ [K, H] product accumulated in fp32."""
+    """One token's weighted sum [1, H] of its K experts' outputs ys ([1, H] each, in top-k order),
+    as one [1, K] @ [K, H] product accumulated in fp32."""
     return (topk_weights.float() @ torch.cat(ys).float()).to(x.dtype)
 
 
 def combine(outputs: dict[int, torch.Tensor], groups, x, topk_ids, topk_weights) -> torch.Tensor:
-    """The weighted sum [T, H] of expert outputs (expert id -> [n, H]): one token as a [1, K] @ [K, H]
-    product in top-k order, more tokens added in expert order (combine_token, combine_grouped)."""
+    """The weighted sum [T, H] of expert outputs (expert id -> [n, H]): one token as a
+    [1, K] @ [K, H] product in top-k order, more tokens added in expert order (combine_token,
+    combine_grouped)."""
     if x.shape[0] == 1:
         return combine_token(x, [outputs[e] for e in topk_ids[0].tolist()], topk_weights)
     return combine_grouped(x, groups, [outputs[expert] for expert, _, _ in groups], topk_weights)

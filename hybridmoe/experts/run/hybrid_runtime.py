@@ -40,12 +40,14 @@ DTYPE_QUANT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 @dataclass
 class HybridConfig:
-    """Where experts run. A field with a help text is also a flag of the model commands (cli/options.py)."""
+    """Where experts run. A field with a help text is also a flag of the model commands
+    (cli/options.py)."""
 
     policy: str | None = field(
         default=None,
         metadata={
-            "help": "where experts run and what the GPU keeps (default: value with a budget, else cpu)",
+            "help": "where experts run and what the GPU keeps (default: value with a budget, else "
+            "cpu)",
             "choices": RUN_POLICIES,
         },
     )
@@ -54,7 +56,8 @@ class HybridConfig:
         metadata={
             "flag": "--gpu-expert-budget",
             "metavar": "SIZE",
-            "help": "GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes (0.1)",
+            "help": "GPU memory for routed experts: bytes (6GB) or a fraction of all expert bytes "
+            "(0.1)",
         },
     )
     placement: str | None = field(
@@ -85,8 +88,8 @@ class HybridConfig:
 def make_runtime(
     shape: ExpertShape, dtype: torch.dtype, config: HybridConfig, cost: CostModel | None
 ) -> ExpertRuntime:
-    """The runtime `config` asks for: the hybrid one when there is an accelerator (CUDA or emulated),
-    else the CPU one (cost: the calibrated cost model, needed only by the hybrid one)."""
+    """The runtime `config` asks for: the hybrid one when there is an accelerator (CUDA or
+    emulated), else the CPU one (cost: the calibrated cost model, needed only by the hybrid one)."""
     if config.device != "cpu":
         return HybridRuntime(shape, dtype, config, cost)
     return CPURuntime(shape, dtype, config.cpu_workers)
@@ -100,8 +103,8 @@ def device_cost(cost: CostModel, device: str) -> CostModel:
     if not cost.has_gpu:
         if device == "cuda":
             log.warning(
-                "the cost profile has no GPU figures; planning with %s's until `hybridmoe calibrate` "
-                "is run on this machine",
+                "the cost profile has no GPU figures; planning with %s's until `hybridmoe "
+                "calibrate` is run on this machine",
                 tuning.EMULATED_GPU,
             )
         g = PROFILES[tuning.EMULATED_GPU]
@@ -226,7 +229,8 @@ class HybridRuntime(BaseRuntime):
         return cpu_s + self.cost.t_act(max(r.n_tokens for r in plan.cpu))
 
     def _predict_next(self, layer: int, hint) -> list[float] | None:
-        """The next MoE layer's router on this layer's input, per-expert mean probability, or None."""
+        """The next MoE layer's router on this layer's input, per-expert mean probability,
+        or None."""
         if hint is None or not self.planner.uses_gpu:
             return None
         return hint().mean(dim=0).tolist()  # [E]

@@ -1,10 +1,10 @@
 """Observers any runtime calls (runtime.py): what watches the routing without changing what runs.
 
 - `RoutingReplay` (--routing-trace FILE): the model's routers take their top-k ids from the trace
-  instead of choosing them (layers/moe.py asks `ids`), so that a random-weight model with real shapes
-  sees real routing. Every token row of every step (prefill included) consumes the next trace line,
-  cycling at the end; MoE layer i takes the trace's layer i mod (trace layers), so a short trace can
-  drive a deeper model. It observes the runtime to learn where each step begins.
+  instead of choosing them (layers/moe.py asks `ids`), so that a random-weight model with real
+  shapes sees real routing. Every token row of every step (prefill included) consumes the next trace
+  line, cycling at the end; MoE layer i takes the trace's layer i mod (trace layers), so a short
+  trace can drive a deeper model. It observes the runtime to learn where each step begins.
 - `TraceRecorder` (--record-trace FILE): one line per decode token, in the format of
   experts/plan/trace_format.py: {"tok": n, "layers": [[ids], ...], "probs": [[w], ...], "req": id}.
   "probs" are the routing weights the model used for those ids. Which rows of a step are decode
@@ -13,7 +13,8 @@
   activation statistics (experts/plan/stats.py) when the runtime closes.
 
 Two passes may run at once on two threads: the recorder keeps a step's state in that step
-(`Step.notes`), the replay in a thread-local, the counter its totals under a lock, so they never mix.
+(`Step.notes`), the replay in a thread-local, the counter its totals under a lock, so they never
+mix.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ class TraceRecorder(_Observer):
             self.writer = TraceWriter(path)
         except OSError as e:
             raise UserError(
-                f"cannot write the routing trace {path} ({e.strerror}); pass a writable --record-trace path"
-            )
+                f"cannot write the routing trace {path} ({e.strerror}); pass a writable "
+                "--record-trace path"
+            ) from None
         self.num_moe_layers = num_moe_layers
         self.tokens = 0
         self._lock = threading.Lock()

@@ -117,7 +117,8 @@ class BaseRuntime:
         if missing:
             layer, expert = missing[0]
             raise ValueError(
-                f"no weights were loaded for expert {expert} of layer {layer} ({len(missing)} missing)"
+                f"no weights were loaded for expert {expert} of layer {layer} ({len(missing)} "
+                "missing)"
             )
 
     def add_observer(self, observer: Observer) -> None:
@@ -129,7 +130,8 @@ class BaseRuntime:
             observer.begin_step(step)
 
     def forward(self, layer, x, topk_ids, topk_weights, hint=None):
-        """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert outputs."""
+        """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert
+        outputs."""
         step = self._local.step
         if step is None:
             raise RuntimeError(
@@ -179,8 +181,8 @@ class CPURuntime(BaseRuntime):
     def _layer(self, layer, x, topk_ids, topk_weights, hint):
         t0 = time.perf_counter()
         if x.shape[0] == 1:
-            # Decode: one token, so no grouping, gathering or scattering; the K outputs are summed by
-            # one [1, K] @ [K, H] product, which halves the ops per expert.
+            # Decode: one token, so no grouping, gathering or scattering; the K outputs are summed
+            # by one [1, K] @ [K, H] product, which halves the ops per expert.
             experts = topk_ids[0].tolist()
             ys, busy = self._run_cpu(layer, [(e, x) for e in experts]).result()  # [1, H] each
             out = combine_token(x, ys, topk_weights)

@@ -103,14 +103,17 @@ class RuntimeStats:
             [
                 f"expert runtime: {d['device']}, policy {d['policy']}, {d['slots']} GPU slots, "
                 f"{d['steps']} steps, {int(d['tokens'])} tokens",
-                f"  experts: {int(d['routed'])} routed, {int(d['hits'])} hits ({100 * d['hit_rate']:.1f}%), "
-                f"{int(d['misses'])} misses; ran {int(d['cpu_runs'])} on CPU, {int(d['gpu_runs'])} on GPU",
-                f"  copies: {int(d['demand_copies'])} on demand, {int(d['prefetches_issued'])} prefetches "
-                f"({int(d['prefetches_used'])} used, precision {100 * d['prefetch_precision']:.0f}%), "
-                f"{d['bytes_copied'] / 1e6:.1f} MB",
-                f"  time: measured {1e3 * d['measured_s']:.1f} ms ({d['expert_ms_per_token']:.2f} ms/token), "
-                f"predicted {1e3 * d['predicted_s']:.1f} ms; CPU busy {1e3 * d['cpu_busy_s']:.1f} ms, "
-                f"GPU busy {1e3 * d['gpu_busy_s']:.1f} ms, copy stream {1e3 * d['copy_busy_s']:.1f} ms",
-                f"  predictor: precision {100 * d['predictor_precision']:.0f}%, recall {100 * d['predictor_recall']:.0f}%",
+                f"  experts: {int(d['routed'])} routed, {int(d['hits'])} hits "
+                f"({100 * d['hit_rate']:.1f}%), {int(d['misses'])} misses; ran "
+                f"{int(d['cpu_runs'])} on CPU, {int(d['gpu_runs'])} on GPU",
+                f"  copies: {int(d['demand_copies'])} on demand, {int(d['prefetches_issued'])} "
+                f"prefetches ({int(d['prefetches_used'])} used, precision "
+                f"{100 * d['prefetch_precision']:.0f}%), {d['bytes_copied'] / 1e6:.1f} MB",
+                f"  time: measured {1e3 * d['measured_s']:.1f} ms ({d['expert_ms_per_token']:.2f} "
+                f"ms/token), predicted {1e3 * d['predicted_s']:.1f} ms; CPU busy "
+                f"{1e3 * d['cpu_busy_s']:.1f} ms, GPU busy {1e3 * d['gpu_busy_s']:.1f} ms, copy "
+                f"stream {1e3 * d['copy_busy_s']:.1f} ms",
+                f"  predictor: precision {100 * d['predictor_precision']:.0f}%, recall "
+                f"{100 * d['predictor_recall']:.0f}%",
             ]
         )
