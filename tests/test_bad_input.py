@@ -2,13 +2,12 @@
 traceback. (Damaged GGUF files are covered in test_gguf.py.)"""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hybridmoe.cli import main
+from tests.console import hybridmoe
 from tests.tiny import build_tiny
 
 VOCAB = 96  # the tiny models' vocabulary
@@ -111,22 +110,7 @@ def test_tokenizer_option_not_a_directory(capsys, model_dir, tmp_path):
 
 
 def test_the_console_command_exits_2_without_a_traceback(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridmoe",
-            "generate",
-            "--model",
-            str(tmp_path / "nowhere"),
-            "--prompt",
-            "hi",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-        timeout=120,
-    )
+    run = hybridmoe("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", timeout=120)
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert run.stderr.strip().count("\n") == 0 and "nowhere" in run.stderr

@@ -1,11 +1,9 @@
 """The console command: --help everywhere, generate and chat end to end, clear errors."""
 
-import subprocess
-import sys
-
 import pytest
 
 from hybridmoe.cli import COMMANDS, build_parser, main
+from tests.console import hybridmoe
 
 
 def subcommand_parsers():
@@ -27,25 +25,17 @@ def test_help_on_every_subcommand(name, capsys):
 
 
 def test_generate_streams_text_and_reports_speed(tiny_chat_model):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridmoe",
-            "generate",
-            "--model",
-            str(tiny_chat_model),
-            "--chat",
-            "--prompt",
-            "Hello",
-            "--max-tokens",
-            "8",
-            "--temperature",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = hybridmoe(
+        "generate",
+        "--model",
+        str(tiny_chat_model),
+        "--chat",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
     )
     assert out.returncode == 0, out.stderr
     assert (
@@ -78,21 +68,13 @@ def test_generate_greedy_is_deterministic_and_seeded_sampling_reproducible(tiny_
 
 
 def test_chat_loop_answers_each_line_until_eof(tiny_chat_model):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridmoe",
-            "chat",
-            "--model",
-            str(tiny_chat_model),
-            "--max-tokens",
-            "4",
-        ],
+    out = hybridmoe(
+        "chat",
+        "--model",
+        str(tiny_chat_model),
+        "--max-tokens",
+        "4",
         input="Hi\n/reset\nHow are you?\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("> ") == 4  # three lines read, then EOF at the fourth prompt

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hybridmoe.cli import main
 from hybridmoe.experts.plan.trace_format import read_trace, write_trace
+from tests.console import hybridmoe
 from tests.traces import shared_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,24 +125,7 @@ def test_bad_budget_and_unknown_hardware_are_exit_code_2(short_trace):
 def test_bad_trace_from_a_subprocess_gives_one_line_and_no_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tok": 1, "layers": "nope"}\n')
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridmoe",
-            "simulate",
-            "--trace",
-            str(bad),
-            "--model-shape",
-            "olmoe-1b-7b",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-    )
+    proc = hybridmoe("simulate", "--trace", str(bad), "--model-shape", "olmoe-1b-7b", timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "line 1" in proc.stderr
 

@@ -12,6 +12,7 @@ import torch
 from hybridmoe.config import HFConfig
 from hybridmoe.loader import gguf_file, load_model, model_config
 from tests.conftest import smollm2_gguf
+from tests.console import hybridmoe
 from tests.contiguous_kv import SequenceKV, forward_step
 from tests.gguf_writer import GGUF_ARCH, Q, permute_rows, write_gguf
 from tests.tiny import BUILDERS, build_tiny, hf_logits
@@ -395,27 +396,9 @@ def test_unsupported_gguf_architecture_is_reported(tmp_path):
 
 
 def test_cli_exits_2_with_one_line_on_a_truncated_gguf(good_gguf):
-    import subprocess
-    import sys
-    from pathlib import Path
 
     good_gguf.write_bytes(good_gguf.read_bytes()[:-1000])
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridmoe",
-            "generate",
-            "--model",
-            str(good_gguf),
-            "--prompt",
-            "hi",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-        timeout=120,
-    )
+    run = hybridmoe("generate", "--model", str(good_gguf), "--prompt", "hi", timeout=120)
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]
@@ -427,22 +410,9 @@ def test_gguf_peak_rss_while_loading_is_at_most_1_5x_weights(tmp_path):
     import subprocess
     import sys
 
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from tests.test_load_memory import SCRIPT, save_memory_test_model  # as for safetensors
 
-    from tests.test_load_memory import SCRIPT  # the same measurement as for safetensors
-
-    torch.manual_seed(0)
-    cfg = MixtralConfig(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-    )
-    MixtralForCausalLM(cfg).save_pretrained(tmp_path)  # ~170 MB fp32, ~85 MB as F16 GGUF
+    save_memory_test_model(tmp_path)  # ~170 MB fp32, ~85 MB as F16 GGUF
     big = write_gguf(tmp_path, tmp_path / "big.gguf", Q.F16)
     (tmp_path / "model.safetensors").unlink()
     tiny = tmp_path / "tiny"

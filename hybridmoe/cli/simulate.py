@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybridmoe.cli.options import add_config_flags, config_values
 from hybridmoe.errors import UserError
-from hybridmoe.experts.plan.cache import PLACEMENTS
 from hybridmoe.experts.plan.cost_model import QUANT_BYTES
 from hybridmoe.experts.plan.policies import POLICIES
 from hybridmoe.experts.plan.profiles import PROFILES
 from hybridmoe.sim.shapes import SHAPES
+from hybridmoe.sim.simulator import SimConfig
 
 
 def add_parser(subparsers) -> None:
@@ -22,79 +23,63 @@ def add_parser(subparsers) -> None:
         "of the CPU, GPU and copy stream. The first --profile-tokens only build statistics; "
         "figures are on the rest.",
     )
-    p.add_argument(
-        "--trace", metavar="FILE", help="routing trace (JSONL, as written by --record-trace)"
-    )
-    p.add_argument(
-        "--synthetic",
-        metavar="SPEC",
-        help="instead of --trace: a synthetic trace, e.g. "
-        "'tokens=300,skew=1.0,locality=0.4,drift=60,seed=0' (layers and experts from the shape)",
-    )
-    p.add_argument(
-        "--model-shape",
-        metavar="SHAPE",
-        required=True,
-        help=f"{', '.join(SHAPES)}, or a config.json path",
-    )
-    p.add_argument(
-        "--hardware",
-        metavar="PROFILE",
-        default="rtx4090-ddr5",
-        help=f"a profile ({', '.join(PROFILES)}) or a calibration JSON; comma-separate several "
-        "with --sweep",
-    )
-    p.add_argument(
-        "--gpu-expert-budget",
-        metavar="SIZE",
-        default="0.1",
-        help="GPU memory for experts: bytes (6GB) or a fraction of expert bytes (0.1)",
-    )
-    p.add_argument("--policy", choices=[*POLICIES, "oracle"], default="value")
-    p.add_argument(
-        "--quant", choices=sorted(QUANT_BYTES), default="bf16", help="expert weight format"
-    )
-    p.add_argument(
-        "--placement",
-        choices=PLACEMENTS,
-        default=None,
-        help="start placement (default: the policy's)",
-    )
-    p.add_argument(
-        "--profile-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="leading tokens that only build statistics (default: half of the trace)",
-    )
-    p.add_argument(
-        "--expert-stats",
-        metavar="FILE",
-        help="activation statistics for placement instead of the trace's",
-    )
-    p.add_argument("--batch", type=int, default=1, help="trace lines decoded together per step")
-    p.add_argument(
+    add_trace_options(p.add_argument_group("trace and machine"))
+    g = p.add_argument_group("simulation")
+    add_config_flags(g, SimConfig)
+    g.add_argument(
         "--dense-ms",
         type=float,
         default=0.0,
         help="non-expert milliseconds per layer (attention etc.)",
     )
-    p.add_argument("--no-oracle", action="store_true", help="skip the oracle and MIN comparison")
-    p.add_argument(
+    add_comparison_options(p.add_argument_group("comparison"))
+    p.set_defaults(func=run)
+
+
+def add_trace_options(g) -> None:
+    g.add_argument(
+        "--trace", metavar="FILE", help="routing trace (JSONL, as written by --record-trace)"
+    )
+    g.add_argument(
+        "--synthetic",
+        metavar="SPEC",
+        help="instead of --trace: a synthetic trace, e.g. 'tokens=300,skew=1.0,"
+        "locality=0.4,drift=60,seed=0' (layers and experts from the shape)",
+    )
+    g.add_argument(
+        "--model-shape",
+        metavar="SHAPE",
+        required=True,
+        help=f"{', '.join(SHAPES)}, or a config.json path",
+    )
+    g.add_argument(
+        "--hardware",
+        metavar="PROFILE",
+        default="rtx4090-ddr5",
+        help=f"a profile ({', '.join(PROFILES)}) or a calibration JSON; comma-separate "
+        "several with --sweep",
+    )
+    g.add_argument(
+        "--quant", choices=sorted(QUANT_BYTES), default="bf16", help="expert weight format"
+    )
+    g.add_argument("--write-trace", metavar="FILE", help="also save the (synthetic) trace used")
+
+
+def add_comparison_options(g) -> None:
+    g.add_argument("--no-oracle", action="store_true", help="skip the oracle and MIN comparison")
+    g.add_argument(
         "--sweep", action="store_true", help="policies x budgets x hardware: a table and a PNG"
     )
-    p.add_argument("--budgets", default="0.05,0.1,0.25,0.5", help="budgets of the sweep")
-    p.add_argument(
+    g.add_argument("--budgets", default="0.05,0.1,0.25,0.5", help="budgets of the sweep")
+    g.add_argument(
         "--policies", default=None, help="policies of the sweep (default: all but belady)"
     )
-    p.add_argument(
+    g.add_argument(
         "--plot", metavar="PNG", default="sweep.png", help="where the sweep writes its plot"
     )
-    p.add_argument("--write-trace", metavar="FILE", help="also save the (synthetic) trace used")
-    p.add_argument(
+    g.add_argument(
         "--json", action="store_true", help="print one JSON object (a list with --sweep)"
     )
-    p.set_defaults(func=run)
 
 
 def load_lines(args, shape):
@@ -128,19 +113,11 @@ def load_lines(args, shape):
 
 
 def sim_config(args, budget=None, policy=None):
-    from hybridmoe.sim.simulator import SimConfig
-
     if args.batch < 1:
         raise UserError("--batch must be at least 1")
-    return SimConfig(
-        policy=policy or args.policy,
-        budget=budget or args.gpu_expert_budget,
-        placement=args.placement,
-        profile_tokens=args.profile_tokens,
-        batch=args.batch,
-        dense_s=args.dense_ms / 1e3,
-        expert_stats=args.expert_stats,
-    )
+    values = config_values(args, SimConfig)
+    values.update(policy=policy or args.policy, budget=budget or args.budget)
+    return SimConfig(**values, dense_s=args.dense_ms / 1e3)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,13 +13,13 @@ policy's warm start, the predictor); figures are reported on the rest, which nob
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from hybridmoe.errors import UserError
-from hybridmoe.experts.plan.cache import parse_budget
+from hybridmoe.experts.plan.cache import PLACEMENTS, parse_budget
 from hybridmoe.experts.plan.cost_model import CostModel
 from hybridmoe.experts.plan.planner import Planner, Routed, make_planner
-from hybridmoe.experts.plan.policies import make_policy
+from hybridmoe.experts.plan.policies import POLICIES, make_policy
 from hybridmoe.experts.plan.stats import read_stats
 from hybridmoe.experts.plan.trace_format import TraceLine
 from hybridmoe.sim.shapes import ModelShape
@@ -27,13 +27,39 @@ from hybridmoe.sim.shapes import ModelShape
 
 @dataclass
 class SimConfig:
-    policy: str = "value"
-    budget: str = "0.1"
-    placement: str | None = None
-    profile_tokens: int | None = None  # None = half of the trace
-    batch: int = 1  # trace lines per step (decode batched across sequences)
+    """One simulation. A field with a help text is also a flag of `hybridmoe simulate`."""
+
+    policy: str = field(
+        default="value", metadata={"help": "the policy simulated", "choices": (*POLICIES, "oracle")}
+    )
+    budget: str = field(
+        default="0.1",
+        metadata={
+            "flag": "--gpu-expert-budget",
+            "metavar": "SIZE",
+            "help": "GPU memory for experts: bytes (6GB) or a fraction of expert bytes (0.1)",
+        },
+    )
+    placement: str | None = field(
+        default=None,
+        metadata={"help": "start placement (default: the policy's)", "choices": PLACEMENTS},
+    )
+    profile_tokens: int | None = field(
+        default=None,
+        metadata={
+            "metavar": "N",
+            "help": "leading tokens that only build statistics (default: half of the trace)",
+        },
+    )
+    batch: int = field(default=1, metadata={"help": "trace lines decoded together per step"})
     dense_s: float = 0.0  # non-expert seconds per layer (attention etc.), copies overlap it
-    expert_stats: str | None = None  # statistics file instead of the trace's profile part
+    expert_stats: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "FILE",
+            "help": "activation statistics for placement instead of the trace's",
+        },
+    )
 
 
 @dataclass
