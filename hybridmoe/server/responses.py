@@ -24,6 +24,11 @@ def usage(out: RequestOutput, return_speed: bool) -> dict:
     return u
 
 
+def choice(logprobs: dict | None, finish_reason: str | None, **content) -> list[dict]:
+    """The one choice of a response or chunk: its content (delta, message or text) and ending."""
+    return [{"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}]
+
+
 class _Shape:
     object = chunk_object = id_prefix = ""
 
@@ -50,14 +55,7 @@ class ChatShape(_Shape):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def first_chunk(self) -> list[dict]:
-        return [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ]
+        return choice(None, None, delta={"role": "assistant", "content": ""})
 
     def chunk(
         self,
@@ -67,14 +65,7 @@ class ChatShape(_Shape):
         offset: int = 0,
     ) -> list[dict]:
         delta = {"content": text} if text else {}
-        return [
-            {
-                "index": 0,
-                "delta": delta,
-                "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }
-        ]
+        return choice(self.logprobs(logprobs), finish_reason, delta=delta)
 
     def whole(
         self,
@@ -83,14 +74,8 @@ class ChatShape(_Shape):
         finish_reason: str | None,
         offset: int = 0,
     ) -> list[dict]:
-        return [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }
-        ]
+        message = {"role": "assistant", "content": text}
+        return choice(self.logprobs(logprobs), finish_reason, message=message)
 
     def logprobs(self, items: list[TokenLogprob] | None) -> dict | None:
         if items is None:
@@ -121,14 +106,7 @@ class CompletionShape(_Shape):
         finish_reason: str | None,
         offset: int = 0,
     ) -> list[dict]:
-        return [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": self.logprobs(logprobs, offset),
-                "finish_reason": finish_reason,
-            }
-        ]
+        return choice(self.logprobs(logprobs, offset), finish_reason, text=text)
 
     whole = chunk
 
