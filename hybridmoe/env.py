@@ -3,6 +3,7 @@
 | variable          | effect                                                              |
 |-------------------|---------------------------------------------------------------------|
 | HYBRIDMOE_NATIVE  | 0 turns the native C kernels off (torch's kernels do the work)      |
+| HYBRIDMOE_QUANT_ISA | the quantised kernels' path: avx512, avx2 or off (default: widest) |
 | CC                | the C compiler that builds them (default `cc`)                      |
 | XDG_CACHE_HOME    | where the user cache directory lies (default ~/.cache)              |
 | OMP_WAIT_POLICY   | set to PASSIVE unless given (see `set_defaults`)                     |
@@ -16,6 +17,10 @@ from pathlib import Path
 
 def native_enabled() -> bool:
     return os.environ.get("HYBRIDMOE_NATIVE", "1") != "0"
+
+
+def quant_isa() -> str | None:
+    return os.environ.get("HYBRIDMOE_QUANT_ISA")
 
 
 def c_compiler() -> str:

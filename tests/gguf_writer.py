@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from hybridmoe.quant.tensor import QTensor
+
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {  # config.json model_type -> llama.cpp architecture
     "llama": gguf.MODEL_ARCH.LLAMA,
@@ -81,6 +83,14 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -
         writer.add_tensor(name, data.astype(np.float32))
     elif qtype == Q.F16:
         writer.add_tensor(name, data.astype(np.float16))
+    elif qtype in (
+        Q.Q4_K,
+        Q.Q6_K,
+    ):  # gguf has no K-quant quantiser: hybridmoe's own writes the blocks
+        blocks = QTensor.quantize(
+            torch.from_numpy(data.reshape(-1, data.shape[-1])), qtype.name.lower()
+        )
+        writer.add_tensor(name, blocks.data.numpy().reshape(*data.shape[:-1], -1), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 

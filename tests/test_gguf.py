@@ -11,11 +11,22 @@ import torch
 
 from hybridmoe.config import HFConfig
 from hybridmoe.loader import gguf_file, load_model, model_config
+from hybridmoe.quant.tensor import QTensor
 from tests.conftest import smollm2_gguf
 from tests.console import hybridmoe
 from tests.contiguous_kv import SequenceKV, forward_step
 from tests.gguf_writer import GGUF_ARCH, Q, permute_rows, write_gguf
 from tests.tiny import BUILDERS, build_tiny, hf_logits
+
+
+@pytest.fixture(autouse=True)
+def exact_products(monkeypatch):
+    """These tests check the loader (names, layouts, blocks kept as stored) against transformers to
+    1e-4, so products with blocks take the exact path (dequantise, multiply in fp32); the integer
+    kernels quantise activations to int8 and are checked against their own bound in
+    test_quant.py."""
+    monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "off")
+
 
 ARCHS = sorted(a for a in BUILDERS if a in GGUF_ARCH)
 
@@ -214,7 +225,8 @@ def test_quantized_weights_match_spec_dequantizer(qtype, tmp_path):
     tiny_reference("mixtral", tmp_path)  # experts, router, attention: every kind of matrix
     path = write_gguf(tmp_path, tmp_path / "model.gguf", qtype)
     cfg = model_config(path)
-    ours = dict(gguf_file.iter_tensors(path, cfg))
+    loaded = gguf_file.iter_tensors(path, cfg)
+    ours = {name: t.dequantize() if isinstance(t, QTensor) else t for name, t in loaded}
     reader = gguf.GGUFReader(str(path))
     checked = 0
     for t in reader.tensors:
@@ -288,7 +300,10 @@ def test_k_quant_blocks_load_in_their_element_shape(qtype, tmp_path):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_dtype=qtype)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    (got,) = [t for _, t in gguf_file.iter_tensors(path, _K_QUANT_CFG)]
+    (blocks,) = [t for _, t in gguf_file.iter_tensors(path, _K_QUANT_CFG)]
+    assert isinstance(blocks, QTensor) and blocks.fmt.ggml == qtype  # kept in its blocks, as stored
+    assert torch.equal(blocks.data, torch.from_numpy(raw.reshape(rows, -1)))
+    got = blocks.dequantize()
     assert got.shape == (rows, cols) and torch.isfinite(got).all()
     torch.testing.assert_close(
         got, torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype))

@@ -1,4 +1,5 @@
-"""Imports point one way: server -> engine -> models -> layers -> experts, and sim -> experts/plan.
+"""Imports point one way: server -> engine -> models -> layers -> experts -> quant -> native, and
+sim -> experts/plan.
 Inside experts/, run/ (tensors) imports plan/ (pure logic), never the reverse, and plan/ and sim/
 work without torch: the simulator and the planner install and run on a machine without it."""
 
@@ -31,6 +32,19 @@ FORBIDDEN = {
         "loader",
     },
     "experts/plan": {"experts.run", "native", "loader", "layers", "models"},
+    "quant": {
+        "experts",
+        "layers",
+        "models",
+        "engine",
+        "server",
+        "sim",
+        "cli",
+        "bench",
+        "demo",
+        "loader",
+    },
+    "native": {"quant", "experts", "layers", "models", "engine", "server", "sim", "cli", "bench"},
 }
 
 

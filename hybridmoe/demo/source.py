@@ -33,10 +33,11 @@ def read_dense(path: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]
     """Dequantised fp32 weights with Hugging Face Llama names, and the Llama config.json dict,
     through hybridmoe's GGUF loader (one loader path per format)."""
     from hybridmoe.loader import gguf_file
+    from hybridmoe.quant.tensor import dense
 
     path = path or gguf_path()
     config = gguf_file.read_config(path)
-    weights = {name: t.float() for name, t in gguf_file.iter_tensors(path, config)}
+    weights = {name: dense(t) for name, t in gguf_file.iter_tensors(path, config)}
     return weights, dict(config.data)
 
 

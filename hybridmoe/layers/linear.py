@@ -21,14 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe import native
+from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.tensor import linear as qlinear
 from hybridmoe.tuning import FEW_ROWS, THREADED_NATIVE_ROWS
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with x: [M, K], weight: [N, K] -> [M, N] on oneDNN for a few fp32 rows, on the
-    native kernel for a few bf16 rows."""
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with x: [M, K], weight: [N, K] -> [M, N]: a weight in blocks (QTensor) on the
+    integer kernels; a dense one on oneDNN for a few fp32 rows, on the native kernel for a few bf16
+    rows."""
+    if isinstance(weight, QTensor):
+        return qlinear(x, weight, bias)
     rows = native.MAX_ROWS if torch.get_num_threads() == 1 else THREADED_NATIVE_ROWS
     if native.applies(x, weight, max_rows=rows) and not torch.is_grad_enabled():
         y = native.gemm(x, weight)  # [M, N] fp32
@@ -51,7 +56,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint names) computed by `linear` above."""
+    """nn.Linear (same parameters, same checkpoint names) computed by `linear` above. Its weight may
+    be replaced by a QTensor (models/base.py does, for weights kept in blocks) unless `quantizable`
+    is off (a layer that reads the weight's values itself)."""
+
+    quantizable = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

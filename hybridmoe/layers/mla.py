@@ -63,6 +63,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank)
         self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj.quantizable = False  # absorbed into the attention below: its values are read
         self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
         self.scale = softmax_scale(self.nope + self.rope, rotary.params)
 

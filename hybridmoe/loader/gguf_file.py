@@ -2,9 +2,11 @@
 time.
 
 GGUF lists a tensor's dims innermost first, so a torch [rows, cols] weight is stored as
-(cols, rows); the reader's arrays are already in row-major order. Quantized blocks are dequantized
-to fp32 one tensor (one expert, for stacked experts) at a time, so that memory stays near the
-loaded model's.
+(cols, rows); the reader's arrays are already in row-major order. Matrices in a block format the
+engine computes on (hybridmoe.quant.formats) come out as QTensors, their blocks as stored, one
+tensor (one expert, for stacked experts) at a time; the model decides where they stay blocks.
+Other 3-D tensors in blocks (MLA's halves) are dequantized, and formats the engine does not read
+are refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
 from hybridmoe.loader import gguf_names as names
 from hybridmoe.loader.gguf_config import hf_config
+from hybridmoe.quant.formats import BY_GGML, FORMATS
+from hybridmoe.quant.tensor import QTensor
 
 GGUF_MAGIC = b"GGUF"
 
@@ -94,9 +98,11 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
         )
 
 
-def _fix_layout(base: str, tensor: torch.Tensor, heads: dict[str, int]) -> torch.Tensor:
+def _fix_layout(base: str, tensor, heads: dict[str, int]):
     """Where llama.cpp's layout of a tensor differs from Hugging Face's, convert it back."""
     if base in heads:
+        if isinstance(tensor, QTensor):  # whole rows move: blocks never straddle rows
+            return tensor.rows(_unpermute_rows(torch.arange(tensor.shape[0]), heads[base]))
         return _unpermute_rows(tensor, heads[base])
     if (
         base == "ffn_gate_inp_shexp" and tensor.dim() == 1
@@ -122,21 +128,27 @@ def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     return kv.reshape(-1, kv.shape[-1]).contiguous()
 
 
-def _tensor(t, f, where: str, index: int | None = None) -> torch.Tensor:
-    """One GGUF tensor (or one expert `index` of a stack), read from the open file `f`, as torch."""
+READABLE = ("F32", "F16", "BF16", *(f.upper() for f in FORMATS))
+
+
+def _tensor(t, f, where: str, index: int | None = None):
+    """One GGUF tensor (or one expert `index` of a stack), read from the open file `f`: a torch
+    tensor, or a QTensor for a matrix in blocks."""
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
+    fmt = BY_GGML.get(int(qtype))
+    if fmt is None and qtype.name not in READABLE:
+        raise ModelFileError(
+            f"{where}: tensor {t.name} is {qtype.name}; hybridmoe reads {', '.join(READABLE)}: "
+            "convert or requantize the model to one of them"
+        )
     data = _read(t, f, index)
     if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return torch.from_numpy(data)
     if qtype == gguf.GGMLQuantizationType.BF16:  # stored as raw bytes [..., 2*cols]
         return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
-    try:
-        return torch.from_numpy(gguf.quants.dequantize(data, qtype))
-    except NotImplementedError:
-        raise ModelFileError(
-            f"{where}: tensor {t.name} is {qtype.name}, which the gguf package cannot "
-            "dequantize; requantize the model (Q8_0, Q4_K_M, ...)"
-        ) from None
+    cols = data.shape[-1] // fmt.nbytes * fmt.block  # data: [..., bytes per row]
+    blocks = QTensor(torch.from_numpy(data.reshape(-1, data.shape[-1])), fmt, cols)
+    return blocks if data.ndim == 2 else blocks.dequantize().reshape(*data.shape[:-1], cols)
 
 
 def _read(t, f, index: int | None) -> np.ndarray:

@@ -16,6 +16,7 @@ from hybridmoe.experts.run.runtime import CPURuntime, ExpertRuntime
 from hybridmoe.loader import safetensors_dir
 from hybridmoe.loader.tokenizer import Tokenizer, load_tokenizer_dir, load_tokenizer_gguf
 from hybridmoe.models import model_class
+from hybridmoe.quant.formats import QUANTIZE_TO
 
 RuntimeFactory = Callable[[ExpertShape, torch.dtype], ExpertRuntime]
 
@@ -61,18 +62,28 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     runtime_factory: RuntimeFactory | None = None,
     progress: bool = True,
+    quant: str | None = None,
 ):
-    """Build the model for `path` and stream its weights in. Routed experts go to the runtime."""
+    """Build the model for `path` and stream its weights in. Routed experts go to the runtime.
+
+    Weights a GGUF file stores in blocks stay in them; `quant` (a format of hybridmoe.quant.formats)
+    quantises dense weights to blocks as they stream in: the linears and the routed experts."""
     p, kind = _resolve(path)
     cfg = model_config(p)
     cls = model_class(cfg, where=str(p))
     shape = expert_shape(cfg)
     runtime = None
+    if quant is not None and quant not in QUANTIZE_TO:
+        raise UserError(
+            f"--quant {quant}: quantising at load makes {', '.join(QUANTIZE_TO)}; pick one"
+        )
     if shape is not None:
         runtime = (runtime_factory or CPURuntime)(shape, dtype)
+        runtime.store.quant = quant
     with torch.device("meta"):
         model = cls(cfg, runtime)
     model = model.to(dtype).to_empty(device="cpu")  # uninitialised; every parameter is loaded below
+    model.quant = quant
     if kind == "hf":
         files = safetensors_dir.safetensors_files(p)
         total, tensors = safetensors_dir.count_tensors(files), safetensors_dir.iter_tensors(files)

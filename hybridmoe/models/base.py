@@ -16,10 +16,13 @@ from hybridmoe.experts.plan.shape import expert_shape
 from hybridmoe.experts.run.runtime import ExpertRuntime
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
+from hybridmoe.layers.embedding import Embedding
 from hybridmoe.layers.linear import Linear, linear
 from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, rope_parameters
+from hybridmoe.quant.formats import FORMATS, suits
+from hybridmoe.quant.tensor import QTensor
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
 _EXPERT = re.compile(
@@ -43,6 +46,7 @@ _ROLE = {
 class CausalLM(nn.Module):
     """A decoder-only LM: embed -> layers -> norm -> lm_head."""
 
+    quant: str | None = None  # the block format dense weights are quantised to at load (--quant)
     ffn_name = "mlp"  # the feed-forward's name in checkpoints
     qk_norm: str | None = None  # Attention's q/k norms: None, "head" (Qwen3) or "full" (OLMoE)
 
@@ -53,7 +57,7 @@ class CausalLM(nn.Module):
         self.shape = expert_shape(cfg)
         hidden, eps = cfg.get("hidden_size"), cfg.get("rms_norm_eps", default=1e-6)
         self.vocab_size = cfg.get("vocab_size")
-        self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
+        self.embed_tokens = Embedding(self.vocab_size, hidden)
         self.rotary = Rotary(self.rotary_dim(cfg), rope_parameters(cfg))
         self.layers = nn.ModuleList(
             DecoderLayer(hidden, eps, self.attention(i), self.ffn(i), self.ffn_name)
@@ -154,8 +158,7 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config "
                     f"implies {tuple(param.shape)}; the checkpoint does not match its config.json"
                 )
-            with torch.no_grad():
-                param.copy_(tensor)
+            self._place(target, param, tensor)
             loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
@@ -171,6 +174,28 @@ class CausalLM(nn.Module):
                     f"{sorted({'gate', 'up', 'down'} - set(parts))}"
                 )
             self.runtime.finish_loading()
+
+    def _place(self, target: str, param: nn.Parameter, tensor) -> None:
+        """Put a checkpoint tensor in `target`'s place: in blocks where its module computes on them
+        (a QTensor from the file, or a dense weight quantised at load to `self.quant`), else
+        copied."""
+        module_name, _, attr = target.rpartition(".")
+        module = self.get_submodule(module_name)
+        blocks = attr == "weight" and isinstance(module, (Linear, Embedding)) and module.quantizable
+        if (
+            blocks
+            and self.quant
+            and not isinstance(tensor, QTensor)
+            and suits(FORMATS[self.quant], tensor.shape[-1])
+        ):
+            tensor = QTensor.quantize(tensor, self.quant)
+        if blocks and isinstance(tensor, QTensor):
+            delattr(module, "weight")
+            module.weight = tensor
+            module.dtype = param.dtype  # what an Embedding's looked-up rows come out as
+            return
+        with torch.no_grad():
+            param.copy_(tensor.dequantize(param.dtype) if isinstance(tensor, QTensor) else tensor)
 
     def _load_expert(self, name: str, tensor: torch.Tensor, pending: dict) -> bool:
         """Route an expert tensor to the runtime's store; False when `name` is not an expert's."""

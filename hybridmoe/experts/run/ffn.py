@@ -9,16 +9,29 @@ import torch.nn.functional as F
 
 from hybridmoe import native, tuning
 from hybridmoe.experts.run.store import ExpertWeights
+from hybridmoe.native import quant as quant_kernels
+from hybridmoe.quant.tensor import QTensor, native_applies
+from hybridmoe.quant.tensor import linear as qlinear
 
 
 def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """SwiGLU expert: down(silu(gate x) * up x). x: [n, H] -> [n, H].
 
-    F.linear, not layers/linear.py's oneDNN path: on worker threads oneDNN gave results 7e-6 apart
-    from the calling thread's (test_expert_workers), and an expert must not depend on where it runs.
-    Up to native.MAX_ROWS bf16 tokens (decode) go to the native kernel wherever it runs (CPU
-    runtime, pool, calibration), so that holds there too: gate and up stay fp32 and silu(gate) * up
-    is rounded to bf16 once; a token's result does not depend on how many came with it."""
+    Experts in blocks take the integer kernels in one call (native/quant.c: gate and up fused, the
+    product quantised once). Up to native.MAX_ROWS bf16 tokens (decode) go to the bf16 kernel
+    wherever it runs (CPU runtime, pool, calibration): gate and up stay fp32 and silu(gate) * up is
+    rounded to bf16 once. Either way a token's result does not depend on how many came with it.
+    Otherwise F.linear, not layers/linear.py's oneDNN path: on worker threads oneDNN gave results
+    7e-6 apart from the calling thread's, and an expert must not depend on where it runs."""
+    if (
+        isinstance(w.gate_up, QTensor)
+        and isinstance(w.down, QTensor)
+        and native_applies(x, w.gate_up, w.down)
+    ):
+        return quant_kernels.expert(x, w.gate_up, w.down).to(x.dtype)  # [n, H]
+    if isinstance(w.gate_up, QTensor) or isinstance(w.down, QTensor):
+        gate, up = qlinear(x, w.gate_up).chunk(2, dim=-1)  # [n, I] each
+        return qlinear(F.silu(gate) * up, w.down)  # [n, H]
     if native.applies(x, w.gate_up, w.down):
         return native.expert(x, w.gate_up, w.down).to(torch.bfloat16)  # [n, H]
     gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(

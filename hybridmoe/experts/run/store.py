@@ -1,8 +1,10 @@
 """All routed-expert weights in host RAM, one record per (layer, expert).
 
-The format (dtype) is a property of the store, chosen at load; every record holds the gate and up
-projections fused into one matrix so that an expert is two matmuls.
-"""
+An expert is its gate and up projections fused into one matrix [2I, H] (so that it is two matrix
+products) and its down projection [H, I], each either a dense tensor in the store's dtype or a
+QTensor of blocks (hybridmoe/quant): as the GGUF file stores them, or quantised at load (`quant`).
+Experts may differ in format (llama.cpp gives some layers' down projections more bits), so sizes are
+counted from the records themselves."""
 
 from __future__ import annotations
 
@@ -11,45 +13,67 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.experts.plan.shape import ExpertShape, Key
+from hybridmoe.quant.formats import FORMATS, suits
+from hybridmoe.quant.tensor import QTensor, dense
+
+Matrix = torch.Tensor | QTensor
 
 
 @dataclass
 class ExpertWeights:
-    gate_up: torch.Tensor  # [2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection
-    down: torch.Tensor  # [H, I]
+    gate_up: Matrix  # [2I, H]: rows 0..I-1 are the gate projection, I..2I-1 the up projection
+    down: Matrix  # [H, I]
 
     def nbytes(self) -> int:
-        return (
-            self.gate_up.numel() * self.gate_up.element_size()
-            + self.down.numel() * self.down.element_size()
-        )
+        return _nbytes(self.gate_up) + _nbytes(self.down)
+
+
+def _nbytes(m: Matrix) -> int:
+    return m.nbytes() if isinstance(m, QTensor) else m.numel() * m.element_size()
 
 
 class ExpertStore:
     """Host-RAM home of every routed expert; pinned memory when CUDA is present."""
 
     def __init__(
-        self, shape: ExpertShape, dtype: torch.dtype = torch.float32, pin: bool | None = None
+        self,
+        shape: ExpertShape,
+        dtype: torch.dtype = torch.float32,
+        pin: bool | None = None,
+        quant: str | None = None,
     ):
         self.shape = shape
         self.dtype = dtype
+        self.quant = (
+            quant  # a format name of hybridmoe.quant.formats: dense experts are quantised to it
+        )
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.records: dict[Key, ExpertWeights] = {}
+        self._bytes = 0
 
-    def put(
-        self,
-        layer: int,
-        expert: int,
-        w_gate: torch.Tensor,
-        w_up: torch.Tensor,
-        w_down: torch.Tensor,
-    ) -> None:
+    def put(self, layer: int, expert: int, w_gate: Matrix, w_up: Matrix, w_down: Matrix) -> None:
         """Store one expert given its gate [I, H], up [I, H] and down [H, I] weights."""
-        gate_up = torch.cat([w_gate, w_up], dim=0).to(self.dtype).contiguous()  # [2I, H]
-        down = w_down.to(self.dtype).contiguous()  # [H, I]
+        w = ExpertWeights(self._fused(w_gate, w_up), self._kept(w_down))
         if self.pin:
-            gate_up, down = gate_up.pin_memory(), down.pin_memory()
-        self.records[(layer, expert)] = ExpertWeights(gate_up, down)
+            w = ExpertWeights(_pinned(w.gate_up), _pinned(w.down))
+        self.records[(layer, expert)] = w
+        self._bytes += w.nbytes()
+
+    def _fused(self, gate: Matrix, up: Matrix) -> Matrix:
+        if isinstance(gate, QTensor) and isinstance(up, QTensor) and gate.fmt == up.fmt:
+            return QTensor.cat([gate, up])
+        return self._kept(
+            torch.cat([dense(gate, self.dtype), dense(up, self.dtype)], dim=0)
+        )  # [2I, H]
+
+    def _kept(self, m: Matrix) -> Matrix:
+        """As the store keeps it: blocks stay blocks; dense matrices in the store's dtype, or
+        quantised to `quant` where their rows split into its blocks."""
+        if isinstance(m, QTensor):
+            return m
+        if self.quant and suits(FORMATS[self.quant], m.shape[1]):
+            return QTensor.quantize(m, self.quant)
+        return m.to(self.dtype).contiguous()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.records[(layer, expert)]
@@ -64,8 +88,14 @@ class ExpertStore:
         ]
 
     def expert_nbytes(self) -> int:
-        """Bytes of one expert in this store's format."""
+        """Bytes of one expert as stored (the mean, where formats differ)."""
+        if self.records:
+            return self._bytes // len(self.records)
         return self.shape.params_per_expert() * self.dtype.itemsize
 
     def total_nbytes(self) -> int:
         return self.expert_nbytes() * len(self.shape.moe_layers) * self.shape.num_experts
+
+
+def _pinned(m: Matrix) -> Matrix:
+    return QTensor(m.data.pin_memory(), m.fmt, m.cols) if isinstance(m, QTensor) else m.pin_memory()

@@ -1,0 +1,133 @@
+"""The integer kernels of quant.c: products with weights kept in GGUF blocks, activations quantised
+once per row to int8, dot products in exact integers (AVX512-VNNI or AVX2), scales applied in fp32.
+
+Both instruction-set paths are compiled into one library (per-function target attributes, no global
+ISA flags) and give the same bits; `isa()` picks the widest the CPU has, or the one
+HYBRIDMOE_QUANT_ISA names (env.py). Without either path, or with the native code off, `available()`
+is False and callers dequantise and use torch (hybridmoe/quant/tensor.py).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from hybridmoe import env
+from hybridmoe.native.build import INT, N, P, cpu_flags, load
+
+SOURCE = Path(__file__).with_name("quant.c")
+FLAGS = ["-O3", "-shared", "-fPIC"]
+AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
+
+# name -> (argument types, result type), each under a copy of its C prototype in quant.c
+SIGNATURES = {
+    # int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx,
+    #                int x_bf16, long M, float *Y, long ldy, int isa)
+    "hm_qlinear": ([INT, P, N, N, N, P, N, INT, N, P, N, INT], INT),
+    # int hm_qexpert(int fmt_gu, const uint8_t *gate_up, long ldgu, int fmt_d,
+    #                const uint8_t *down, long ldd, long H, long I, const void *x, long ldx,
+    #                int x_bf16, long M, float *Y, long ldy, int isa)
+    "hm_qexpert": ([INT, P, N, INT, P, N, N, N, P, N, INT, N, P, N, INT], INT),
+    # int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out)
+    "hm_quantize": ([INT, P, N, N, P], INT),
+}
+
+_PATHS = {"avx512": AVX512, "avx2": AVX2, "off": 0}
+
+
+def best_isa() -> int:
+    """The widest path this CPU runs: AVX512-VNNI (with BW, VL, DQ), else AVX2 (with FMA, F16C),
+    else 0."""
+    flags = cpu_flags()
+    if {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags:
+        return AVX512
+    return AVX2 if {"avx2", "fma", "f16c"} <= flags else 0
+
+
+def isa() -> int:
+    """The path in use: HYBRIDMOE_QUANT_ISA (avx512, avx2, off), capped at what the CPU has."""
+    wanted = _PATHS.get(env.quant_isa() or "", AVX512)
+    return min(wanted, best_isa())
+
+
+@lru_cache(maxsize=1)
+def library():
+    return load(SOURCE, FLAGS, SIGNATURES) if best_isa() else None
+
+
+def available() -> bool:
+    return isa() > 0 and library() is not None
+
+
+def _check(status: int, what: str) -> None:
+    if status == -2:
+        raise MemoryError(f"{what}: no memory for the quantised activations")
+    if status != 0:
+        raise ValueError(
+            f"{what}: the weight's format or width does not suit the kernel ({status})"
+        )
+
+
+def linear(
+    x: torch.Tensor, fmt: int, data: torch.Tensor, cols: int, path: int | None = None
+) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16, rows contiguous) times the weight [N, K] in blocks `data`
+    [N, row bytes] of ggml type `fmt` -> [M, N] fp32."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, rows = x.shape[0], data.shape[0]
+    y = torch.empty(m, rows, dtype=torch.float32)  # [M, N]
+    status = library().hm_qlinear(
+        fmt,
+        data.data_ptr(),
+        data.stride(0),
+        rows,
+        cols,
+        x.data_ptr(),
+        x.stride(0),
+        x.dtype == torch.bfloat16,
+        m,
+        y.data_ptr(),
+        rows,
+        path or isa(),
+    )
+    _check(status, "quantised linear")
+    return y
+
+
+def expert(x: torch.Tensor, gate_up, down, path: int | None = None) -> torch.Tensor:
+    """M tokens through a SwiGLU expert whose gate_up [2I, H] and down [H, I] are QTensors
+    -> [M, H] fp32."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, (hidden, inter) = x.shape[0], down.shape
+    y = torch.empty(m, hidden, dtype=torch.float32)  # [M, H]
+    status = library().hm_qexpert(
+        gate_up.fmt.ggml,
+        gate_up.data.data_ptr(),
+        gate_up.data.stride(0),
+        down.fmt.ggml,
+        down.data.data_ptr(),
+        down.data.stride(0),
+        hidden,
+        inter,
+        x.data_ptr(),
+        x.stride(0),
+        x.dtype == torch.bfloat16,
+        m,
+        y.data_ptr(),
+        hidden,
+        path or isa(),
+    )
+    _check(status, "quantised expert")
+    return y
+
+
+def quantize(x: torch.Tensor, fmt: int, row_bytes: int) -> torch.Tensor:
+    """fp32 rows [N, K] -> [N, row_bytes] uint8 blocks of ggml type `fmt` (Q8_0, Q4_0, Q4_K,
+    Q6_K)."""
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], row_bytes, dtype=torch.uint8)
+    status = library().hm_quantize(fmt, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    _check(status, "quantising")
+    return out

@@ -1,0 +1,59 @@
+"""The block formats weights are kept in, as GGUF (llama.cpp) lays them out. No torch here: the cost
+model and the simulator size experts with them.
+
+Each row of a matrix [rows, cols] is cols / block blocks of `nbytes` bytes, one after another
+(little-endian; d, dmin, m are IEEE halves):
+
+| name | elems | bytes | one block                                           | value             |
+|------|-------|-------|-----------------------------------------------------|-------------------|
+| q8_0 | 32    | 34    | d; int8 q[32]                                       | d q               |
+| q4_0 | 32    | 18    | d; qs[16]: element i low nibble of qs[i], i+16 high | d (q - 8)         |
+| q4_1 | 32    | 20    | d, m; qs[16] as q4_0                                | d q + m           |
+| q4_k | 256   | 144   | d, dmin; 12 bytes: 6-bit scales, mins of 8 blocks;  | d sc_j q          |
+|      |       |       | qs[128]: group g = blocks 2g (low), 2g+1 (high)     | - dmin m_j        |
+| q5_k | 256   | 176   | as q4_k, plus qh[32]: bit j of byte i is the fifth  | as q4_k           |
+|      |       |       | bit of element i of block j                         |                   |
+| q6_k | 256   | 210   | ql[128], qh[64]: low 4 and high 2 bits; int8        | d sc_t (q - 32)   |
+|      |       |       | scales[16] (one per 16 values); d                   |                   |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    ggml: int  # gguf.GGMLQuantizationType value
+    block: int  # elements per block
+    nbytes: int  # bytes per block
+
+    def row_bytes(self, cols: int) -> int:
+        return cols // self.block * self.nbytes
+
+    @property
+    def bits(self) -> float:
+        """Bits per weight, scales included."""
+        return 8.0 * self.nbytes / self.block
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("q8_0", 8, 32, 34),
+        Format("q4_0", 2, 32, 18),
+        Format("q4_1", 3, 32, 20),
+        Format("q4_k", 12, 256, 144),
+        Format("q5_k", 13, 256, 176),
+        Format("q6_k", 14, 256, 210),
+    )
+}
+BY_GGML = {f.ggml: f for f in FORMATS.values()}
+# The formats `--quant` quantises to at load (and GGUF writers write): the others are read only.
+QUANTIZE_TO = ("q8_0", "q4_k", "q4_0", "q6_k")
+
+
+def suits(fmt: Format, cols: int) -> bool:
+    """Whether rows of `cols` values split into whole blocks of `fmt`."""
+    return cols % fmt.block == 0

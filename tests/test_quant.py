@@ -1,0 +1,157 @@
+"""Products with weights kept in GGUF blocks (native/quant.c), against gguf's own dequantiser and
+float64 arithmetic.
+
+The kernels quantise each activation row to int8 once, per block of 32 values (Q8_0, Q4_0, Q4_1) or
+of 256 (the K-quants), rounding x / d to the nearest integer with d = max|x| / 127. Everything after
+that is exact integer arithmetic and fp32 scaling, so the error has two parts, both checked:
+
+- against the product of the weights with the *quantised* activations (xq * d, computed here the
+  same way in float64), only fp32 rounding: relative error below 1e-5;
+- against the product with the true activations, at most sum_i |w_i| * d_i / 2 per output (each
+  activation moves by at most half its block's step d_i): this bound, computed per output from the
+  data, is asserted exactly (plus fp32 rounding).
+
+The AVX2 and AVX-512 paths give the same bits; the torch fallback (dequantise, multiply) is what
+runs where neither does.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import quants
+
+from hybridmoe.native import quant as kernels
+from hybridmoe.quant.formats import FORMATS
+from hybridmoe.quant.tensor import QTensor, matmul
+
+Q = gguf.GGMLQuantizationType
+PATHS = [p for p in (kernels.AVX2, kernels.AVX512) if p <= kernels.best_isa()]
+
+
+def random_blocks(fmt, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid blocks of any format: random bytes, with sane fp16 scales where the format keeps
+    them."""
+    raw = rng.integers(0, 256, size=(rows, cols // fmt.block, fmt.nbytes), dtype=np.uint8)
+    scales = {
+        "q8_0": [0],
+        "q4_0": [0],
+        "q4_1": [0, 2],
+        "q4_k": [0, 2],
+        "q5_k": [0, 2],
+        "q6_k": [208],
+    }
+    for at in scales[fmt.name]:
+        half = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, at : at + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def quantised_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the kernel multiplies by, in float64: x rounded per block (and each block's step d)."""
+    rows, cols = x.shape
+    b = x.reshape(rows, cols // block, block).astype(np.float64)
+    amax = np.abs(x.reshape(rows, cols // block, block)).max(-1, keepdims=True).astype(np.float32)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(x.reshape(rows, cols // block, block) * inv)  # the kernel's lrintf(v * id), in fp32
+    return (q * d.astype(np.float64)).reshape(rows, cols), np.broadcast_to(d, b.shape).reshape(
+        rows, cols
+    )
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("rows_x", [1, 3, 11])
+def test_every_format_matches_gguf_within_the_activation_bound(name, rows_x):
+    fmt, rng = FORMATS[name], np.random.default_rng(hash((name, rows_x)) % 2**32)
+    n, k = 37, 768  # 768: whole super-blocks of 256 and an odd count (24) of blocks of 32
+    raw = random_blocks(fmt, n, k, rng)
+    w = quants.dequantize(raw, Q(fmt.ggml)).astype(np.float64)  # [N, K]
+    x = rng.standard_normal((rows_x, k)).astype(np.float32)
+    ys = [
+        kernels.linear(torch.from_numpy(x), fmt.ggml, torch.from_numpy(raw), k, path).numpy()
+        for path in PATHS
+    ]
+    for y in ys[1:]:
+        assert np.array_equal(y, ys[0]), "the AVX2 and AVX-512 paths differ"
+    xq, step = quantised_activations(x, 256 if fmt.block == 256 else 32)
+    exact_on_xq = xq @ w.T
+    assert np.abs(ys[0] - exact_on_xq).max() <= 1e-5 * np.abs(exact_on_xq).max()
+    bound = (np.abs(w)[None] * step[:, None, :] / 2).sum(-1)  # [M, N]
+    assert (
+        np.abs(ys[0] - x.astype(np.float64) @ w.T) <= bound + 1e-5 * np.abs(exact_on_xq).max()
+    ).all()
+
+
+def test_bf16_activations_are_the_same_values():
+    fmt, rng = FORMATS["q4_k"], np.random.default_rng(5)
+    raw = torch.from_numpy(random_blocks(fmt, 16, 512, rng))
+    x = torch.randn(4, 512).to(torch.bfloat16)
+    assert torch.equal(
+        kernels.linear(x, fmt.ggml, raw, 512), kernels.linear(x.float(), fmt.ggml, raw, 512)
+    )
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    fmt, rng = FORMATS["q6_k"], np.random.default_rng(6)
+    raw = torch.from_numpy(random_blocks(fmt, 24, 512, rng))
+    x = torch.randn(13, 512)
+    batch = kernels.linear(x, fmt.ggml, raw, 512)
+    for i in (0, 7, 12):
+        assert torch.equal(batch[i : i + 1], kernels.linear(x[i : i + 1], fmt.ggml, raw, 512))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_k", "q6_k"])
+def test_quantisers_write_blocks_that_decode_close_to_the_input(name):
+    fmt = FORMATS[name]
+    w = torch.randn(24, 512)
+    q = QTensor.quantize(w, name)
+    back = torch.from_numpy(
+        quants.dequantize(q.data.numpy(), Q(fmt.ggml))
+    )  # gguf decodes our blocks
+    assert torch.equal(back, q.dequantize())
+    step = {"q8_0": 1 / 127, "q4_0": 1 / 8, "q4_k": 1 / 15, "q6_k": 1 / 32}[name]
+    # every value within one quantisation step of its block's range (plus the scales' rounding)
+    assert (back - w).abs().mean() < step * w.abs().max() / 2
+    if name in ("q8_0", "q4_0"):  # these two are quantised as gguf's reference quantiser does
+        assert np.array_equal(q.data.numpy(), quants.quantize(w.numpy(), Q(fmt.ggml)))
+
+
+def test_the_expert_is_the_two_products_with_silu_between():
+    rng = np.random.default_rng(8)
+    hidden, inter, m = 512, 256, 5
+    gate_up = QTensor(
+        torch.from_numpy(random_blocks(FORMATS["q4_k"], 2 * inter, hidden, rng)),
+        FORMATS["q4_k"],
+        hidden,
+    )
+    down = QTensor(
+        torch.from_numpy(random_blocks(FORMATS["q6_k"], hidden, inter, rng)), FORMATS["q6_k"], inter
+    )
+    x = torch.randn(m, hidden)
+    y = kernels.expert(x, gate_up, down)
+    gate, up = kernels.linear(x, gate_up.fmt.ggml, gate_up.data, hidden).chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    assert torch.allclose(
+        y, kernels.linear(h, down.fmt.ggml, down.data, inter), rtol=1e-5, atol=1e-6
+    )
+    ref = F.linear(
+        F.silu(x.double() @ gate_up.dequantize().double()[:inter].T)
+        * (x.double() @ gate_up.dequantize().double()[inter:].T),
+        down.dequantize().double(),
+    )
+    assert (y.double() - ref).abs().max() < 0.05 * ref.abs().max()  # two activation roundings
+
+
+def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch):
+    fmt, rng = FORMATS["q4_1"], np.random.default_rng(9)
+    w = QTensor(torch.from_numpy(random_blocks(fmt, 16, 256, rng)), fmt, 256)
+    x = torch.randn(3, 256)
+    monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "off")
+    assert not kernels.available()
+    assert torch.equal(matmul(x, w), F.linear(x, w.dequantize()))
+    monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "avx2")
+    assert kernels.available() and kernels.isa() == kernels.AVX2
