@@ -76,10 +76,12 @@ def write_gguf(
 
 
 def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:
-    """Norms and biases stay F32 (as llama.cpp keeps them); a matrix whose rows do not fill whole
-    blocks falls back to F32 too."""
+    """Norms, biases and (in block formats) routers stay F32, as llama.cpp keeps them; a matrix
+    whose rows do not fill whole blocks falls back to F32 too."""
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if data.ndim < 2 or qtype == Q.F32 or data.shape[-1] % block:
+    # llama.cpp's quantiser leaves routers F32 too
+    router = block > 1 and name.endswith("ffn_gate_inp.weight")
+    if data.ndim < 2 or qtype == Q.F32 or data.shape[-1] % block or router:
         writer.add_tensor(name, data.astype(np.float32))
     elif qtype == Q.F16:
         writer.add_tensor(name, data.astype(np.float16))

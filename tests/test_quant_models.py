@@ -158,3 +158,45 @@ def test_without_native_kernels_blocks_are_dequantised_and_tokens_are_exact(tmp_
     assert not kernels.available()
     path = tiny_gguf(tmp_path, "mixtral", Q.Q8_0)
     assert len(tokens(path, monkeypatch, "off")) == GREEDY.max_tokens
+
+
+def test_quant_at_load_keeps_a_hugging_face_checkpoint_in_blocks(tmp_path, monkeypatch):
+    """--quant q8_0 on a safetensors checkpoint: the same blocks as the Q8_0 GGUF of it (both made
+    by llama.cpp's reference quantiser), so the same logits."""
+    build_tiny("qwen3_moe", tmp_path)
+    gguf_path = write_gguf(tmp_path, tmp_path / "q8.gguf", Q.Q8_0)
+    at_load, from_file = (
+        load_model(tmp_path, progress=False, quant="q8_0"),
+        load_model(gguf_path, progress=False),
+    )
+    w = at_load.runtime.store.get(1, 3)
+    assert isinstance(w.gate_up, QTensor) and isinstance(
+        at_load.layers[1].self_attn.o_proj.weight, QTensor
+    )
+    assert torch.equal(w.gate_up.data, from_file.runtime.store.get(1, 3).gate_up.data)
+    assert torch.equal(
+        forward_step(at_load, SequenceKV(), PROMPT, 0),
+        forward_step(from_file, SequenceKV(), PROMPT, 0),
+    )
+
+
+def test_a_gguf_tensor_type_hybridmoe_does_not_read_is_one_line(tiny_chat_model, tmp_path):
+    from tests.console import hybridmoe
+
+    path = write_gguf(tiny_chat_model, tmp_path / "q5.gguf", Q.Q5_0)
+    run = hybridmoe(
+        "generate",
+        "--model",
+        path,
+        "--tokenizer",
+        tiny_chat_model,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    (line,) = [row for row in run.stderr.splitlines() if "error" in row]
+    # the tensor, its type, what is read
+    assert "tensor " in line and "Q5_0" in line and "Q4_K" in line

@@ -11,6 +11,7 @@ from dataclasses import fields
 from typing import get_args, get_type_hints
 
 from hybridmoe.errors import UserError
+from hybridmoe.quant.formats import QUANTIZE_TO
 from hybridmoe.tuning import WIDE_MODEL
 
 # --dtype names -> torch dtype names (torch is imported only when a model is loaded)
@@ -61,6 +62,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--tokenizer",
         metavar="DIR",
         help="take the tokenizer and chat template from this directory",
+    )
+    g.add_argument(
+        "--quant",
+        choices=QUANTIZE_TO,
+        default=None,
+        help="quantise a Hugging Face checkpoint's linears and experts to these blocks as it loads "
+        "(a GGUF file's blocks are always kept as stored)",
     )
     g.add_argument(
         "--dtype",
@@ -219,7 +227,11 @@ def load_from_args(args: argparse.Namespace):
     torch.set_num_threads(args.threads or default_threads(path))
     tokenizer = load_tokenizer(path, args.tokenizer)
     model = load_model(
-        path, dtype=compute_dtype(args.dtype), runtime_factory=runtime_factory(args), progress=True
+        path,
+        dtype=compute_dtype(args.dtype),
+        runtime_factory=runtime_factory(args),
+        progress=True,
+        quant=args.quant,
     )
     attach_observers(model, args.routing_trace, args.record_trace, args.expert_stats_out)
     return model, tokenizer
