@@ -59,14 +59,18 @@ def _compile(source: Path, flags: list[str], out: Path) -> None:
 
 
 def load(
-    source: Path, flags: list[str], signatures: dict[str, tuple[list, object]]
+    source: Path,
+    flags: list[str],
+    signatures: dict[str, tuple[list, object]],
+    headers: tuple[Path, ...] = (),
 ) -> ctypes.CDLL | None:
-    """`source` compiled with `flags` (once, then from the cache) and its functions typed by
-    `signatures` (name -> (argument types, result type)); None where the native kernels are switched
-    off (HYBRIDMOE_NATIVE=0) or no compiler can build them."""
+    """`source` (which includes `headers`) compiled with `flags` (once, then from the cache) and its
+    functions typed by `signatures` (name -> (argument types, result type)); None where the native
+    kernels are switched off (HYBRIDMOE_NATIVE=0) or no compiler can build them."""
     if not env.native_enabled():
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (source, *headers))
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     path = user_cache_dir() / "native" / f"{source.stem}-{key}.so"
     try:
         if not path.exists():

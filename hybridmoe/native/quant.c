@@ -1,25 +1,26 @@
 /* Integer kernels on GGUF weight blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), as llama.cpp stores them.
 
-   Y[m, n] = sum_k W[n, k] X[m, k]. The weights stay in their blocks; the activations are quantised once
-   per row to int8 blocks of 32 (scale dx = max|x| / 127, per block), and every 32 weights of a row are
-   unpacked to 32 small unsigned integers q (0..15, 0..31, 0..63, or 0..255 for Q8_0 after an offset),
-   whose products with the activation bytes are summed exactly in 32-bit integers, four at a time:
-   AVX512-VNNI's vpdpbusd does it in one instruction, AVX2 in two (vpmaddubsw, vpmaddwd). The weight's
-   scale, offset and minimum are applied per block in fp32.
+   Y[m, n] = sum_k W[n, k] X[m, k]. The weights stay in their blocks, read in place (a row is the blocks of
+   one output, as in the file). The activations are quantised once per row to int8, as llama.cpp's q8
+   formats do: for the formats with blocks of 32, per block of 32 (scale dx = max|x| / 127); for the
+   K-quants, per super-block of 256, with the sums of each 16 values kept beside them. Every weight is
+   unpacked to a small unsigned integer q (0..15, 0..31, 0..63; Q8_0's int8 as it is, or plus 128), whose
+   products with the activation bytes are summed exactly in 32-bit integer lanes of four products each:
+   AVX512-VNNI's vpdpbusd in one instruction, AVX2's vpmaddubsw + vpmaddwd in two. Scales are applied in
+   fp32.
 
-   Both paths give the same bits. Per block the integer lanes are exact and the same in both (lane k
-   sums the products of bytes 4k..4k+3); then, per lane, the float operations are the same ones in the
-   same order: even blocks accumulate into one 8-lane accumulator, odd blocks into another (AVX-512
-   holds the two as the halves of one register), and a row's result is their sum reduced by one fixed
-   tree. A row's result depends on nothing but the row (not on M, not on its neighbours).
+   Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
+   instructions made them; after that every lane goes through the same float operations in the same order.
+   Blocks of 32: block b adds fma(L_b, w_b * dx_b) (and, for Q4_1, fma(S_b * dx_b, m_b)) into accumulator
+   b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one register); K-quants: super-block s
+   adds fma(A_s, d * dx_s) and fma(B_s, d * dx_s) (its 8 halves of 32 values alternately) and
+   fma(C_s, dmin * dx_s) (the minimums, or Q6_K's offset of 32, against the 16-value sums). A row's result
+   is its accumulators summed by one fixed tree (reduce). It depends on nothing but the row: not on how
+   many rows came with it, nor on which thread computed it.
 
-   Per block b of a weight row (scalars decoded from the row's headers, row_scales below):
-     value of element i = ws(b, i < 16 ? 0 : 1) * (q_i - offset) + wm(b)
-   so that  sum_i value_i x_i = dx_b * (sum_lanes ws * (L - offset * S) + wm * sum_lanes S)
-   with L the lane sums of q_i * xq_i and S the lane sums of xq_i (precomputed per activation block).
-
-   The library is compiled without ISA flags; each path carries its own target attribute, and the
-   caller picks the path from the CPU's flags (hybridmoe/native/quant.py). */
+   Work is split over the threads of pool.h in units of whole output rows. The library is compiled without
+   ISA flags: each path carries its own target attribute and the caller picks one from the CPU's flags
+   (hybridmoe/native/quant.py). */
 
 #include <immintrin.h>
 #include <math.h>
@@ -27,46 +28,27 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
-/* ---- scalar helpers, shared by both paths -------------------------------------------------------- */
-
-static float fp16(const uint8_t *p) {  /* IEEE half at p (little-endian) -> float */
-    uint16_t h = (uint16_t)(p[0] | p[1] << 8);
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {  /* subnormal: normalise */
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400));
-            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | man << 13;
-    } else {
-        bits = sign | (exp + 127 - 15) << 23 | man << 13;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes. */
-static void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
+/* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
+   registers), and the weight bytes a tile of rows spans: small enough to stay in L1 while every group of
+   tokens passes over it. */
+#define GROUP 8
+#define TILE_BYTES 16384
+/* Weight bytes of one unit of work handed to a thread: large enough that taking a unit (an atomic add)
+   costs nothing beside it, small enough that 2..16 threads get many units each from one expert. */
+#define UNIT_BYTES 65536
+/* How far ahead of the weights being read they are asked into L1: the hardware prefetcher alone left a
+   Q4_K row product at 12 GB/s from RAM against 15 with it (docs/notes/2026-11-24-quant-kernels.md). */
+#define PREFETCH 512
 
 /* Bytes per block of `fmt` and its elements, 0 for an unknown format. */
 static long block_bytes(int fmt) {
@@ -81,42 +63,26 @@ static long block_bytes(int fmt) {
     return 0;
 }
 
-static long block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
+static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
 
-static int offset_of(int fmt) { return fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : fmt == Q6_K ? 32 : 0; }
+static long block_elems(int fmt) { return is_k(fmt) ? 256 : 32; }
 
-/* Per 32-element block b of one weight row of nb blocks: ws[2b], ws[2b+1] (scales of its two halves)
-   and wm[b] (the value added to every element). */
-static void row_scales(int fmt, const uint8_t *row, long nb, float *ws, float *wm) {
-    if (fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1) {
-        long bb = block_bytes(fmt);
-        for (long b = 0; b < nb; b++) {
-            const uint8_t *p = row + b * bb;
-            ws[2 * b] = ws[2 * b + 1] = fp16(p);
-            wm[b] = fmt == Q4_1 ? fp16(p + 2) : 0.0f;
-        }
-        return;
-    }
-    long bb = block_bytes(fmt);
-    for (long s = 0; s < nb / 8; s++) {  /* super-blocks of 256: 8 blocks of 32 */
-        const uint8_t *p = row + s * bb;
-        for (int j = 0; j < 8; j++) {
-            long b = s * 8 + j;
-            if (fmt == Q6_K) {
-                float d = fp16(p + 208);
-                const int8_t *sc = (const int8_t *)(p + 192);
-                ws[2 * b] = d * sc[2 * j];
-                ws[2 * b + 1] = d * sc[2 * j + 1];
-                wm[b] = 0.0f;
-            } else {  /* Q4_K, Q5_K */
-                int sc, m;
-                scale_min_k4(j, p + 4, &sc, &m);
-                ws[2 * b] = ws[2 * b + 1] = fp16(p) * (float)sc;
-                wm[b] = -(fp16(p + 2) * (float)m);
-            }
-        }
-    }
+/* What the AVX-512 path subtracts per activation byte: Q8_0's weights are flipped to unsigned (+128),
+   Q4_0's nibbles carry an offset of 8. */
+static int offset_of(int fmt) { return fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0; }
+
+/* Ask for `bytes` from p on into L1. */
+static inline void prefetch(const uint8_t *p, long bytes) {
+    for (long c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + c, _MM_HINT_T0);
 }
+
+static uint16_t ld16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+AVX2 static float half_at(const uint8_t *p) { return _cvtsh_ss(ld16(p)); }
 
 /* y = sum of 8 lanes of a + 8 lanes of b, by one fixed tree. */
 static float reduce(const float *a, const float *b) {
@@ -126,81 +92,138 @@ static float reduce(const float *a, const float *b) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
+/* K-quants: reduce(A, B) + reduce(C, 0). */
+static float k_result(const float *a, const float *b, const float *c) {
+    static const float zero[8];
+    return reduce(a, b) + reduce(c, zero);
+}
+
 /* ---- activations ------------------------------------------------------------------------------------ */
 
-/* M rows of K values (fp32, or bf16 when x_bf16) -> per row: qs int8[K]; per block of 32: dx, the lane
-   sums S[8] of its bytes (four consecutive bytes each) and Sf[8] = S * dx. K is a multiple of 32. */
-void hm_q8_rows(const void *x, long ldx, int x_bf16, long M, long K, int8_t *qs, float *dx,
-                int32_t *S, float *Sf) {
+/* Quantised activation rows, as one format family's kernels read them. */
+typedef struct {
+    long K;
+    int8_t *qs;     /* [M, K] */
+    float *dx;      /* blocks of 32: [M, K/32, 8], the block's scale per lane; K-quants: [M, K/256] */
+    int32_t *So;    /* blocks of 32: [M, K/32, 8], offset_of(fmt) * the lane's byte sum */
+    float *Sf;      /* blocks of 32: [M, K/32, 8], dx * the lane's byte sum */
+    int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
+    void *mem;
+} acts;
+
+/* 32 values of row x (fp32, or bf16 when x_bf16) from element `at`, as fp32. */
+AVX2 ALWAYS_INLINE void load32(const void *x, int x_bf16, long at, __m256 v[4]) {
+    for (int i = 0; i < 4; i++) {
+        if (x_bf16) {
+            __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at + 8 * i));
+            v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        } else {
+            v[i] = _mm256_loadu_ps((const float *)x + at + 8 * i);
+        }
+    }
+}
+
+AVX2 ALWAYS_INLINE float amax32(const __m256 v[4]) {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+                             _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* 32 values times id, rounded to nearest even (as lrintf), to int8 at q. */
+AVX2 ALWAYS_INLINE void round32(const __m256 v[4], float id, int8_t *q) {
+    const __m256 s = _mm256_set1_ps(id);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], s)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], s));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], s)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], s));
+    __m256i w01 = _mm256_packs_epi32(i0, i1), w23 = _mm256_packs_epi32(i2, i3);  /* lane-interleaved */
+    __m256i b = _mm256_packs_epi16(w01, w23);
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, b);
+}
+
+/* Blocks of 32: M rows of K values -> qs, and per block and lane dx, So, Sf. */
+AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, long M, long K, int offset, acts *a) {
     long nb = K / 32;
-    float v[32];
     for (long m = 0; m < M; m++) {
         for (long b = 0; b < nb; b++) {
-            long base = m * ldx + b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                if (x_bf16) {
-                    uint32_t bits = (uint32_t)((const uint16_t *)x)[base + i] << 16;
-                    memcpy(&v[i], &bits, 4);
-                } else {
-                    v[i] = ((const float *)x)[base + i];
-                }
-                float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
-            }
-            float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = qs + m * K + b * 32;
-            long blk = m * nb + b;
-            for (int i = 0; i < 32; i++) q[i] = (int8_t)lrintf(v[i] * id);
-            dx[blk] = d;
+            __m256 v[4];
+            load32(x, x_bf16, m * ldx + b * 32, v);
+            float amax = amax32(v), d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = a->qs + m * K + b * 32;
+            round32(v, id, q);
+            long l = (m * nb + b) * 8;
             for (int k = 0; k < 8; k++) {
-                S[blk * 8 + k] = q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3];
-                Sf[blk * 8 + k] = (float)S[blk * 8 + k] * d;
+                int s = q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3];
+                a->dx[l + k] = d;
+                a->So[l + k] = offset * s;
+                a->Sf[l + k] = (float)s * d;
             }
         }
     }
 }
 
-/* The same for K-quant weights (super-blocks of 256): one scale per 256 values, and the sums of each
-   16 consecutive values (bsum[16] per super-block, int16), which carry the weights' minimums and
-   offsets. `paired` stores each super-block's eight blocks of 32 in the order 0 2 1 3 4 6 5 7: the order
-   in which one 64-byte load of Q4_K/Q5_K nibbles unpacks (groups g, g+1 -> low nibbles of both, then
-   high nibbles of both). K is a multiple of 256. */
-void hm_q8k_rows(const void *x, long ldx, int x_bf16, long M, long K, int paired, int8_t *qs, float *dx,
-                 int16_t *bsum) {
+/* K-quants: M rows of K values -> qs, dx per 256 values, bsum per 16. `paired` stores each super-block's
+   eight blocks of 32 in the order 0 2 1 3 4 6 5 7: the order in which one 64-byte load of Q4_K/Q5_K
+   nibbles unpacks (groups g, g+1 -> low nibbles of both, then high nibbles of both). */
+AVX2 static void q8k_rows(const void *x, long ldx, int x_bf16, long M, long K, int paired, acts *a) {
     static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     long ns = K / 256;
-    float v[256];
-    int8_t q[256];
     for (long m = 0; m < M; m++) {
         for (long s = 0; s < ns; s++) {
-            long base = m * ldx + s * 256;
+            __m256 v[8][4];
             float amax = 0.0f;
-            for (int i = 0; i < 256; i++) {
-                if (x_bf16) {
-                    uint32_t b = (uint32_t)((const uint16_t *)x)[base + i] << 16;
-                    memcpy(&v[i], &b, 4);
-                } else {
-                    v[i] = ((const float *)x)[base + i];
-                }
-                float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
+            for (int j = 0; j < 8; j++) {
+                load32(x, x_bf16, m * ldx + s * 256 + 32 * j, v[j]);
+                float mj = amax32(v[j]);
+                amax = mj > amax ? mj : amax;
             }
             float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < 256; i++) q[i] = (int8_t)lrintf(v[i] * id);
-            dx[m * ns + s] = amax / 127.0f;
-            for (int t = 0; t < 16; t++) {
-                int sum = 0;
-                for (int i = 0; i < 16; i++) sum += q[16 * t + i];
-                bsum[(m * ns + s) * 16 + t] = (int16_t)sum;
+            int8_t *out = a->qs + m * K + s * 256;
+            int16_t *bs = a->bsum + (m * ns + s) * 16;
+            for (int j = 0; j < 8; j++) {
+                int8_t *q = out + 32 * (paired ? order[j] : j);  /* natural block j goes here */
+                round32(v[j], id, q);
+                int lo = 0, hi = 0;
+                for (int i = 0; i < 16; i++) {
+                    lo += q[i];
+                    hi += q[16 + i];
+                }
+                bs[2 * j] = (int16_t)lo;
+                bs[2 * j + 1] = (int16_t)hi;
             }
-            int8_t *out = qs + m * K + s * 256;
-            for (int j = 0; j < 8; j++) memcpy(out + 32 * j, q + 32 * (paired ? order[j] : j), 32);
+            a->dx[m * ns + s] = amax / 127.0f;
         }
     }
 }
 
-/* ---- unpacking: the 32 q bytes of block b of a row (u8; for Q8_0 the raw int8 bytes) ------------ */
+/* Room for M rows of K values quantised for `fmt`, and the quantisation; 0, or -2 without memory. */
+static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, long M, long K) {
+    long nb = K / 32, ns = K / 256;
+    size_t q = ((size_t)(M * K) + 63) & ~(size_t)63;
+    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32) : (size_t)(M * nb) * 8 * 12;
+    a->K = K;
+    a->mem = malloc(q + per + 64);
+    if (!a->mem) return -2;
+    char *p = a->mem;
+    a->qs = (int8_t *)p;
+    p += q;
+    if (is_k(fmt)) {
+        a->dx = (float *)p;
+        a->bsum = (int16_t *)(p + 4 * M * ns);
+        q8k_rows(x, ldx, x_bf16, M, K, fmt != Q6_K, a);
+    } else {
+        a->dx = (float *)p;
+        a->So = (int32_t *)(p + 32 * M * nb);
+        a->Sf = (float *)(p + 64 * M * nb);
+        q8_rows(x, ldx, x_bf16, M, K, offset_of(fmt), a);
+    }
+    return 0;
+}
+
+/* ---- unpacking, AVX2: the 32 q bytes of block b of a row (u8; Q8_0: its int8 bytes) --------------- */
 
 AVX2 ALWAYS_INLINE __m256i nibbles(__m128i x) {  /* 16 bytes -> low nibbles, then high nibbles */
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(0x0F));
@@ -210,115 +233,142 @@ AVX2 ALWAYS_INLINE __m256i bits(__m256i x, int shift, int mask) {  /* (x >> shif
     return _mm256_and_si256(_mm256_srli_epi16(x, shift), _mm256_set1_epi8((char)mask));
 }
 
-AVX2 ALWAYS_INLINE __m256i unpack(int fmt, const uint8_t *row, long b) {
+AVX2 ALWAYS_INLINE __m256i unpack32(int fmt, const uint8_t *blk) {
     switch (fmt) {
-    case Q8_0: return _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2));
-    case Q4_0: return nibbles(_mm_loadu_si128((const __m128i *)(row + b * 18 + 2)));
-    case Q4_1: return nibbles(_mm_loadu_si128((const __m128i *)(row + b * 20 + 4)));
-    case Q4_K: {  /* block 2g: low nibbles of group g's 32 bytes, 2g+1: high nibbles */
-        __m256i x = _mm256_loadu_si256((const __m256i *)(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
-        return bits(x, (b & 1) * 4, 0x0F);
-    }
-    case Q5_K: {  /* the same four bits, plus bit j of qh as the fifth */
-        const uint8_t *p = row + (b / 8) * 176;
-        int j = (int)(b % 8);
-        __m256i x = _mm256_loadu_si256((const __m256i *)(p + 48 + (j / 2) * 32));
-        __m256i h = _mm256_loadu_si256((const __m256i *)(p + 16));
-        return _mm256_or_si256(bits(x, (j & 1) * 4, 0x0F), _mm256_slli_epi16(bits(h, j, 1), 4));
-    }
-    default: {  /* Q6_K: block 4h + r of half h: ql's low or high nibbles and two bits of qh */
-        const uint8_t *p = row + (b / 8) * 210;
-        int j = (int)(b % 8), h = j / 4, r = j % 4;
-        __m256i l = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (r & 1)));
-        __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-        return _mm256_or_si256(bits(l, (r / 2) * 4, 0x0F), _mm256_slli_epi16(bits(hb, 2 * r, 3), 4));
-    }
+    case Q8_0: return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    case Q4_0: return nibbles(_mm_loadu_si128((const __m128i *)(blk + 2)));
+    default: return nibbles(_mm_loadu_si128((const __m128i *)(blk + 4)));  /* Q4_1 */
     }
 }
 
-/* ---- AVX2: one block (32 weights) per step -------------------------------------------------------- */
-
-/* Exact lane sums L (8 x int32, lane k: bytes 4k..4k+3) of (w - offset) * x for block b. */
-AVX2 ALWAYS_INLINE __m256i lanes_avx2(int fmt, __m256i q, __m256i x, const int32_t *S, int shift) {
+/* Exact lane sums (8 x int32, lane k: bytes 4k..4k+3) of (q - offset) * x for one block of 32. */
+AVX2 ALWAYS_INLINE __m256i lanes32(int fmt, __m256i q, __m256i x, const int32_t *So) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (fmt == Q8_0)  /* signed weights: |w| times x with w's sign, so that u8 x s8 pairs fit int16 */
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), ones);
     __m256i L = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-    if (shift >= 0) L = _mm256_sub_epi32(L, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)S), shift));
+    if (fmt == Q4_0) L = _mm256_sub_epi32(L, _mm256_loadu_si256((const __m256i *)So));
     return L;
 }
 
-AVX2 static void dot_row_avx2(int fmt, const uint8_t *row, long nb, const float *ws, const float *wm,
-                              const int8_t *qs, long K, const float *dx, const int32_t *S, const float *Sf,
-                              long m0, int R, float *Y, long ldy, long n) {
-    const int off = offset_of(fmt), shift = off ? __builtin_ctz(off) : -1;
-    const int has_min = fmt == Q4_1 || fmt == Q4_K || fmt == Q5_K;
-    __m256 acc[8][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (long b = 0; b < nb; b++) {
-        __m256i q = unpack(fmt, row, b);
-        __m256 w = _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));
-        __m256 wmin = _mm256_set1_ps(wm[b]);
-        for (int r = 0; r < R; r++) {
-            long m = m0 + r, blk = m * nb + b;
-            __m256i x = _mm256_loadu_si256((const __m256i *)(qs + m * K + b * 32));
-            __m256i L = lanes_avx2(fmt, q, x, S + blk * 8, shift);
-            __m256 *a = &acc[r][b & 1];
-            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L), _mm256_mul_ps(w, _mm256_set1_ps(dx[blk])), *a);
-            if (has_min) *a = _mm256_fmadd_ps(_mm256_loadu_ps(Sf + blk * 8), wmin, *a);
+/* ---- blocks of 32, AVX2: one block per step ------------------------------------------------------- */
+
+/* Rows n0..n1 of Y for the R tokens mi[0..R) (their rows in `a`), written to Y rows y0..y0+R. */
+AVX2 ALWAYS_INLINE void dot32_avx2_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
+                                     const acts *a, const long *mi, float *Y, long ldy) {
+    const long bb = block_bytes(fmt), K = a->K, nb = K / 32;
+    for (long n = n0; n < n1; n++) {
+        const uint8_t *row = W + n * ldw;
+        __m256 acc[GROUP][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            if ((b & 7) == 0) prefetch(blk + PREFETCH, 8 * bb);
+            __m256i q = unpack32(fmt, blk);
+            __m256 w = _mm256_set1_ps(half_at(blk));
+            __m256 wm = fmt == Q4_1 ? _mm256_set1_ps(half_at(blk + 2)) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                long l = (mi[r] * nb + b) * 8;
+                __m256i x = _mm256_loadu_si256((const __m256i *)(a->qs + mi[r] * K + b * 32));
+                __m256i L = lanes32(fmt, q, x, a->So + l);
+                __m256 *s = &acc[r][b & 1];
+                *s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L), _mm256_mul_ps(w, _mm256_loadu_ps(a->dx + l)), *s);
+                if (fmt == Q4_1) *s = _mm256_fmadd_ps(_mm256_loadu_ps(a->Sf + l), wm, *s);
+            }
         }
-    }
-    float even[8], odd[8];
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(even, acc[r][0]);
-        _mm256_storeu_ps(odd, acc[r][1]);
-        Y[(m0 + r) * ldy + n] = reduce(even, odd);
+        float even[8], odd[8];
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(even, acc[r][0]);
+            _mm256_storeu_ps(odd, acc[r][1]);
+            Y[r * ldy + n] = reduce(even, odd);
+        }
     }
 }
 
-/* ---- AVX-512 VNNI: two blocks (64 weights) per register: even block low, odd block high -------- */
+/* ---- blocks of 32, AVX-512 VNNI: two blocks per register, even block low, odd block high ------- */
 
-AVX512 static void dot_row_512(int fmt, const uint8_t *row, long nb, const float *ws, const float *wm,
-                               const int8_t *qs, long K, const float *dx, const int32_t *S, const float *Sf,
-                               long m0, int R, float *Y, long ldy, long n) {
-    const int off = offset_of(fmt), shift = off ? __builtin_ctz(off) : -1;
-    const int has_min = fmt == Q4_1 || fmt == Q4_K || fmt == Q5_K;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[8];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    long b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(unpack(fmt, row, b)), unpack(fmt, row, b + 1), 1);
-        if (fmt == Q8_0) q = _mm512_xor_si512(q, flip);  /* int8 w -> u8 w + 128, so offset 128 */
-        __m512 w = _mm512_insertf32x8(
-            _mm512_castps256_ps512(_mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]))),
-            _mm256_set_m128(_mm_set1_ps(ws[2 * b + 3]), _mm_set1_ps(ws[2 * b + 2])), 1);
-        __m512 wmin = _mm512_insertf32x8(_mm512_set1_ps(wm[b]), _mm256_set1_ps(wm[b + 1]), 1);
-        for (int r = 0; r < R; r++) {
-            long m = m0 + r, blk = m * nb + b;
-            __m512i x = _mm512_loadu_si512((const void *)(qs + m * K + b * 32));
-            __m512i L = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-            if (shift >= 0) L = _mm512_sub_epi32(L, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(S + blk * 8)), shift));
-            __m512 d = _mm512_insertf32x8(_mm512_set1_ps(dx[blk]), _mm256_set1_ps(dx[blk + 1]), 1);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L), _mm512_mul_ps(w, d), acc[r]);
-            if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(Sf + blk * 8), wmin, acc[r]);
-        }
+/* The fp16 values at byte `at` of c <= 8 consecutive blocks bb bytes apart, as 8 floats (0 past c). */
+AVX512 ALWAYS_INLINE __m512 scales8(const uint8_t *p, long bb, int at, int c) {
+    __m128i h;
+    if (c == 8) {
+        h = _mm_setr_epi16((short)ld16(p + at), (short)ld16(p + bb + at), (short)ld16(p + 2 * bb + at),
+                           (short)ld16(p + 3 * bb + at), (short)ld16(p + 4 * bb + at), (short)ld16(p + 5 * bb + at),
+                           (short)ld16(p + 6 * bb + at), (short)ld16(p + 7 * bb + at));
+    } else {
+        uint16_t v[8] = {0};
+        for (int i = 0; i < c; i++) v[i] = ld16(p + i * bb + at);
+        h = _mm_loadu_si128((const __m128i *)v);
     }
-    float lanes[16];
-    for (int r = 0; r < R; r++) {
-        long m = m0 + r;
-        _mm512_storeu_ps(lanes, acc[r]);
-        if (b < nb) {  /* an odd last block goes to the even lanes, as in the AVX2 path */
-            long blk = m * nb + b;
-            __m256i x = _mm256_loadu_si256((const __m256i *)(qs + m * K + b * 32));
-            __m256i L = lanes_avx2(fmt, unpack(fmt, row, b), x, S + blk * 8, shift);
-            __m256 w = _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));
-            __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L), _mm256_mul_ps(w, _mm256_set1_ps(dx[blk])),
-                                       _mm256_loadu_ps(lanes));
-            if (has_min) a = _mm256_fmadd_ps(_mm256_loadu_ps(Sf + blk * 8), _mm256_set1_ps(wm[b]), a);
-            _mm256_storeu_ps(lanes, a);
+    return _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+}
+
+/* Blocks b and b + 1 of a row: [q of b | q of b + 1], 64 bytes; Q8_0 flipped to unsigned. */
+AVX512 ALWAYS_INLINE __m512i unpack_pair(int fmt, const uint8_t *blk, long bb) {
+    if (fmt == Q8_0) {
+        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(blk + bb + 2)), 1);
+        return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+    }
+    int at = fmt == Q4_1 ? 4 : 2;
+    __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + at))),
+                                        _mm_loadu_si128((const __m128i *)(blk + bb + at)), 1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(y, m4), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), m4);
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* [lo b, lo b+1, hi b, hi b+1] */
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));         /* [lo b, hi b, lo b+1, hi b+1] */
+}
+
+AVX512 ALWAYS_INLINE void dot32_512_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
+                                      const acts *a, const long *mi, float *Y, long ldy) {
+    const long bb = block_bytes(fmt), K = a->K, nb = K / 32;
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (long n = n0; n < n1; n++) {
+        const uint8_t *row = W + n * ldw;
+        __m512 acc[GROUP];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for (long g = 0; g < nb; g += 8) {
+            const uint8_t *gb = row + g * bb;
+            int c = nb - g < 8 ? (int)(nb - g) : 8;
+            prefetch(gb + PREFETCH, 8 * bb);
+            __m512 ws = scales8(gb, bb, 0, c);
+            __m512 wms = fmt == Q4_1 ? scales8(gb, bb, 2, c) : _mm512_setzero_ps();
+            for (int p = 0; 2 * p + 1 < c; p++) {
+                long b = g + 2 * p;
+                __m512i q = unpack_pair(fmt, gb + 2 * p * bb, bb);
+                __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * p));
+                __m512 w = _mm512_permutexvar_ps(idx, ws);
+                __m512 wm = fmt == Q4_1 ? _mm512_permutexvar_ps(idx, wms) : _mm512_setzero_ps();
+                for (int r = 0; r < R; r++) {
+                    long l = (mi[r] * nb + b) * 8;
+                    __m512i x = _mm512_loadu_si512((const void *)(a->qs + mi[r] * K + b * 32));
+                    __m512i L = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+                    if (offset_of(fmt)) L = _mm512_sub_epi32(L, _mm512_loadu_si512((const void *)(a->So + l)));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L), _mm512_mul_ps(w, _mm512_loadu_ps(a->dx + l)), acc[r]);
+                    if (fmt == Q4_1) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a->Sf + l), wm, acc[r]);
+                }
+            }
+            if (c & 1) {  /* an odd last block: into the even (low) lanes, as the AVX2 path does */
+                long b = g + c - 1;
+                const uint8_t *blk = row + b * bb;
+                __m256i q = unpack32(fmt, blk);
+                __m256 w = _mm256_set1_ps(half_at(blk));
+                __m256 wm = fmt == Q4_1 ? _mm256_set1_ps(half_at(blk + 2)) : _mm256_setzero_ps();
+                for (int r = 0; r < R; r++) {
+                    long l = (mi[r] * nb + b) * 8;
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(a->qs + mi[r] * K + b * 32));
+                    __m256i L = lanes32(fmt, q, x, a->So + l);
+                    __m256 s = _mm512_castps512_ps256(acc[r]);
+                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L), _mm256_mul_ps(w, _mm256_loadu_ps(a->dx + l)), s);
+                    if (fmt == Q4_1) s = _mm256_fmadd_ps(_mm256_loadu_ps(a->Sf + l), wm, s);
+                    acc[r] = _mm512_insertf32x8(acc[r], s, 0);
+                }
+            }
         }
-        Y[m * ldy + n] = reduce(lanes, lanes + 8);
+        float lanes[16];
+        for (int r = 0; r < R; r++) {
+            _mm512_storeu_ps(lanes, acc[r]);
+            Y[r * ldy + n] = reduce(lanes, lanes + 8);
+        }
     }
 }
 
@@ -337,33 +387,27 @@ AVX2 ALWAYS_INLINE __m128i unpack_scales_k4(const uint8_t *p) {
     return _mm_setr_epi32((int)s0, (int)s1, (int)m0, (int)m1);
 }
 
-/* Per super-block, both paths: the weight scale of each 16 values in the unpacked order, as words in
-   two registers whose 128-bit lanes both hold 8 of them (lo: scales 0..7, hi: 8..15), so that one byte
-   shuffle per lane picks any; mnw, 16 words that multiply the activation's bsum (natural order): the
-   minimums, or the scales of the -32 offset; d and dm (y += d dx (scaled dot) + dm dx (mnw . bsum)). */
+/* A super-block's scales, both paths: `words`, the 16 weight scales of its 16-value sub-blocks as int16
+   (Q4_K/Q5_K: each block's scale twice, blocks in the unpacked order 0 2 1 3 4 6 5 7; Q6_K: natural);
+   mnw, the 16 words that multiply the activation's bsum (natural order): the minimums, or Q6_K's scales
+   (for its offset of 32); d and dm: y += d dx (scaled dot) + dm dx (mnw . bsum). */
 typedef struct {
-    __m256i lo, hi, mnw;
+    __m256i words, mnw;
     float d, dm;
 } kscales;
 
 AVX2 ALWAYS_INLINE kscales kscales_of(int fmt, const uint8_t *p) {
     kscales k;
     if (fmt == Q6_K) {
-        __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
-        k.lo = _mm256_permute2x128_si256(w, w, 0x00);
-        k.hi = _mm256_permute2x128_si256(w, w, 0x11);
-        k.mnw = w;
-        k.d = _cvtsh_ss(*(const uint16_t *)(p + 208));
+        k.words = k.mnw = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+        k.d = half_at(p + 208);
         k.dm = -32.0f * k.d;
         return k;
     }
     __m128i v = unpack_scales_k4(p + 4);  /* 8 scales, then 8 minimums */
-    /* 16 words: each block's scale twice (its two 16-value halves), blocks in unpacked order 0 2 1 3 4 6 5 7 */
-    __m256i w = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 0, 2, 2, 1, 1, 3, 3, 4, 4, 6, 6, 5, 5, 7, 7)));
-    k.lo = _mm256_permute2x128_si256(w, w, 0x00);
-    k.hi = _mm256_permute2x128_si256(w, w, 0x11);
+    k.words = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 0, 2, 2, 1, 1, 3, 3, 4, 4, 6, 6, 5, 5, 7, 7)));
     k.mnw = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
-    __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)p));  /* d, dmin */
+    __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(ld16(p) | (uint32_t)ld16(p + 2) << 16)));  /* d, dmin */
     k.d = _mm_cvtss_f32(dd);
     k.dm = -_mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1));
     return k;
@@ -377,19 +421,22 @@ AVX2 ALWAYS_INLINE kscales kscales_of(int fmt, const uint8_t *p) {
                      2 * (w1) + 1, 2 * (w1), 2 * (w1) + 1, 2 * (w1), 2 * (w1) + 1, 2 * (w1), 2 * (w1) + 1, \
                      2 * (w1), 2 * (w1) + 1, 2 * (w1), 2 * (w1) + 1)
 
-/* Words [scale 2i x 8 | scale 2i+1 x 8]: the scales of unpacked block i's two halves. */
-AVX2 ALWAYS_INLINE __m256i half_scales(const kscales *k, int i) {
-    __m256i src = i < 4 ? k->lo : k->hi;
-    switch (i & 3) {
-    case 0: return _mm256_shuffle_epi8(src, WORD_MASK(0, 1));
-    case 1: return _mm256_shuffle_epi8(src, WORD_MASK(2, 3));
-    case 2: return _mm256_shuffle_epi8(src, WORD_MASK(4, 5));
-    default: return _mm256_shuffle_epi8(src, WORD_MASK(6, 7));
-    }
+/* AVX2: words [scale 2i x 8 | scale 2i+1 x 8], the scales of unpacked half i's two 16-value parts. */
+AVX2 ALWAYS_INLINE void half_scales(const kscales *k, __m256i sc[8]) {
+    __m256i lo = _mm256_permute2x128_si256(k->words, k->words, 0x00);
+    __m256i hi = _mm256_permute2x128_si256(k->words, k->words, 0x11);
+    sc[0] = _mm256_shuffle_epi8(lo, WORD_MASK(0, 1));
+    sc[1] = _mm256_shuffle_epi8(lo, WORD_MASK(2, 3));
+    sc[2] = _mm256_shuffle_epi8(lo, WORD_MASK(4, 5));
+    sc[3] = _mm256_shuffle_epi8(lo, WORD_MASK(6, 7));
+    sc[4] = _mm256_shuffle_epi8(hi, WORD_MASK(0, 1));
+    sc[5] = _mm256_shuffle_epi8(hi, WORD_MASK(2, 3));
+    sc[6] = _mm256_shuffle_epi8(hi, WORD_MASK(4, 5));
+    sc[7] = _mm256_shuffle_epi8(hi, WORD_MASK(6, 7));
 }
 
-/* The 4 x 64 unpacked q bytes of super-block p (Q4_K, Q5_K: block order 0 2 1 3 4 6 5 7; Q6_K: natural),
-   as 32-byte halves: half[2i] | half[2i+1] is one 64-byte register's worth. */
+/* AVX2: the 8 halves of 32 q bytes of super-block p (Q4_K, Q5_K: block order 0 2 1 3 4 6 5 7; Q6_K:
+   natural); halves 2i and 2i + 1 are what AVX-512 holds in one register. */
 AVX2 ALWAYS_INLINE void unpack_k(int fmt, const uint8_t *p, __m256i half[8]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (fmt == Q6_K) {
@@ -419,228 +466,384 @@ AVX2 ALWAYS_INLINE void unpack_k(int fmt, const uint8_t *p, __m256i half[8]) {
     }
 }
 
-/* y = reduce(acc_A, acc_B) + reduce(acc_C, 0): the fixed order both paths share. */
-static float k_result(const float *a, const float *b, const float *c) {
-    static const float zero[8];
-    return reduce(a, b) + reduce(c, zero);
-}
-
-AVX2 ALWAYS_INLINE void dot_k_avx2_t(const int fmt, const int R, const uint8_t *row, long ns, const int8_t *qs,
-                                     long K, const float *dx, const int16_t *bsum, long m0, float *Y, long ldy,
-                                     long n) {
-    const long bb = block_bytes(fmt);
-    __m256 acc[8][3];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
-    for (long s = 0; s < ns; s++) {
-        const uint8_t *p = row + s * bb;
-        __m256i q[8], sc[8];
-        unpack_k(fmt, p, q);
-        kscales k = kscales_of(fmt, p);
-        for (int i = 0; i < 8; i++) sc[i] = half_scales(&k, i);
-        for (int r = 0; r < R; r++) {
-            long m = m0 + r, sb = m * ns + s;
-            const int8_t *x = qs + m * K + s * 256;
-            __m256i A = _mm256_setzero_si256(), B = _mm256_setzero_si256();
-            for (int i = 0; i < 8; i++) {  /* halves 0,1 of register i/2: A takes even, B odd */
-                __m256i p16 = _mm256_maddubs_epi16(q[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
-                __m256i p32 = _mm256_madd_epi16(sc[i], p16);
-                if (i & 1) B = _mm256_add_epi32(B, p32); else A = _mm256_add_epi32(A, p32);
+AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
+                                    const acts *a, const long *mi, float *Y, long ldy) {
+    const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
+    for (long n = n0; n < n1; n++) {
+        const uint8_t *row = W + n * ldw;
+        __m256 acc[GROUP][3];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
+        for (long s = 0; s < ns; s++) {
+            const uint8_t *p = row + s * bb;
+            prefetch(p + PREFETCH, bb);
+            __m256i q[8], sc[8];
+            unpack_k(fmt, p, q);
+            kscales k = kscales_of(fmt, p);
+            half_scales(&k, sc);
+            for (int r = 0; r < R; r++) {
+                long sb = mi[r] * ns + s;
+                const int8_t *x = a->qs + mi[r] * K + s * 256;
+                __m256i A = _mm256_setzero_si256(), B = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i++) {  /* halves 0,1 of register i/2: A takes even, B odd */
+                    __m256i p16 = _mm256_maddubs_epi16(q[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
+                    __m256i p32 = _mm256_madd_epi16(sc[i], p16);
+                    if (i & 1) B = _mm256_add_epi32(B, p32); else A = _mm256_add_epi32(A, p32);
+                }
+                __m256i C = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16)));
+                __m256 ddx = _mm256_set1_ps(k.d * a->dx[sb]);
+                acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), ddx, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(B), ddx, acc[r][1]);
+                acc[r][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * a->dx[sb]), acc[r][2]);
             }
-            __m256i corr = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(bsum + sb * 16)));
-            __m256 ddx = _mm256_set1_ps(k.d * dx[sb]);
-            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), ddx, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(B), ddx, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(k.dm * dx[sb]), acc[r][2]);
         }
-    }
-    float a[8], b[8], c[8];
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(a, acc[r][0]);
-        _mm256_storeu_ps(b, acc[r][1]);
-        _mm256_storeu_ps(c, acc[r][2]);
-        Y[(m0 + r) * ldy + n] = k_result(a, b, c);
-    }
-}
-
-AVX512 ALWAYS_INLINE void dot_k_512_t(const int fmt, const int R, const uint8_t *row, long ns, const int8_t *qs,
-                                      long K, const float *dx, const int16_t *bsum, long m0, float *Y, long ldy,
-                                      long n) {
-    const long bb = block_bytes(fmt);
-    __m512 acc[8];
-    __m256 accm[8];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
-        accm[r] = _mm256_setzero_ps();
-    }
-    for (long s = 0; s < ns; s++) {
-        const uint8_t *p = row + s * bb;
-        __m256i half[8];
-        unpack_k(fmt, p, half);
-        kscales k = kscales_of(fmt, p);
-        __m512i q[4], sc[4];
-        for (int i = 0; i < 4; i++) {
-            q[i] = _mm512_inserti64x4(_mm512_castsi256_si512(half[2 * i]), half[2 * i + 1], 1);
-            sc[i] = _mm512_inserti64x4(_mm512_castsi256_si512(half_scales(&k, 2 * i)), half_scales(&k, 2 * i + 1), 1);
-        }
+        float fa[8], fb[8], fc[8];
         for (int r = 0; r < R; r++) {
-            long m = m0 + r, sb = m * ns + s;
-            const int8_t *x = qs + m * K + s * 256;
-            __m512i A = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                __m512i p16 = _mm512_maddubs_epi16(q[i], _mm512_loadu_si512((const void *)(x + 64 * i)));
-                A = _mm512_add_epi32(A, _mm512_madd_epi16(sc[i], p16));
-            }
-            __m256i corr = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(bsum + sb * 16)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(k.d * dx[sb]), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(k.dm * dx[sb]), accm[r]);
+            _mm256_storeu_ps(fa, acc[r][0]);
+            _mm256_storeu_ps(fb, acc[r][1]);
+            _mm256_storeu_ps(fc, acc[r][2]);
+            Y[r * ldy + n] = k_result(fa, fb, fc);
         }
-    }
-    float lanes[16], c[8];
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(lanes, acc[r]);
-        _mm256_storeu_ps(c, accm[r]);
-        Y[(m0 + r) * ldy + n] = k_result(lanes, lanes + 8, c);
     }
 }
 
-/* One function per (path, format), the row count R a constant in each case of its switch. */
-#define R_CASES(T, F)                                                                                    \
-    switch (R) {                                                                                         \
-    case 1: T(F, 1, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                     \
-    case 2: T(F, 2, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                     \
-    case 3: T(F, 3, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                     \
-    case 4: T(F, 4, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                     \
-    case 5: T(F, 5, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                     \
-    case 6: T(F, 6, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                     \
-    case 7: T(F, 7, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                     \
-    default: T(F, 8, row, ns, qs, K, dx, bsum, m0, Y, ldy, n); break;                                    \
+/* AVX-512: the four 64-byte registers of super-block p, register i = [half 2i | half 2i+1] of unpack_k. */
+AVX512 ALWAYS_INLINE void unpack_k512(int fmt, const uint8_t *p, __m512i q[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (fmt == Q6_K) {  /* register 2h: ql's low nibbles + qh bits (0,1 | 2,3); 2h+1: high + (4,5 | 6,7) */
+        const __m512i up = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);  /* word shifts of the two halves */
+        const __m512i down = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+        const __m512i m2 = _mm512_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            __m512i l = _mm512_loadu_si512((const void *)(p + 64 * h));
+            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
+            __m512i hl = _mm512_and_si512(_mm512_sllv_epi64(qh, up), m2);
+            __m512i hh = _mm512_and_si512(_mm512_srlv_epi64(qh, down), m2);
+            q[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), hl);
+            q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), hh);
+        }
+        return;
     }
-#define K_PATHS(F)                                                                                       \
-    AVX2 static void dot_k_avx2_##F(const uint8_t *row, long ns, const int8_t *qs, long K, const float *dx, \
-                                    const int16_t *bsum, long m0, int R, float *Y, long ldy, long n) {   \
-        R_CASES(dot_k_avx2_t, F)                                                                         \
-    }                                                                                                    \
-    AVX512 static void dot_k_512_##F(const uint8_t *row, long ns, const int8_t *qs, long K, const float *dx, \
-                                     const int16_t *bsum, long m0, int R, float *Y, long ldy, long n) {  \
-        R_CASES(dot_k_512_t, F)                                                                          \
+    const uint8_t *qs = p + (fmt == Q4_K ? 16 : 48);
+    __m512i qh = fmt == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)))
+                             : _mm512_setzero_si512();
+    for (int j = 0; j < 2; j++) {  /* groups 2j, 2j+1: low nibbles (bits 4j, 4j+2), high (4j+1, 4j+3) */
+        __m512i x = _mm512_loadu_si512((const void *)(qs + 64 * j));
+        __m512i lo = _mm512_and_si512(x, m4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+        if (fmt == Q5_K) {
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            __m512i blo = _mm512_setr_epi64(1ll << 4 * j, 1ll << 4 * j, 1ll << 4 * j, 1ll << 4 * j, 1ll << (4 * j + 2),
+                                            1ll << (4 * j + 2), 1ll << (4 * j + 2), 1ll << (4 * j + 2));
+            blo = _mm512_shuffle_epi8(blo, _mm512_setzero_si512());  /* byte 0 of each 128-bit lane, everywhere */
+            __m512i bhi = _mm512_add_epi8(blo, blo);
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, blo), lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bhi), hi, sixteen);
+        }
+        q[2 * j] = lo;
+        q[2 * j + 1] = hi;
     }
-K_PATHS(Q4_K)
-K_PATHS(Q5_K)
-K_PATHS(Q6_K)
+}
 
-typedef void (*dot_k_fn)(const uint8_t *, long, const int8_t *, long, const float *, const int16_t *, long, int,
-                         float *, long, long);
+/* AVX-512: register i's 32 scale words (the 16-value parts of halves 2i and 2i+1), from kscales' words:
+   word j of register i belongs to part 4i + j / 8. */
+AVX512 ALWAYS_INLINE void scales_k512(const kscales *k, __m512i sc[4]) {
+    static const int16_t part[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    __m512i w = _mm512_castsi256_si512(k->words), j8 = _mm512_loadu_si512((const void *)part);
+    for (int i = 0; i < 4; i++) sc[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(j8, _mm512_set1_epi16((short)(4 * i))), w);
+}
 
-/* Y[m, n] = sum_k W[n, k] X[m, k] for K-quant weights and activations from hm_q8k_rows (paired for
-   Q4_K and Q5_K, natural for Q6_K). */
-int hm_qgemm_k(int fmt, const uint8_t *W, long ldw, long N, long K, const int8_t *qs, const float *dx,
-               const int16_t *bsum, long M, float *Y, long ldy, int isa) {
-    dot_k_fn dot;
+AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
+                                     const acts *a, const long *mi, float *Y, long ldy) {
+    const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
+    for (long n = n0; n < n1; n++) {
+        const uint8_t *row = W + n * ldw;
+        __m512 acc[GROUP];
+        __m256 accm[GROUP];
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_setzero_ps();
+            accm[r] = _mm256_setzero_ps();
+        }
+        for (long s = 0; s < ns; s++) {
+            const uint8_t *p = row + s * bb;
+            prefetch(p + PREFETCH, bb);
+            __m512i q[4], sc[4];
+            unpack_k512(fmt, p, q);
+            kscales k = kscales_of(fmt, p);
+            scales_k512(&k, sc);
+            for (int r = 0; r < R; r++) {
+                long sb = mi[r] * ns + s;
+                const int8_t *x = a->qs + mi[r] * K + s * 256;
+                __m512i A = _mm512_setzero_si512();
+                for (int i = 0; i < 4; i++) {
+                    __m512i p16 = _mm512_maddubs_epi16(q[i], _mm512_loadu_si512((const void *)(x + 64 * i)));
+                    A = _mm512_add_epi32(A, _mm512_madd_epi16(sc[i], p16));
+                }
+                __m256i C = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(k.d * a->dx[sb]), acc[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * a->dx[sb]), accm[r]);
+            }
+        }
+        float lanes[16], c[8];
+        for (int r = 0; r < R; r++) {
+            _mm512_storeu_ps(lanes, acc[r]);
+            _mm256_storeu_ps(c, accm[r]);
+            Y[r * ldy + n] = k_result(lanes, lanes + 8, c);
+        }
+    }
+}
+
+/* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
+
+typedef void (*dot_fn)(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
+                       float *Y, long ldy);
+
+#define R_CASES(T, F)                                                 \
+    switch (R) {                                                      \
+    case 1: T(F, 1, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
+    case 2: T(F, 2, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
+    case 3: T(F, 3, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
+    case 4: T(F, 4, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
+    case 5: T(F, 5, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
+    case 6: T(F, 6, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
+    case 7: T(F, 7, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
+    default: T(F, 8, W, ldw, n0, n1, a, mi, Y, ldy); break;           \
+    }
+#define PATHS(F, T2, T512)                                                                                  \
+    AVX2 static void dot_avx2_##F(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, \
+                                  int R, float *Y, long ldy) {                                             \
+        R_CASES(T2, F)                                                                                      \
+    }                                                                                                       \
+    AVX512 static void dot_512_##F(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, \
+                                   int R, float *Y, long ldy) {                                            \
+        R_CASES(T512, F)                                                                                    \
+    }
+PATHS(Q8_0, dot32_avx2_t, dot32_512_t)
+PATHS(Q4_0, dot32_avx2_t, dot32_512_t)
+PATHS(Q4_1, dot32_avx2_t, dot32_512_t)
+PATHS(Q4_K, dotk_avx2_t, dotk_512_t)
+PATHS(Q5_K, dotk_avx2_t, dotk_512_t)
+PATHS(Q6_K, dotk_avx2_t, dotk_512_t)
+
+static dot_fn dot_for(int fmt, int isa) {
+    int wide = isa == PATH_AVX512;
     switch (fmt) {
-    case Q4_K: dot = isa == 2 ? dot_k_512_Q4_K : dot_k_avx2_Q4_K; break;
-    case Q5_K: dot = isa == 2 ? dot_k_512_Q5_K : dot_k_avx2_Q5_K; break;
-    case Q6_K: dot = isa == 2 ? dot_k_512_Q6_K : dot_k_avx2_Q6_K; break;
-    default: return -1;
+    case Q8_0: return wide ? dot_512_Q8_0 : dot_avx2_Q8_0;
+    case Q4_0: return wide ? dot_512_Q4_0 : dot_avx2_Q4_0;
+    case Q4_1: return wide ? dot_512_Q4_1 : dot_avx2_Q4_1;
+    case Q4_K: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;
+    case Q5_K: return wide ? dot_512_Q5_K : dot_avx2_Q5_K;
+    case Q6_K: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
     }
-    if (K % 256) return -1;
-    long ns = K / 256;
-    for (long n = 0; n < N; n++)
-        for (long m = 0; m < M; m += 8)
-            dot(W + n * ldw, ns, qs, K, dx, bsum, m, (int)(M - m < 8 ? M - m : 8), Y, ldy, n);
-    return 0;
+    return NULL;
+}
+
+/* ---- products: rows of W against all tokens, in tiles ----------------------------------------------- */
+
+/* One weight matrix against quantised activations: rows [n0, n1) of Y [M, ldy] for tokens mi[0..M) (the
+   activation rows; NULL: 0..M-1). Rows go in tiles of TILE_BYTES, each tile met by every group of GROUP
+   tokens while it is in L1. */
+typedef struct {
+    dot_fn dot;
+    const uint8_t *W;
+    long ldw;
+    const acts *a;
+    const long *mi;
+    long M;
+    float *Y;
+    long ldy;
+} product;
+
+static void product_rows(const product *p, long n0, long n1) {
+    static const long iota[GROUP] = {0, 1, 2, 3, 4, 5, 6, 7};
+    long tile = TILE_BYTES / p->ldw > 0 ? TILE_BYTES / p->ldw : 1;
+    for (long t = n0; t < n1; t += tile) {
+        long t1 = t + tile < n1 ? t + tile : n1;
+        for (long m = 0; m < p->M; m += GROUP) {
+            long idx[GROUP];
+            int R = p->M - m < GROUP ? (int)(p->M - m) : GROUP;
+            for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + iota[r];
+            p->dot(p->W, p->ldw, t, t1, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+        }
+    }
+}
+
+/* Rows of one unit of work: about UNIT_BYTES of weights, fewer as more tokens share them. */
+static long unit_rows(long ldw, long M) {
+    long rows = UNIT_BYTES / (ldw * (M < GROUP ? 1 : M / GROUP));
+    return rows > 0 ? rows : 1;
 }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
 
-/* Which path: 2 = AVX-512 VNNI, 1 = AVX2 (the caller checks the CPU has it). */
-typedef void (*dot_fn)(int, const uint8_t *, long, const float *, const float *, const int8_t *, long,
-                       const float *, const int32_t *, const float *, long, int, float *, long, long);
+/* Which path: 2 = AVX-512 VNNI, 1 = AVX2 (the caller checks the CPU has it). Errors: -1 an unknown format
+   or a width that is not a multiple of its block, -2 no memory. */
 
-/* Y[m, n] for n < N, m < M: weight rows of `fmt` (ldw bytes apart), activations from hm_q8_rows.
-   Returns 0, or -1 for an unknown format or a K that is not a multiple of its block. */
-int hm_qgemm(int fmt, const uint8_t *W, long ldw, long N, long K, const int8_t *qs, const float *dx,
-             const int32_t *S, const float *Sf, long M, float *Y, long ldy, int isa) {
-    if (!block_bytes(fmt) || K % block_elems(fmt)) return -1;
-    long nb = K / 32;
-    float *ws = malloc(sizeof(float) * 3 * nb);
-    if (!ws) return -2;
-    float *wm = ws + 2 * nb;
-    dot_fn dot = isa == 2 ? dot_row_512 : dot_row_avx2;
-    for (long n = 0; n < N; n++) {
-        const uint8_t *row = W + n * ldw;
-        row_scales(fmt, row, nb, ws, wm);
-        for (long m = 0; m < M; m += 8)
-            dot(fmt, row, nb, ws, wm, qs, K, dx, S, Sf, m, (int)(M - m < 8 ? M - m : 8), Y, ldy, n);
-    }
-    free(ws);
-    return 0;
+static long min_l(long a, long b) { return a < b ? a : b; }
+
+static int check_shape(int fmt, long ldw, long K) {
+    if (!block_bytes(fmt) || K <= 0 || K % block_elems(fmt)) return -1;
+    return ldw >= K / block_elems(fmt) * block_bytes(fmt) ? 0 : -1;
 }
-
-/* ---- one call from Python: activations quantised for the weight's format, then the product -------- */
 
 typedef struct {
-    int8_t *qs;
-    float *dx, *Sf;
-    int32_t *S;
-    int16_t *bsum;
-    void *mem;
-} acts;
+    product p;
+    long N, rows;
+    atomic_long next;
+} linear_call;
 
-static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
+static void linear_region(void *arg, int t, int T) {
+    (void)t;
+    (void)T;
+    linear_call *c = arg;
+    long units = (c->N + c->rows - 1) / c->rows;
+    for (long u; (u = next_unit(&c->next, units)) >= 0;)
+        product_rows(&c->p, u * c->rows, min_l(u * c->rows + c->rows, c->N));
+}
 
-/* Quantise M rows of x (K values each) as `fmt`'s kernel reads them; 0, or -2 without memory. */
-static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, long M, long K) {
-    long nb = K / 32, ns = K / 256;
-    size_t q = (size_t)(M * K), per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32) : (size_t)(M * nb) * (4 + 64);
-    a->mem = malloc(q + per + 64);
-    if (!a->mem) return -2;
-    char *p = a->mem;
-    a->qs = (int8_t *)p;
-    p += (q + 63) & ~(size_t)63;
-    if (is_k(fmt)) {
-        a->dx = (float *)p;
-        a->bsum = (int16_t *)(p + 4 * M * ns);
-        hm_q8k_rows(x, ldx, x_bf16, M, K, fmt != Q6_K, a->qs, a->dx, a->bsum);
-    } else {
-        a->dx = (float *)p;
-        a->S = (int32_t *)(p + 4 * M * nb);
-        a->Sf = (float *)(p + 4 * M * nb + 32 * M * nb);
-        hm_q8_rows(x, ldx, x_bf16, M, K, a->qs, a->dx, a->S, a->Sf);
-    }
+/* Y [M, N] fp32 (rows ldy apart) = X [M, K] (fp32, or bf16 when x_bf16) times W [N, K]^T in `fmt` blocks,
+   on up to `threads` threads. */
+int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16, long M,
+               float *Y, long ldy, int threads, int isa) {
+    if (check_shape(fmt, ldw, K)) return -1;
+    acts a;
+    if (acts_of(&a, fmt, x, ldx, x_bf16, M, K)) return -2;
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy}, N, unit_rows(ldw, M)};
+    atomic_init(&c.next, 0);
+    long units = (N + c.rows - 1) / c.rows;
+    hm_parallel(linear_region, &c, (int)min_l(threads, units));
+    free(a.mem);
     return 0;
 }
 
-static int gemm_acts(int fmt, const uint8_t *W, long ldw, long N, long K, const acts *a, long M, float *Y,
-                     long ldy, int isa) {
-    if (is_k(fmt)) return hm_qgemm_k(fmt, W, ldw, N, K, a->qs, a->dx, a->bsum, M, Y, ldy, isa);
-    return hm_qgemm(fmt, W, ldw, N, K, a->qs, a->dx, a->S, a->Sf, M, Y, ldy, isa);
+/* One routed expert's share of a call: its weights, its tokens, where its output goes. Python passes an
+   int64 table [n, 12] of these fields in this order. */
+typedef struct {
+    const uint8_t *gate, *up, *down; /* [I, H], [I, H] in fmt_gu; [H, I] in fmt_d */
+    long ld_gu, ld_d;                /* bytes per weight row */
+    long fmt_gu, fmt_d;
+    const void *x;                   /* [M, H]: its tokens, rows ldx elements apart (fp32 or bf16) */
+    long ldx, M;
+    float *y;                        /* [M, H] fp32 out, rows H apart */
+    long unused;
+} expert_job;
+
+typedef struct {
+    const expert_job *e;
+    long n, H, I;
+    int x_bf16, isa;
+    long *owner;     /* per expert: the first expert with the same tokens (their activations are shared) */
+    acts *ax, *ah;   /* per expert: its tokens quantised for gate/up; h = silu(gate) * up quantised for down */
+    float **gu;      /* per expert: [M, 2I] fp32, gate then up; h overwrites gate */
+    long *first1, *first3;  /* per expert: its first unit in stages 1 and 3 (n + 1 entries) */
+    long *rows1, *rows3;    /* per expert: rows per unit in stages 1 and 3 */
+    atomic_long next[4];
+    atomic_int status;
+} experts_call;
+
+/* Stage 1's unit u of expert i: `rows1` rows of the gate (units 0 .. half-1) or of the up projection. */
+static void gate_up_unit(experts_call *c, long i, long u) {
+    const expert_job *e = &c->e[i];
+    long per = (c->I + c->rows1[i] - 1) / c->rows1[i], up = u >= per, n0 = (u % per) * c->rows1[i];
+    product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], NULL,
+                 e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I};
+    product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
-/* Y [M, N] fp32 = X [M, K] (fp32, or bf16 when x_bf16) times W [N, K]^T in `fmt` blocks. */
-int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16,
-               long M, float *Y, long ldy, int isa) {
-    if (!block_bytes(fmt) || K % block_elems(fmt)) return -1;
-    acts a;
-    if (acts_of(&a, fmt, x, ldx, x_bf16, M, K)) return -2;
-    int status = gemm_acts(fmt, W, ldw, N, K, &a, M, Y, ldy, isa);
-    free(a.mem);
-    return status;
+static void down_unit(experts_call *c, long i, long u) {
+    const expert_job *e = &c->e[i];
+    long n0 = u * c->rows3[i];
+    product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H};
+    product_rows(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
-/* M tokens through one SwiGLU expert: gate_up [2I, H] (rows 0..I-1 gate, I..2I-1 up) in fmt_gu, down
-   [H, I] in fmt_d. Y [M, H] fp32 = down (silu(gate x) * up x); the product h is quantised once. */
-int hm_qexpert(int fmt_gu, const uint8_t *gate_up, long ldgu, int fmt_d, const uint8_t *down, long ldd, long H,
-               long I, const void *x, long ldx, int x_bf16, long M, float *Y, long ldy, int isa) {
-    float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
-    if (!gu) return -2;
-    int status = hm_qlinear(fmt_gu, gate_up, ldgu, 2 * I, H, x, ldx, x_bf16, M, gu, 2 * I, isa);
-    for (long m = 0; status == 0 && m < M; m++) {
-        float *g = gu + m * 2 * I, *u = g + I;
-        for (long i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];  /* h in the gate's place */
+/* h = silu(gate) * up for expert i's tokens, in the gate's place, then quantised for the down projection. */
+AVX2 static void swiglu_unit(experts_call *c, long i) {
+    const expert_job *e = &c->e[i];
+    long I = c->I;
+    for (long m = 0; m < e->M; m++) {
+        float *g = c->gu[i] + m * 2 * I, *u = g + I;
+        for (long k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
     }
-    if (status == 0) status = hm_qlinear(fmt_d, down, ldd, H, I, gu, 2 * I, 0, M, Y, ldy, isa);
+    if (acts_of(&c->ah[i], (int)e->fmt_d, c->gu[i], 2 * I, 0, e->M, I)) atomic_store(&c->status, -2);
+}
+
+/* The unit of a stage's prefix table `first` that `u` is: its expert, and u becomes its index there. */
+static long expert_of(const long *first, long n, long *u) {
+    long lo = 0, hi = n - 1;
+    while (lo < hi) {
+        long mid = (lo + hi + 1) / 2;
+        if (first[mid] <= *u) lo = mid; else hi = mid - 1;
+    }
+    *u -= first[lo];
+    return lo;
+}
+
+static void experts_region(void *arg, int t, int T) {
+    (void)t;
+    experts_call *c = arg;
+    long u;
+    while ((u = next_unit(&c->next[0], c->n)) >= 0) {  /* quantise each distinct token set once */
+        const expert_job *e = &c->e[u];
+        if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, e->M, c->H))
+            atomic_store(&c->status, -2);
+    }
+    barrier(T);
+    if (atomic_load(&c->status)) return;
+    while ((u = next_unit(&c->next[1], c->first1[c->n])) >= 0) {
+        long i = expert_of(c->first1, c->n, &u);
+        gate_up_unit(c, i, u);
+    }
+    barrier(T);
+    while ((u = next_unit(&c->next[2], c->n)) >= 0) swiglu_unit(c, u);
+    barrier(T);
+    if (atomic_load(&c->status)) return;
+    while ((u = next_unit(&c->next[3], c->first3[c->n])) >= 0) {
+        long i = expert_of(c->first3, c->n, &u);
+        down_unit(c, i, u);
+    }
+}
+
+/* The n experts of e (a layer's, typically) over their tokens, in one region of `threads` threads: stage 0
+   quantises each distinct token set once, stage 1 runs every gate and up row, stage 2 makes each expert's
+   h = silu(gate) * up and quantises it, stage 3 runs every down row. y = down h. */
+int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa) {
+    for (long i = 0; i < n; i++)
+        if (check_shape((int)e[i].fmt_gu, e[i].ld_gu, H) || check_shape((int)e[i].fmt_d, e[i].ld_d, I)) return -1;
+    experts_call c = {.e = e, .n = n, .H = H, .I = I, .x_bf16 = x_bf16, .isa = isa};
+    size_t words = (size_t)n * 6 + 2;
+    char *mem = calloc(1, words * sizeof(long) + (size_t)n * (2 * sizeof(acts) + sizeof(float *)));
+    long tokens = 0;
+    for (long i = 0; i < n; i++) tokens += e[i].M;
+    float *gu = malloc(sizeof(float) * (size_t)(tokens * 2 * I) + 1);
+    if (!mem || !gu) {
+        free(mem);
+        free(gu);
+        return -2;
+    }
+    long *w = (long *)mem;
+    c.owner = w, c.rows1 = w + n, c.rows3 = w + 2 * n, c.first1 = w + 3 * n, c.first3 = w + 4 * n + 1;
+    c.ax = (acts *)(w + words), c.ah = c.ax + n, c.gu = (float **)(c.ah + n);
+    for (long i = 0, at = 0; i < n; i++) {
+        c.owner[i] = i;
+        for (long j = 0; j < i && c.owner[i] == i; j++)
+            if (e[j].x == e[i].x && e[j].M == e[i].M && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu) c.owner[i] = j;
+        c.rows1[i] = unit_rows(e[i].ld_gu, e[i].M);
+        c.rows3[i] = unit_rows(e[i].ld_d, e[i].M);
+        c.first1[i + 1] = c.first1[i] + 2 * ((I + c.rows1[i] - 1) / c.rows1[i]);
+        c.first3[i + 1] = c.first3[i] + (H + c.rows3[i] - 1) / c.rows3[i];
+        c.gu[i] = gu + at;
+        at += e[i].M * 2 * I;
+    }
+    for (int s = 0; s < 4; s++) atomic_init(&c.next[s], 0);
+    atomic_init(&c.status, 0);
+    hm_parallel(experts_region, &c, (int)min_l(threads, c.first1[n]));
+    for (long i = 0; i < n; i++) {
+        free(c.ax[i].mem);
+        free(c.ah[i].mem);
+    }
     free(gu);
-    return status;
+    free(mem);
+    return atomic_load(&c.status);
 }
 
 /* ---- quantisers: rows of fp32 values to blocks (for --quant at load and for writing GGUF files) ---- */

@@ -18,18 +18,20 @@ from hybridmoe import env
 from hybridmoe.native.build import INT, N, P, cpu_flags, load
 
 SOURCE = Path(__file__).with_name("quant.c")
-FLAGS = ["-O3", "-shared", "-fPIC"]
+HEADERS = (Path(__file__).with_name("pool.h"),)
+# no global ISA flags (each path has its own target attribute); floats exactly as written, so that
+# both paths round alike; the worker threads of pool.h
+FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
+EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
 SIGNATURES = {
     # int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx,
-    #                int x_bf16, long M, float *Y, long ldy, int isa)
-    "hm_qlinear": ([INT, P, N, N, N, P, N, INT, N, P, N, INT], INT),
-    # int hm_qexpert(int fmt_gu, const uint8_t *gate_up, long ldgu, int fmt_d,
-    #                const uint8_t *down, long ldd, long H, long I, const void *x, long ldx,
-    #                int x_bf16, long M, float *Y, long ldy, int isa)
-    "hm_qexpert": ([INT, P, N, INT, P, N, N, N, P, N, INT, N, P, N, INT], INT),
+    #                int x_bf16, long M, float *Y, long ldy, int threads, int isa)
+    "hm_qlinear": ([INT, P, N, N, N, P, N, INT, N, P, N, INT, INT], INT),
+    # int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa)
+    "hm_qexperts": ([P, N, N, N, INT, INT, INT], INT),
     # int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out)
     "hm_quantize": ([INT, P, N, N, P], INT),
 }
@@ -54,7 +56,7 @@ def isa() -> int:
 
 @lru_cache(maxsize=1)
 def library():
-    return load(SOURCE, FLAGS, SIGNATURES) if best_isa() else None
+    return load(SOURCE, FLAGS, SIGNATURES, HEADERS) if best_isa() else None
 
 
 def available() -> bool:
@@ -70,11 +72,21 @@ def _check(status: int, what: str) -> None:
         )
 
 
+def threads() -> int:
+    """Threads a kernel call may use: torch's intra-op count (set by --threads)."""
+    return torch.get_num_threads()
+
+
 def linear(
-    x: torch.Tensor, fmt: int, data: torch.Tensor, cols: int, path: int | None = None
+    x: torch.Tensor,
+    fmt: int,
+    data: torch.Tensor,
+    cols: int,
+    path: int | None = None,
+    workers: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (fp32 or bf16, rows contiguous) times the weight [N, K] in blocks `data`
-    [N, row bytes] of ggml type `fmt` -> [M, N] fp32."""
+    [N, row bytes] of ggml type `fmt` -> [M, N] fp32, on `workers` threads (default threads())."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, rows = x.shape[0], data.shape[0]
     y = torch.empty(m, rows, dtype=torch.float32)  # [M, N]
@@ -90,37 +102,52 @@ def linear(
         m,
         y.data_ptr(),
         rows,
+        workers or threads(),
         path or isa(),
     )
     _check(status, "quantised linear")
     return y
 
 
-def expert(x: torch.Tensor, gate_up, down, path: int | None = None) -> torch.Tensor:
-    """M tokens through a SwiGLU expert whose gate_up [2I, H] and down [H, I] are QTensors
-    -> [M, H] fp32."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    m, (hidden, inter) = x.shape[0], down.shape
-    y = torch.empty(m, hidden, dtype=torch.float32)  # [M, H]
-    status = library().hm_qexpert(
-        gate_up.fmt.ggml,
-        gate_up.data.data_ptr(),
-        gate_up.data.stride(0),
-        down.fmt.ggml,
-        down.data.data_ptr(),
-        down.data.stride(0),
+def experts(
+    xs: list[torch.Tensor],
+    weights: list[tuple],
+    path: int | None = None,
+    workers: int | None = None,
+) -> list[torch.Tensor]:
+    """SwiGLU experts in one call: expert j takes tokens xs[j] [M_j, H] (fp32 or bf16, all one
+    dtype; the same tensor for several experts is quantised once) through weights[j] = (gate_up
+    [2I, H], down [H, I]) QTensors -> [M_j, H] fp32 each. Gate and up are fused, h = silu(gate) *
+    up is quantised once, and the work is spread over `workers` threads (default threads())."""
+    hidden, inter = weights[0][1].shape
+    xs = [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+    ys = [torch.empty(x.shape[0], hidden, dtype=torch.float32) for x in xs]  # [M_j, H]
+    table = []
+    for x, (gate_up, down), y in zip(xs, weights, ys):
+        gu = gate_up.data
+        table += [gu.data_ptr(), gu.data_ptr() + inter * gu.stride(0), down.data.data_ptr()]
+        table += [gu.stride(0), down.data.stride(0), gate_up.fmt.ggml, down.fmt.ggml]
+        table += [x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(), 0]
+    jobs = torch.tensor(table, dtype=torch.int64)  # [n, EXPERT_FIELDS]
+    status = library().hm_qexperts(
+        jobs.data_ptr(),
+        len(xs),
         hidden,
         inter,
-        x.data_ptr(),
-        x.stride(0),
-        x.dtype == torch.bfloat16,
-        m,
-        y.data_ptr(),
-        hidden,
+        xs[0].dtype == torch.bfloat16,
+        workers or threads(),
         path or isa(),
     )
-    _check(status, "quantised expert")
-    return y
+    _check(status, "quantised experts")
+    return ys
+
+
+def expert(
+    x: torch.Tensor, gate_up, down, path: int | None = None, workers: int | None = 1
+) -> torch.Tensor:
+    """M tokens through one SwiGLU expert whose gate_up [2I, H] and down [H, I] are QTensors
+    -> [M, H] fp32 (one thread unless told: a caller's worker pool runs experts side by side)."""
+    return experts([x], [(gate_up, down)], path, workers)[0]
 
 
 def quantize(x: torch.Tensor, fmt: int, row_bytes: int) -> torch.Tensor:

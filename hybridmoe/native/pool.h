@@ -1,0 +1,130 @@
+/* A pool of worker threads for the kernels: one parallel region at a time, work handed out in units.
+
+   hm_parallel(fn, arg, T) runs fn(arg, t, T) on T threads at once (the caller is thread 0) and returns when
+   all have returned. Inside, threads take work units from shared atomic counters (next_unit), so a thread
+   that the OS deschedules on a shared machine leaves its units to the others instead of holding everyone
+   at a fixed split; stages that depend on each other are separated by barrier().
+
+   The threads are made at first use and kept, waiting on a condition variable between regions. One region
+   runs at a time: a second caller (another Python thread) that finds the pool busy runs its work alone on
+   its own thread (T = 1), which gives the same results, since every output element is computed whole by
+   one thread. After fork() the child makes its own threads. */
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <unistd.h>
+
+#define POOL_MAX 64
+
+typedef void (*region_fn)(void *arg, int t, int T);
+
+typedef struct {
+    atomic_int count;
+    atomic_int sense;
+} barrier_t;
+
+static struct {
+    pthread_mutex_t busy;  /* held by the caller for the whole region */
+    pthread_mutex_t mu;
+    pthread_cond_t start, done;
+    pthread_t threads[POOL_MAX];
+    int made;              /* threads made so far (thread t of a region is threads[t - 1]) */
+    pid_t pid;             /* the process that made them */
+    long generation;       /* bumped per region; a worker runs each generation once */
+    int running;           /* workers still inside the region */
+    int T;
+    region_fn fn;
+    void *arg;
+    barrier_t bar;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER};
+
+/* All T threads of the region wait here until every one has arrived. Spins briefly (stages are short),
+   then yields the core, which a descheduled thread may need. */
+static void barrier(int T) {
+    if (T <= 1) return;
+    int sense = atomic_load(&pool.bar.sense);
+    if (atomic_fetch_add(&pool.bar.count, 1) == T - 1) {
+        atomic_store(&pool.bar.count, 0);
+        atomic_store(&pool.bar.sense, !sense);
+        return;
+    }
+    for (long spins = 0; atomic_load(&pool.bar.sense) == sense; spins++) {
+        if (spins < 4000) __builtin_ia32_pause();
+        else sched_yield();
+    }
+}
+
+static void *worker(void *p) {
+    int t = (int)(long)p;
+    long seen = 0;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.mu);
+        seen = pool.generation;
+        if (t >= pool.T) continue;  /* not in this region */
+        region_fn fn = pool.fn;
+        void *arg = pool.arg;
+        int T = pool.T;
+        pthread_mutex_unlock(&pool.mu);
+        fn(arg, t, T);
+        pthread_mutex_lock(&pool.mu);
+        if (--pool.running == 0) pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* Make workers 1..T-1 (once per process); how many threads a region can have. */
+static int pool_grow(int T) {
+    if (T > POOL_MAX) T = POOL_MAX;
+    if (pool.pid != getpid()) {  /* first use, or a child after fork(): the parent's threads are gone */
+        pool.pid = getpid();
+        pool.made = 0;
+        pool.generation = 0;
+    }
+    while (pool.made < T - 1) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int bad = pthread_create(&pool.threads[pool.made], &attr, worker, (void *)(long)(pool.made + 1));
+        pthread_attr_destroy(&attr);
+        if (bad) break;
+        pool.made++;
+    }
+    return pool.made + 1 < T ? pool.made + 1 : T;
+}
+
+static void hm_parallel(region_fn fn, void *arg, int T) {
+    if (T <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&pool.mu);
+    T = pool_grow(T);
+    if (T <= 1) {
+        pthread_mutex_unlock(&pool.mu);
+        pthread_mutex_unlock(&pool.busy);
+        fn(arg, 0, 1);
+        return;
+    }
+    pool.fn = fn;
+    pool.arg = arg;
+    pool.T = T;
+    pool.running = T - 1;
+    atomic_store(&pool.bar.count, 0);
+    pool.generation++;
+    pthread_cond_broadcast(&pool.start);
+    pthread_mutex_unlock(&pool.mu);
+    fn(arg, 0, T);
+    pthread_mutex_lock(&pool.mu);
+    while (pool.running > 0) pthread_cond_wait(&pool.done, &pool.mu);
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* The next unit of a stage's `total` for the calling thread, or -1 when all are taken. */
+static long next_unit(atomic_long *counter, long total) {
+    long u = atomic_fetch_add(counter, 1);
+    return u < total ? u : -1;
+}
