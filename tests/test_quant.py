@@ -146,6 +146,46 @@ def test_the_expert_is_the_two_products_with_silu_between():
     assert (y.double() - ref).abs().max() < 0.05 * ref.abs().max()  # two activation roundings
 
 
+def random_expert(rng, hidden: int, inter: int, gu: str = "q4_k", dn: str = "q6_k"):
+    gate_up = QTensor(
+        torch.from_numpy(random_blocks(FORMATS[gu], 2 * inter, hidden, rng)), FORMATS[gu], hidden
+    )
+    down = QTensor(
+        torch.from_numpy(random_blocks(FORMATS[dn], hidden, inter, rng)), FORMATS[dn], inter
+    )
+    return gate_up, down
+
+
+@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("q4_0", "q4_1")])
+def test_a_layers_experts_in_one_call_equal_each_alone_on_any_thread_count(formats):
+    rng = np.random.default_rng(10)
+    hidden, inter = 512, 256
+    weights = [random_expert(rng, hidden, inter, *formats) for _ in range(5)]
+    token = torch.randn(1, hidden)
+    # decode (one token shared by several experts) and a batch's uneven groups, bf16 and fp32
+    xs = [token, token, torch.randn(7, hidden), torch.randn(2, hidden), token]
+    alone = [kernels.expert(x, *w) for x, w in zip(xs, weights)]
+    for path in PATHS:
+        for workers in (1, 2, 3):
+            together = kernels.experts(xs, weights, path=path, workers=workers)
+            assert all(torch.equal(a, b) for a, b in zip(alone, together)), (path, workers)
+    bf16 = [x.bfloat16() for x in xs]
+    assert all(
+        torch.equal(kernels.expert(x, *w), y)
+        for x, w, y in zip(bf16, weights, kernels.experts(bf16, weights, workers=2))
+    )
+
+
+def test_threads_split_a_linear_without_changing_a_bit():
+    fmt, rng = FORMATS["q4_k"], np.random.default_rng(11)
+    raw = torch.from_numpy(random_blocks(fmt, 1000, 512, rng))  # many units of rows
+    for m in (1, 9, 40):
+        x = torch.randn(m, 512)
+        one = kernels.linear(x, fmt.ggml, raw, 512, workers=1)
+        for workers in (2, 4):
+            assert torch.equal(one, kernels.linear(x, fmt.ggml, raw, 512, workers=workers))
+
+
 def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch):
     fmt, rng = FORMATS["q4_1"], np.random.default_rng(9)
     w = QTensor(torch.from_numpy(random_blocks(fmt, 16, 256, rng)), fmt, 256)

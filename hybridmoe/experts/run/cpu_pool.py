@@ -53,6 +53,19 @@ class _InlineBatch:
         return outs, time.perf_counter() - t0
 
 
+class _CallBatch:
+    """One call that runs a whole layer's CPU experts on threads of its own (the native kernels'
+    pool), made when the result is asked for, as _InlineBatch does."""
+
+    def __init__(self, call: Callable[[], list[torch.Tensor]]):
+        self.call = call
+
+    def result(self) -> tuple[list[torch.Tensor], float]:
+        t0 = time.perf_counter()
+        outs = self.call()
+        return outs, time.perf_counter() - t0
+
+
 class CPUPool:
     """`workers` threads with one torch thread each;
     `submit(jobs)` gives worker j the jobs j, j+W, ..."""
@@ -121,6 +134,11 @@ class CPUExperts:
             self.close()
             self.pool = CPUPool(workers)
         return self.pool.submit(jobs)
+
+    def start_call(self, call: Callable[[int], list[torch.Tensor]]) -> _CallBatch:
+        """A layer's experts as one call(workers) that spreads them over its own threads."""
+        workers = self.workers or torch.get_num_threads()
+        return _CallBatch(lambda: call(workers))
 
     def close(self) -> None:
         if self.pool is not None:

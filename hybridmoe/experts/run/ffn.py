@@ -40,6 +40,28 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, w.down)  # [n, H]
 
 
+def blocks_together(inputs: list[tuple[torch.Tensor, ExpertWeights]]) -> bool:
+    """Whether experts_ffn takes these (rows, weights) pairs in one native call."""
+    return bool(inputs) and all(
+        isinstance(w.gate_up, QTensor)
+        and isinstance(w.down, QTensor)
+        and native_applies(x, w.gate_up, w.down)
+        and x.dtype == inputs[0][0].dtype
+        for x, w in inputs
+    )
+
+
+def experts_ffn(
+    inputs: list[tuple[torch.Tensor, ExpertWeights]], workers: int
+) -> list[torch.Tensor]:
+    """expert_ffn of each (rows [n, H], weights) pair, the same bits, for experts in blocks all in
+    one call of the integer kernels over `workers` threads (blocks_together must hold)."""
+    ys = quant_kernels.experts(
+        [x for x, _ in inputs], [(w.gate_up, w.down) for _, w in inputs], workers=workers
+    )
+    return [y.to(x.dtype) for y, (x, _) in zip(ys, inputs)]  # [n, H] each
+
+
 def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """For each expert used, (expert id, token rows, k columns) of its assignments.
 

@@ -26,7 +26,14 @@ import torch
 
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.cpu_pool import CPUExperts
-from hybridmoe.experts.run.ffn import combine_grouped, combine_token, expert_ffn, group_by_expert
+from hybridmoe.experts.run.ffn import (
+    blocks_together,
+    combine_grouped,
+    combine_token,
+    expert_ffn,
+    experts_ffn,
+    group_by_expert,
+)
 from hybridmoe.experts.run.runtime_stats import RuntimeStats
 from hybridmoe.experts.run.store import ExpertStore
 
@@ -155,7 +162,10 @@ class BaseRuntime:
 
     def _run_cpu(self, layer: int, inputs: list[tuple[int, torch.Tensor]]):
         """Start (expert, rows [n, H]) pairs on the CPU; `.result()` -> (outputs, busy seconds)."""
-        jobs = [partial(expert_ffn, rows, self.store.get(layer, e)) for e, rows in inputs]
+        pairs = [(rows, self.store.get(layer, e)) for e, rows in inputs]
+        if blocks_together(pairs):  # the integer kernels take the layer in one call
+            return self.cpu.start_call(partial(experts_ffn, pairs))
+        jobs = [partial(expert_ffn, rows, w) for rows, w in pairs]
         return self.cpu.start(jobs, len(jobs) * self.store.expert_nbytes())
 
     def close(self) -> None:
