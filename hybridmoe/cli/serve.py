@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
 def engine_config(args) -> EngineConfig:
     values = config_values(args, EngineConfig)
     for name, value in values.items():
-        if value is not None and value < 1:
+        if isinstance(value, (int, float)) and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} {value}: give a positive number")
     if args.kv_cache_tokens < args.block_size:
         raise UserError(
