@@ -44,11 +44,13 @@ class PagedKVCache:
                 self.pools[layer] = pools
         return pools
 
+    @torch.inference_mode()
     def read_block(self, block_id: int) -> dict[int, tuple[torch.Tensor, ...]]:
         """A copy of block `block_id`'s entries: layer -> ([block_size, ...] per pool)."""
         rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
         return {layer: tuple(p[rows].clone() for p in pools) for layer, pools in self.pools.items()}
 
+    @torch.inference_mode()  # the pools are inference tensors, made in the model's forward
     def write_block(self, block_id: int, block: dict[int, tuple[torch.Tensor, ...]]) -> bool:
         """Put `block` (as read_block gives it) in block `block_id`; False, and nothing written, if
         its layers, shapes or dtypes are not this cache's. Before the first pass the pools are

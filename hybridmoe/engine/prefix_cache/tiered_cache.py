@@ -26,7 +26,7 @@ class TieredPrefixCache:
         self, kv: PagedKVCache, ram: Tier | None, persistent: list[Tier], queue_blocks: int
     ):
         self.kv, self.ram, self.persistent = kv, ram, persistent
-        self.tiers: list[Tier] = ([ram] if ram else []) + persistent  # fastest first
+        self.tiers: list[Tier] = ([ram] if ram is not None else []) + persistent  # fastest first
         self.writer = WriteBack(queue_blocks)
 
     def fetch(self, keys: list[bytes]) -> list[Block]:
@@ -67,7 +67,7 @@ class TieredPrefixCache:
             self.writer.submit(key, self.kv.read_block(block_id), self.persistent)
 
     def evicted(self, block_id: int, key: bytes) -> None:
-        if self.ram:
+        if self.ram is not None:
             self.writer.submit(key, self.kv.read_block(block_id), [self.ram])
 
     def flush(self) -> None:
