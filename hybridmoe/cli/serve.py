@@ -15,6 +15,7 @@ from hybridmoe.cli.options import (
     model_path,
 )
 from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.prefix_cache.build import check_settings
 from hybridmoe.errors import UserError
 
 
@@ -59,7 +60,9 @@ def engine_config(args) -> EngineConfig:
             f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); "
             "raise it"
         )
-    return EngineConfig(**values)
+    config = EngineConfig(**values)
+    check_settings(config)
+    return config
 
 
 def overlap_prefill(args, model) -> bool:
@@ -110,5 +113,8 @@ def run(args) -> int:
             f"{', prefill beside decode' if config.overlap_prefill else ''})",
             file=sys.stderr,
         )
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        finally:
+            engine.close()  # the blocks still queued for the prefix cache's tiers
     return 0

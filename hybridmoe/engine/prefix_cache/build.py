@@ -28,10 +28,24 @@ def chain_seed(model, block_size: int) -> bytes:
     return namespace(model_fingerprint(model), block_size, ",".join(dtypes))
 
 
-def make_prefix_cache(config: EngineConfig, kv: PagedKVCache) -> TieredPrefixCache | None:
-    """The tiers the config asks for (None: none, only the device pool's prefix cache)."""
+def check_settings(config: EngineConfig) -> None:
+    """A UserError for a prefix-cache setting that cannot work, before anything is loaded."""
     if config.prefix_cache_disk and not config.prefix_cache_dir:
         raise UserError("--prefix-cache-disk needs --prefix-cache-dir DIR: say where the blocks go")
+    if config.prefix_cache_ram:
+        parse_size(config.prefix_cache_ram, "--prefix-cache-ram")
+    if config.prefix_cache_dir:
+        parse_size(config.prefix_cache_disk or DEFAULT_DISK, "--prefix-cache-disk")
+    url = config.prefix_cache_remote
+    if url and urlsplit(url).scheme not in SCHEMES:
+        raise UserError(
+            f"--prefix-cache-remote {url}: give a mooncake://HOST:PORT or redis://HOST:PORT URL"
+        )
+
+
+def make_prefix_cache(config: EngineConfig, kv: PagedKVCache) -> TieredPrefixCache | None:
+    """The tiers the config asks for (None: none, only the device pool's prefix cache)."""
+    check_settings(config)
     if not wants_tiers(config):
         return None
     ram = None
