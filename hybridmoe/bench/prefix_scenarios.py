@@ -82,6 +82,7 @@ async def multi_turn(args, model: str) -> dict:
             for chat in chats:
                 chat.append({"role": "user", "content": _words(rng, args.turn_len)})
                 body = {"model": model, "messages": chat, "max_tokens": args.max_tokens}
+                body["ignore_eos"] = True  # replies of one length, whatever the model says
                 r = await _stream(client, "/v1/chat/completions", body)
                 chat.append({"role": "assistant", "content": r["text"]})
                 turns.append({**r, "turn": turn})
