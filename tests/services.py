@@ -79,7 +79,7 @@ def mooncake_store(segment: str = "256MB"):
     bin_dir = mooncake_dir()
     rpc, meta, metrics, client = free_port(), free_port(), free_port(), free_port()
     logs = Path(tempfile.mkdtemp(prefix="hybridmoe-mooncake-"))
-    penv = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "1"}
+    penv = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     master = [
         str(bin_dir / "mooncake_master"),
         f"--rpc_port={rpc}",

@@ -260,10 +260,15 @@ def test_a_second_engine_loads_what_the_first_wrote_to_mooncake(tiny):
 def test_a_remote_tier_that_is_down_or_hung_makes_requests_compute(tiny):
     ref, model, _ = tiny[3]
     p = prompt(30, seed=10)
-    down = engine(model, prefix_cache_remote=f"redis://127.0.0.1:{free_port()}/0")
-    assert down.generate([p], GREEDY) == [hf_greedy(ref, p)]
-    assert down.prefix_cache.persistent[0].stats.errors >= 1
-    down.close()
+    for url in (
+        f"redis://127.0.0.1:{free_port()}/0",
+        f"mooncake://127.0.0.1:{free_port()}?metadata=http://127.0.0.1:{free_port()}/metadata",
+    ):
+        down = engine(model, prefix_cache_remote=url, prefix_cache_timeout=0.5)
+        assert down.generate([p], GREEDY) == [hf_greedy(ref, p)]
+        stats = down.prefix_cache.persistent[0].stats
+        assert stats.errors + stats.timeouts >= 1 and down.blocks.loaded_tokens == 0
+        down.close()
     with redis_server() as (url, proc):
         hung = engine(model, prefix_cache_remote=url, prefix_cache_timeout=0.3)
         os.kill(proc.pid, signal.SIGSTOP)  # a Redis that accepts and never answers

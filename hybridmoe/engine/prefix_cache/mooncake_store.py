@@ -14,6 +14,7 @@ this machine, else this host's name).
 from __future__ import annotations
 
 import socket
+import threading
 from urllib.parse import parse_qs, urlsplit
 
 from hybridmoe import env, tuning
@@ -42,9 +43,12 @@ def mooncake_settings(url: str) -> dict:
 
 
 class MooncakeStore:
+    """Joins the master at its first use, on the remote tier's threads: a master that is down or
+    slow to answer (setup retries for many seconds) delays no start and fails no request."""
+
     def __init__(self, url: str):
-        s = mooncake_settings(url)
-        env.set_mooncake_defaults(s["local_hostname"])
+        self.url, self.settings = url, mooncake_settings(url)
+        env.set_mooncake_defaults(self.settings["local_hostname"])
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -52,22 +56,32 @@ class MooncakeStore:
                 f"--prefix-cache-remote {url} needs Mooncake ({e}); pip install "
                 "'hybridmoe[mooncake]' and apt-get install libibverbs1"
             ) from None
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(
-            s["local_hostname"], s["metadata"], 0, _BUFFER, "tcp", "", s["master"]
-        )
-        if rc != 0:
-            raise UserError(
-                f"--prefix-cache-remote {url}: cannot join the Mooncake master at {s['master']} "
-                f"with metadata at {s['metadata']} (error {rc}); start mooncake_master there or "
-                "fix the URL"
-            )
+        self._new = MooncakeDistributedStore
+        self._store = None
+        self._lock = threading.Lock()
+
+    @property
+    def store(self):
+        with self._lock:
+            if self._store is None:
+                s, store = self.settings, self._new()
+                rc = store.setup(
+                    s["local_hostname"], s["metadata"], 0, _BUFFER, "tcp", "", s["master"]
+                )
+                if rc != 0:
+                    raise ConnectionError(
+                        f"cannot join the Mooncake master at {s['master']} with metadata at "
+                        f"{s['metadata']} (error {rc})"
+                    )
+                self._store = store
+            return self._store
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
         step = tuning.MOONCAKE_BATCH_BLOCKS
+        store = self.store
         for i in range(0, len(keys), step):
-            values = self.store.get_batch(keys[i : i + step])
+            values = store.get_batch(keys[i : i + step])
             out += [v or None for v in values]
             if not all(values):
                 break  # a prefix ends at its first missing block
@@ -79,4 +93,5 @@ class MooncakeStore:
             raise RuntimeError(f"Mooncake put failed (error {rc})")
 
     def close(self) -> None:
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
