@@ -83,5 +83,6 @@ PREFIX_WRITE_QUEUE_BLOCKS = 1024
 # Seconds a remote tier that failed or timed out is left alone before it is tried again.
 REMOTE_BACKOFF_S = 5.0
 
-# Blocks asked of a Mooncake store in one batch: their bytes must fit its client's transfer buffer.
-MOONCAKE_BATCH_BLOCKS = 16
+# Blocks asked of a remote store in one batch; the next batch is on its way while one is verified,
+# and a Mooncake batch must fit its client's transfer buffer (64 MiB).
+REMOTE_BATCH_BLOCKS = 16

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 KEY_BYTES = 16
 
 # Bumped whenever what a block holds, or how it is encoded (codec.py), changes.
-KV_FORMAT = 1
+KV_FORMAT = 2
 
 
 def chain_key(prev: bytes, tokens: Sequence[int]) -> bytes:

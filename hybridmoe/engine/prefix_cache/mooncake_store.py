@@ -17,10 +17,10 @@ import socket
 import threading
 from urllib.parse import parse_qs, urlsplit
 
-from hybridmoe import env, tuning
+from hybridmoe import env
 from hybridmoe.errors import UserError
 
-_BUFFER = 64 << 20  # this client's transfer buffer: a batch of blocks must fit (see tuning)
+_BUFFER = 64 << 20  # this client's transfer buffer: a batch of blocks must fit (tuning.py)
 
 
 def mooncake_settings(url: str) -> dict:
@@ -77,15 +77,7 @@ class MooncakeStore:
             return self._store
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        step = tuning.MOONCAKE_BATCH_BLOCKS
-        store = self.store
-        for i in range(0, len(keys), step):
-            values = store.get_batch(keys[i : i + step])
-            out += [v or None for v in values]
-            if not all(values):
-                break  # a prefix ends at its first missing block
-        return out
+        return [v or None for v in self.store.get_batch(keys)]  # tuning.REMOTE_BATCH_BLOCKS
 
     def put(self, key: str, data: bytes) -> None:
         rc = self.store.put(key, data)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
@@ -43,13 +44,17 @@ class RemoteTier:
         self._reads = ThreadPoolExecutor(1, "hybridmoe-remote-read")
         self._writes = ThreadPoolExecutor(1, "hybridmoe-remote-write")
 
-    def _call(self, pool: ThreadPoolExecutor, fn, *args):
-        """(True, fn(*args)) run on `pool` and waited for at most the timeout; (False, None) after a
-        failure, or while the store is taken for down."""
-        if time.monotonic() < self._down_until:
+    def _submit(self, pool: ThreadPoolExecutor, fn, *args) -> Future | None:
+        """fn(*args) started on `pool`; None while the store is taken for down."""
+        return None if time.monotonic() < self._down_until else pool.submit(fn, *args)
+
+    def _wait(self, future: Future | None) -> tuple[bool, object]:
+        """(True, its result) within the timeout; (False, None) after a failure, counted, and the
+        store is then left alone for the back-off."""
+        if future is None:
             return False, None
         try:
-            return True, pool.submit(fn, *args).result(timeout=self.timeout)
+            return True, future.result(timeout=self.timeout)
         except FutureTimeout:
             self.stats.timeouts += 1
             why = f"no answer in {self.timeout:g} s"
@@ -65,17 +70,29 @@ class RemoteTier:
         self._down_until = time.monotonic() + tuning.REMOTE_BACKOFF_S
         return False, None
 
-    def get_prefix(self, keys: list[bytes]) -> list[bytes]:
-        _, values = self._call(self._reads, self.store.get_many, [PREFIX + k.hex() for k in keys])
-        found = []
-        for value in values or ():
-            if not value:
-                break
-            found.append(value)
-        return found
+    def get_prefix(self, keys: list[bytes]) -> Iterator[bytes]:
+        """Batches of keys asked one ahead: the caller verifies a batch while the next one comes."""
+        step = tuning.REMOTE_BATCH_BLOCKS
+        batches = [
+            [PREFIX + k.hex() for k in keys[i : i + step]] for i in range(0, len(keys), step)
+        ]
+        pending = self._submit(self._reads, self.store.get_many, batches[0]) if batches else None
+        for i in range(len(batches)):
+            ok, values = self._wait(pending)
+            whole = ok and all(values)
+            more = whole and i + 1 < len(batches)
+            pending = (
+                self._submit(self._reads, self.store.get_many, batches[i + 1]) if more else None
+            )
+            for value in values or ():
+                if not value:
+                    return
+                yield value
+            if not more:
+                return
 
     def put(self, key: bytes, data: bytes) -> None:
-        ok, _ = self._call(self._writes, self.store.put, PREFIX + key.hex(), data)
+        ok, _ = self._wait(self._submit(self._writes, self.store.put, PREFIX + key.hex(), data))
         if ok:
             self.stats.writes += 1
             self.stats.bytes_written += len(data)

@@ -6,6 +6,7 @@ verifies what they return, and tells a tier (`reject`) when a block it gave was 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,8 +29,9 @@ class Tier(Protocol):
     name: str  # "ram", "disk", "remote": the metrics' names
     stats: TierStats
 
-    def get_prefix(self, keys: list[bytes]) -> list[bytes]:
-        """The stored bytes of the leading `keys` this tier has, stopping at the first it lacks."""
+    def get_prefix(self, keys: list[bytes]) -> Iterable[bytes]:
+        """The stored bytes of the leading `keys` this tier has, stopping at the first it lacks
+        (a list, or an iterator that fetches as it is read)."""
         ...
 
     def put(self, key: bytes, data: bytes) -> None:
