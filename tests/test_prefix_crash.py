@@ -1,11 +1,13 @@
-"""kill -9 of `hybridmoe serve` while it writes blocks to its cache directory, again and again, two
-servers at a time on one directory: no block file is ever partial or corrupt, every block on disk
-holds the entries a fresh engine computes for its key, and a restarted engine serves from it the
-answers computed without a cache."""
+"""kill -9 of `hybridmoe serve` while it writes blocks to its cache directory, again and again, four
+servers at a time on one directory, killed the moment a block file is being written: no block file
+is ever partial or corrupt, every block on disk holds the entries a fresh engine computes for its
+key, and a restarted engine serves from it the answers computed without a cache."""
 
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader import load_model
 from tests.serve_process import ServeProcess
 
-ROUNDS, AT_ONCE = 10, 2  # 20 kills
+ROUNDS, AT_ONCE = 5, 4  # 20 kills
 BLOCK, MAX_TOKENS = 16, 4
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
@@ -34,8 +36,16 @@ def send_until_killed(server: ServeProcess, prompts: list[list[int]]) -> None:
             return  # killed
 
 
-def kill_while_writing(model, flags, prompts, rng) -> int:
-    """Start AT_ONCE servers, send them prompts, kill -9 each at a random moment; the kills."""
+def writing(root: Path) -> bool:
+    """Whether a block is being written: its temporary file is there until it is renamed."""
+    return any(
+        f.name.startswith(".") for d in os.scandir(root) if d.is_dir() for f in os.scandir(d)
+    )
+
+
+def kill_while_writing(model, flags, root, prompts, rng) -> bool:
+    """Start AT_ONCE servers and send them prompts; kill -9 them all the moment a block is being
+    written (or after a random while). Whether a write was seen in progress at the kill."""
     servers = [ServeProcess(model, *flags) for _ in range(AT_ONCE)]
     for s in servers:
         s.wait_ready()
@@ -45,13 +55,15 @@ def kill_while_writing(model, flags, prompts, rng) -> int:
     ]
     for t in senders:
         t.start()
+    deadline = time.monotonic() + rng.uniform(0.5, 3.0)
+    while not (mid_write := writing(root)) and time.monotonic() < deadline:
+        time.sleep(0.001)  # leave the cores to the servers
     for s in servers:
-        time.sleep(rng.uniform(0.05, 0.5))
         s.kill()
     for t, s in zip(senders, servers):
         t.join()
         s.log.unlink(missing_ok=True)
-    return len(servers)
+    return mid_write
 
 
 def reference_blocks(model, prompts) -> tuple[dict, dict]:
@@ -75,8 +87,10 @@ def test_kill_9_during_writes_never_leaves_a_block_that_is_served_wrong(tiny_cha
     ]
     flags = ("--dtype", "float32", "--block-size", str(BLOCK))
     flags += ("--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk", "1MB")
-    kills = sum(kill_while_writing(tiny_chat_model, flags, prompts, rng) for _ in range(ROUNDS))
-    assert kills >= 20
+    mid_write = [
+        kill_while_writing(tiny_chat_model, flags, tmp_path, prompts, rng) for _ in range(ROUNDS)
+    ]
+    assert ROUNDS * AT_ONCE >= 20 and sum(mid_write) >= 3  # 20 kills, most during a write
 
     model = load_model(tiny_chat_model, dtype=torch.float32, progress=False)
     answers, computed = reference_blocks(model, prompts)
