@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 
+from hybridmoe.cli import main
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.prefix_cache.codec import CorruptBlock, decode, encode
@@ -18,6 +19,7 @@ from hybridmoe.engine.prefix_cache.identity import chain_keys
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.errors import UserError
 from hybridmoe.loader import load_model
+from tests.console import hybridmoe
 from tests.services import free_port, mooncake_store, redis_server
 from tests.tiny import build_tiny
 
@@ -279,3 +281,20 @@ def test_a_remote_tier_that_is_down_or_hung_makes_requests_compute(tiny):
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         hung.close()
+
+
+def test_serve_documents_every_prefix_cache_flag_and_refuses_a_bad_one_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("ram SIZE", "dir DIR", "disk SIZE", "remote URL", "timeout S"):
+        assert f"--prefix-cache-{flag}" in text
+    for args, named in (
+        (["--prefix-cache-disk", "1GB"], "--prefix-cache-dir"),
+        (["--prefix-cache-ram", "4 gigs"], "--prefix-cache-ram"),
+        (["--prefix-cache-remote", "memcached://x:1"], "mooncake://"),
+        (["--prefix-cache-timeout", "0"], "--prefix-cache-timeout"),
+    ):
+        out = hybridmoe("serve", *args, "--port", str(free_port()))
+        assert out.returncode == 2 and named in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
