@@ -28,12 +28,15 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def send_until_killed(server: ServeProcess, prompts: list[list[int]]) -> None:
+def send_until_killed(server: ServeProcess, prompts: list[list[int]], refused: list) -> None:
+    """Send `prompts` one after another until the server is gone; a non-200 answer is noted."""
     for p in prompts:
         try:
             server.complete(p, MAX_TOKENS, timeout=30)
-        except (httpx.HTTPError, AssertionError):
+        except httpx.HTTPError:
             return  # killed
+        except AssertionError as e:
+            refused.append(str(e))
 
 
 def writing(root: Path) -> bool:
@@ -43,14 +46,14 @@ def writing(root: Path) -> bool:
     )
 
 
-def kill_while_writing(model, flags, root, prompts, rng) -> bool:
+def kill_while_writing(model, flags, root, prompts, rng, refused) -> bool:
     """Start AT_ONCE servers and send them prompts; kill -9 them all the moment a block is being
     written (or after a random while). Whether a write was seen in progress at the kill."""
     servers = [ServeProcess(model, *flags) for _ in range(AT_ONCE)]
     for s in servers:
         s.wait_ready()
     senders = [
-        threading.Thread(target=send_until_killed, args=(s, rng.sample(prompts, 6)))
+        threading.Thread(target=send_until_killed, args=(s, rng.sample(prompts, 6), refused))
         for s in servers
     ]
     for t in senders:
@@ -87,10 +90,13 @@ def test_kill_9_during_writes_never_leaves_a_block_that_is_served_wrong(tiny_cha
     ]
     flags = ("--dtype", "float32", "--block-size", str(BLOCK))
     flags += ("--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk", "1MB")
+    refused = []
     mid_write = [
-        kill_while_writing(tiny_chat_model, flags, tmp_path, prompts, rng) for _ in range(ROUNDS)
+        kill_while_writing(tiny_chat_model, flags, tmp_path, prompts, rng, refused)
+        for _ in range(ROUNDS)
     ]
     assert ROUNDS * AT_ONCE >= 20 and sum(mid_write) >= 3  # 20 kills, most during a write
+    assert not refused  # every request before a kill was answered
 
     model = load_model(tiny_chat_model, dtype=torch.float32, progress=False)
     answers, computed = reference_blocks(model, prompts)
