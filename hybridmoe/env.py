@@ -7,6 +7,8 @@
 | CC                | the C compiler that builds them (default `cc`)                      |
 | XDG_CACHE_HOME    | where the user cache directory lies (default ~/.cache)              |
 | OMP_WAIT_POLICY   | set to PASSIVE unless given (see `set_defaults`)                     |
+| MC_TCP_BIND_ADDRESS, MC_STORE_CLIENT_SETUP_RETRIES: set for Mooncake unless given            |
+|                   | (`set_mooncake_defaults`)                                           |
 """
 
 from __future__ import annotations
@@ -42,3 +44,12 @@ def set_defaults() -> None:
     "OMP_WAIT_POLICY"). OpenMP reads the variable once, when torch loads it, so this runs when
     hybridmoe is imported, before torch (the CLI); a value the user set is kept."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def set_mooncake_defaults(host: str) -> None:
+    """Mooncake's transfer engine advertises the first network interface it finds unless told an
+    address; a prefix-cache client must be reached at `host`, the one its URL names. Joining a
+    master that is down is tried once (about 5 s, not Mooncake's 20 s and more): the remote tier
+    tries again after its back-off. Values the user set are kept."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")

@@ -73,3 +73,16 @@ CROSS_LAYER_PRIOR = 2.0
 AGE_EDGES = (1, 2, 3, 5, 9, 17)
 FREQ_EDGES = (0.25, 0.5, 1.0, 2.0, 4.0)
 LIFT_EDGES = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+# ---- the prefix cache's tiers ------------------------------------------------------------------
+
+# Blocks waiting to be written to the tiers below the device pool; past it, new writes are dropped
+# (counted in /metrics) rather than slowing the engine down.
+PREFIX_WRITE_QUEUE_BLOCKS = 1024
+
+# Seconds a remote tier that failed or timed out is left alone before it is tried again.
+REMOTE_BACKOFF_S = 5.0
+
+# Blocks asked of a remote store in one batch; the next batch is on its way while one is verified,
+# and a Mooncake batch must fit its client's transfer buffer (64 MiB).
+REMOTE_BATCH_BLOCKS = 16

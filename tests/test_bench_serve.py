@@ -83,3 +83,41 @@ def test_a_level_against_a_real_server_uses_its_reported_times():
     assert r["speed_times"] == "server"
     assert r["requests"] == 3 and r["prompt_tokens"] == 3 * 40 and r["completion_tokens"] == 3 * 6
     assert r["decode_tps_sum"] > 0 and r["prefill_tps_sum"] > 0 and r["decode_tps_aggregate"] > 0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_prefix_scenarios_report_what_the_server_took_from_its_cache(tmp_path):
+    from hybridmoe.bench import prefix_scenarios
+
+    path = tiny_chat_model()
+    tok = load_tokenizer(path)
+    config = EngineConfig(kv_cache_tokens=4096, prefix_cache_dir=str(tmp_path))
+    engine = LLMEngine(load_model(path, progress=False), tok, config)
+    args = argparse.Namespace(
+        api_key=None,
+        vocab=49152,
+        timeout=120,
+        seed=random.randrange(1000),
+        max_tokens=4,
+        prefix_len=100,
+        conversations=2,
+        turns=3,
+        turn_len=20,
+        requests=6,
+        tail_len=8,
+        at_once=3,
+        repeats=2,
+        warm_only=False,
+    )
+    with ServerThread(create_app(AsyncEngine(engine), tok, "tiny")) as server:
+        args.url = args.warm_url = server.url
+        cached = asyncio.run(prefix_scenarios.cached_prefix(args, "tiny"))
+        shared = asyncio.run(prefix_scenarios.shared_prefix(args, "tiny"))
+        chat = asyncio.run(prefix_scenarios.multi_turn(args, "tiny"))
+    engine.close()
+    assert cached["cached_tokens_min"] == 96  # (100 - 1) // 16 blocks, warmed first
+    assert len(cached["ttft_cached_s"]) == len(cached["ttft_computed_s"]) == 2
+    # the first three arrive together and compute the prefix; the other three share it
+    assert shared["prompt_tokens"] == 6 * 108 and shared["cached_tokens"] >= 3 * 96
+    # every later turn finds at least the system prompt and the turns before it
+    assert chat["cached_tokens"] >= 4 * 96 and chat["turns"] == 3

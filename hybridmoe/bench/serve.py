@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from hybridmoe.bench import prefix_scenarios
 from hybridmoe.errors import UserError
 
 
@@ -70,6 +71,14 @@ def add_parser(sub) -> None:
         "--timeout", type=float, default=1800, help="seconds allowed for one level (default 1800)"
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--scenario",
+        choices=("speed", "multi-turn", "shared-prefix", "cached-prefix"),
+        default="speed",
+        help="speed: the prompt-length x concurrency grid (default); the others measure the "
+        "prefix cache (see below)",
+    )
+    prefix_scenarios.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -267,6 +276,8 @@ def _print_table(results: list[dict]) -> None:
 
 
 def run(args) -> int:
+    if args.scenario != "speed":
+        return prefix_scenarios.run_scenario(args, _model_name(args))
     prompt_lens, levels = (
         _ints(args.prompt_lens, "prompt-lens"),
         _ints(args.concurrency, "concurrency"),

@@ -15,6 +15,7 @@ from hybridmoe.cli.options import (
     model_path,
 )
 from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.prefix_cache.build import check_settings
 from hybridmoe.errors import UserError
 
 
@@ -52,14 +53,16 @@ def add_parser(sub) -> None:
 def engine_config(args) -> EngineConfig:
     values = config_values(args, EngineConfig)
     for name, value in values.items():
-        if value is not None and value < 1:
+        if isinstance(value, (int, float)) and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} {value}: give a positive number")
     if args.kv_cache_tokens < args.block_size:
         raise UserError(
             f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); "
             "raise it"
         )
-    return EngineConfig(**values)
+    config = EngineConfig(**values)
+    check_settings(config)
+    return config
 
 
 def overlap_prefill(args, model) -> bool:
@@ -110,5 +113,8 @@ def run(args) -> int:
             f"{', prefill beside decode' if config.overlap_prefill else ''})",
             file=sys.stderr,
         )
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        finally:
+            engine.close()  # the blocks still queued for the prefix cache's tiers
     return 0

@@ -42,3 +42,43 @@ class EngineConfig:
     # Prefill chunks on a second thread (one torch thread each) while this one decodes. Needs a
     # model whose forward may run twice at once (the plain CPU expert runtime) and one torch thread.
     overlap_prefill: bool = False
+    # The prefix cache beyond the pool (engine/prefix_cache/): any of these turns it on.
+    prefix_cache_ram: str | None = field(
+        default=None,
+        metadata={
+            "help": "keep KV blocks evicted from the pool in host RAM, up to SIZE (LRU)",
+            "metavar": "SIZE",
+        },
+    )
+    prefix_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "keep computed KV blocks in this directory, across restarts (one checksummed "
+            "file per block)",
+            "metavar": "DIR",
+        },
+    )
+    prefix_cache_disk: str | None = field(
+        default=None,
+        metadata={
+            "help": "bytes of --prefix-cache-dir to use, least recently used blocks deleted past "
+            "it (default 10GB)",
+            "metavar": "SIZE",
+        },
+    )
+    prefix_cache_remote: str | None = field(
+        default=None,
+        metadata={
+            "help": "share KV blocks with other servers through Mooncake Store "
+            "(mooncake://MASTER:PORT[?metadata=URL]) or Redis/Valkey (redis://HOST:PORT/DB)",
+            "metavar": "URL",
+        },
+    )
+    prefix_cache_timeout: float = field(
+        default=1.0,
+        metadata={
+            "help": "seconds a remote lookup or write may take before the request is computed "
+            "without it",
+            "metavar": "S",
+        },
+    )

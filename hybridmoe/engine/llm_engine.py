@@ -23,6 +23,7 @@ import torch
 from hybridmoe.engine.block_manager import BlockManager
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.model_runner import ModelRunner
+from hybridmoe.engine.prefix_cache.build import chain_seed, make_prefix_cache, wants_tiers
 from hybridmoe.engine.sampler import SamplingParams, make_generator, sample, token_logprobs
 from hybridmoe.engine.scheduler import Batch, Scheduler
 from hybridmoe.engine.sequence import Sequence
@@ -101,9 +102,12 @@ class LLMEngine:
             eos_ids if eos_ids is not None else (tokenizer.eos_ids if tokenizer else ())
         )
         num_blocks = max(1, config.kv_cache_tokens // config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_tokens_per_step)
         self.runner = ModelRunner(model, config, num_blocks)
+        # the tiers below the pool (None without any --prefix-cache-* setting)
+        self.prefix_cache = make_prefix_cache(config, self.runner.kv)
+        seed = chain_seed(model, config.block_size) if wants_tiers(config) else b""
+        self.blocks = BlockManager(num_blocks, config.block_size, seed, self.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_tokens_per_step)
         model_len = (
             config.max_model_len or model.cfg.get("max_position_embeddings", default=None) or 2**31
         )
@@ -299,6 +303,11 @@ class LLMEngine:
         m.decode_tokens += decode
         m.prefill_s += seconds * prefill / (prefill + decode)
         m.decode_s += seconds * decode / (prefill + decode)
+
+    def close(self) -> None:
+        """Write the blocks still queued for the prefix cache's tiers, and let go of them."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
 
     # ---- convenience ----
     def generate(

@@ -44,6 +44,36 @@ class PagedKVCache:
                 self.pools[layer] = pools
         return pools
 
+    @torch.inference_mode()
+    def read_block(self, block_id: int) -> dict[int, tuple[torch.Tensor, ...]]:
+        """A copy of block `block_id`'s entries: layer -> ([block_size, ...] per pool)."""
+        rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        return {layer: tuple(p[rows].clone() for p in pools) for layer, pools in self.pools.items()}
+
+    @torch.inference_mode()  # the pools are inference tensors, made in the model's forward
+    def write_block(self, block_id: int, block: dict[int, tuple[torch.Tensor, ...]]) -> bool:
+        """Put `block` (as read_block gives it) in block `block_id`; False, and nothing written, if
+        its layers, shapes or dtypes are not this cache's. Before the first pass the pools are
+        made from it, as the first pass would make them from its entries."""
+        if not self.pools:
+            for layer, entries in block.items():
+                self.layer_pools(layer, entries)
+        pools = dict(self.pools)  # a pass may be making them: then the sets differ, a miss
+        if set(pools) != set(block) or any(
+            len(pools[layer]) != len(entries)
+            or any(
+                e.shape != (self.block_size, *p.shape[1:]) or e.dtype != p.dtype
+                for p, e in zip(pools[layer], entries)
+            )
+            for layer, entries in block.items()
+        ):
+            return False
+        rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        for layer, entries in block.items():
+            for pool, e in zip(pools[layer], entries):
+                pool[rows] = e
+        return True
+
     @property
     def bytes(self) -> int:
         return sum(p.numel() * p.element_size() for pools in self.pools.values() for p in pools)

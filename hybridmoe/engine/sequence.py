@@ -34,6 +34,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0  # leading tokens whose KV entries are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache at the last admission
+        self.block_keys: list[bytes] = []  # keys of its leading full blocks, as far as computed
         self.finish_reason: str | None = None
 
     @property

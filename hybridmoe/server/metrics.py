@@ -73,7 +73,77 @@ def engine_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
             blocks.hit_tokens,
         ),
         ("prefix_cache_hit_rate", "gauge", "hit tokens / query tokens", blocks.hit_rate),
+    ] + tier_metrics(engine)
+
+
+def tier_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
+    """The prefix cache's tiers below the pool (--prefix-cache-*), none without them."""
+    cache = engine.prefix_cache
+    if cache is None:
+        return []
+    out = [
+        (
+            "prefix_cache_loaded_tokens_total",
+            "counter",
+            "prompt tokens loaded from the tiers below the KV pool",
+            engine.blocks.loaded_tokens,
+        ),
+        (
+            "prefix_cache_write_queue_blocks",
+            "gauge",
+            "blocks waiting to be written to the tiers",
+            cache.writer.pending,
+        ),
+        (
+            "prefix_cache_writes_dropped_total",
+            "counter",
+            "blocks not written because the write queue was full",
+            cache.writer.dropped,
+        ),
     ]
+    for tier in cache.tiers:
+        s, t = tier.stats, tier.name
+        out += [
+            (f"prefix_cache_{t}_hits_total", "counter", f"blocks loaded from {t}", s.hits),
+            (
+                f"prefix_cache_{t}_misses_total",
+                "counter",
+                f"lookups that did not find their next block in {t}",
+                s.misses,
+            ),
+            (f"prefix_cache_{t}_read_bytes_total", "counter", f"bytes read from {t}", s.bytes_read),
+            (
+                f"prefix_cache_{t}_load_seconds_total",
+                "counter",
+                f"seconds spent loading and verifying blocks from {t}",
+                s.load_s,
+            ),
+            (
+                f"prefix_cache_{t}_blocks_written_total",
+                "counter",
+                f"blocks written to {t}",
+                s.writes,
+            ),
+            (
+                f"prefix_cache_{t}_written_bytes_total",
+                "counter",
+                f"bytes written to {t}",
+                s.bytes_written,
+            ),
+            (
+                f"prefix_cache_{t}_errors_total",
+                "counter",
+                f"failed reads or writes and corrupt blocks in {t}",
+                s.errors,
+            ),
+            (
+                f"prefix_cache_{t}_timeouts_total",
+                "counter",
+                f"calls to {t} given up after --prefix-cache-timeout",
+                s.timeouts,
+            ),
+        ]
+    return out
 
 
 def runtime_metrics(stats: dict) -> list[tuple[str, str, str, float]]:

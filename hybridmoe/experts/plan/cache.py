@@ -10,31 +10,19 @@ Frequency placement reads activation statistics (stats.py).
 
 from __future__ import annotations
 
-import re
-
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.shape import Key
 from hybridmoe.experts.plan.stats import ExpertStats
+from hybridmoe.sizes import SIZE, UNITS
 
 PLACEMENTS = ("uniform", "frequency", "front-loading")
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "TB": 1e12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-}
 
 
 def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: float) -> int:
     """Slots for a budget given as bytes ("6GB", "512MiB") or a fraction of all expert bytes
     ("0.1")."""
     s = str(text).strip().upper()
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?", s)
+    m = SIZE.fullmatch(s)
     if not m or expert_bytes <= 0:
         raise UserError(
             f"GPU expert budget {text!r} is not a size like 6GB or a fraction like 0.1; write it "
@@ -42,7 +30,7 @@ def parse_budget(text: str | float, total_expert_bytes: float, expert_bytes: flo
         )
     value, unit = float(m.group(1)), m.group(2) or ""
     if unit:
-        nbytes = value * _UNITS[unit]
+        nbytes = value * UNITS[unit]
     elif value <= 1.0:
         nbytes = value * total_expert_bytes
     else:
