@@ -39,6 +39,12 @@ ROWS_UP_TO = 16
 # The GPU an emulated accelerator pretends to be when the calibration measured none.
 EMULATED_GPU = "rtx4090-ddr5"
 
+# ---- the planner -------------------------------------------------------------------------------
+
+# Experts still being copied (late hits) up to which the planner weighs every GPU/CPU split of them
+# exactly (a Pareto front, usually a few points); beyond, only the soonest-ready-first prefixes.
+LATE_SUBSETS = 10
+
 # ---- policies ----------------------------------------------------------------------------------
 
 # Background copies are queued only if they finish this many copy-times before the layer ends, so

@@ -83,11 +83,12 @@ class Policy:
         return True
 
     def make_room(
-        self, key: Key, protect: set[Key], now: float, free: int
+        self, key: Key, protect: set[Key], now: float, free: int, taken: int = 0
     ) -> tuple[bool, Key | None]:
-        """(True, None): a free slot; (True, victim): evict it; (False, None): no room."""
+        """(True, None): a free slot; (True, victim): evict it; (False, None): no room. `free`:
+        slots still free; `taken`: free slots already promised to `key`'s layer by this plan."""
         if self.partition:
-            return self._room_in_layer(key, protect, now, free)
+            return self._room_in_layer(key, protect, now, free, taken)
         if free > 0:
             return True, None
         victim = self._victim(self.cache.dynamic(), protect, now)
@@ -119,11 +120,10 @@ class Policy:
         base, extra = divmod(self.cache.slots, self.L)
         return base + (self.planner.ordinal[layer] < extra)
 
-    def _room_in_layer(self, key, protect, now, free):
+    def _room_in_layer(self, key, protect, now, free, taken=0):
         mine = [k for k in self.cache.dynamic() if k[0] == key[0]]
-        if free > 0 and len(mine) + sum(
-            1 for k in self.cache.pinned if k[0] == key[0]
-        ) < self._quota(key[0]):
+        pinned = sum(1 for k in self.cache.pinned if k[0] == key[0])
+        if free > 0 and len(mine) + pinned + taken < self._quota(key[0]):
             return True, None
         victim = self._victim(mine, protect, now)
         return victim is not None, victim
