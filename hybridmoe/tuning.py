@@ -47,6 +47,11 @@ LATE_SUBSETS = 10
 
 # ---- policies ----------------------------------------------------------------------------------
 
+# Tokens in a batch from which llama.cpp's CUDA backend copies weights kept in host RAM to the GPU
+# for an op rather than running it on the CPU (ggml-cuda.cu, `ggml_backend_cuda_offload_op`:
+# min_batch_size = 32); the static policy stages copies from there, as llama.cpp --n-cpu-moe does.
+LLAMA_CPP_OFFLOAD_BATCH = 32
+
 # Background copies are queued only if they finish this many copy-times before the layer ends, so
 # that the next layer's demand copies do not queue behind them (better for value and hybrimoe).
 BACKGROUND_SLACK = 1.0

@@ -24,11 +24,11 @@ def worst(costs, n: int):
         phases=[Phase.generate],
         database=None,
     )
-    @given(instance=tight_layer(costs), policy=st.sampled_from(POLICIES))
-    def search(instance, policy):
-        ratio = split_ratio(instance, policy)
+    @given(instance=tight_layer(costs), policy=st.sampled_from(POLICIES), stage=st.booleans())
+    def search(instance, policy, stage):
+        ratio = split_ratio(instance, policy, stage)
         if ratio > found[0]:
-            found[:] = [ratio, (instance, policy)]
+            found[:] = [ratio, (instance, policy, stage)]
 
     search()
     return found
@@ -37,10 +37,13 @@ def worst(costs, n: int):
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
     for name, costs in (("realistic", realistic_costs), ("contrived", contrived_costs)):
-        ratio, (instance, policy) = worst(costs, n)
+        ratio, (instance, policy, stage) = worst(costs, n)
         cost, routed, residents, free, copy_busy = instance
         print(f"{name}: worst planner / brute force over {n} instances = {ratio:.4f}")
-        print(f"  policy {policy}, {free} free slots, copy stream busy {copy_busy * 1e6:.0f} us")
+        print(
+            f"  policy {policy}, staging {'on' if stage else 'off'}, {free} free slots, copy "
+            f"stream busy {copy_busy * 1e6:.0f} us"
+        )
         for r in routed:
             state = residents.get((0, r.expert))
             kind = "miss" if state is None else "hit" if state[0] is None else "late"

@@ -64,7 +64,7 @@ class Routed:
 class Copy:
     layer: int
     expert: int
-    slot: int | None  # None: a staging buffer, not kept in the cache (Fiddler)
+    slot: int | None  # None: a staging buffer, not kept in the cache (valid for its layer only)
     evicted: Key | None
     start: float
     ready: float
@@ -294,25 +294,35 @@ class Planner:
         return best[1], best[2]
 
     def _copy_options(self, layer, order, now, plan) -> tuple[list[_Option], list[Routed]]:
-        """The misses in `order` that could be copied, each with its victim and gain; and those
-        that can run only on the CPU (no room for them in the cache)."""
-        if self.policy.copy_rule == "none":
-            return [], list(order)
+        """The misses in `order` that could be copied, each admitted to the cache (with its victim
+        and gain) or staged in a buffer that is not kept; and those that can run only on the CPU.
+        A copy is staged where the cache has no room, or where admitting it would cost more cache
+        value than it leaves (the victim is likelier to be used)."""
+        policy = self.policy
+        tokens = sum(r.n_tokens for r in order) / self.predictor.top_k
+        stage, admit = policy.may_stage(tokens), policy.keeps_copies
         protect = self.protected(now, plan) | {(layer, r.expert) for r in order}
         free, taken = self.cache.free_count(), 0
-        options = []
-        for i, r in enumerate(order):
-            key = (layer, r.expert)
-            ok, victim = self.policy.make_room(key, protect, now, free - taken, taken)
-            if not ok:
-                return options, order[i:]
-            if victim is None:
-                taken += 1
+        options, stranded = [], []
+        for r in order:
+            key, how, gain = (layer, r.expert), None, 0.0
+            if admit:
+                ok, victim = policy.make_room(key, protect, now, free - taken, taken)
+                admit = ok  # no room for this one: none for the rest of the layer either
+                gain = self.config.value_weight * policy.admit_gain(key, victim, now) if ok else 0.0
+                if ok and (gain >= 0.0 or not stage):
+                    how = ("evict", victim)
+                    if victim is None:
+                        taken += 1
+                    else:
+                        protect.add(victim)
+            if how is None and stage:
+                how, gain = "stage", 0.0
+            if how is None:
+                stranded.append(r)
             else:
-                protect.add(victim)
-            gain = self.config.value_weight * self.policy.admit_gain(key, victim, now)
-            options.append(_Option(r, ("evict", victim), gain))
-        return options, []
+                options.append(_Option(r, how, gain))
+        return options, stranded
 
     def _best_split(self, plan: Plan, late, options, stranded, now) -> tuple[float, list, int]:
         """Which late experts and how many leading copy options run on the GPU: (makespan - value,

@@ -1,7 +1,8 @@
 """Cache and placement policies under one interface, so each peer is a baseline we can run.
 
 The planner (planner.py) does the scheduling arithmetic; a policy answers its questions:
-may a miss be copied (`copy_rule`), which resident to evict for a key (`make_room`), what a copy
+may a miss be copied (`copy_rule`), kept (`keeps_copies`) or staged in a buffer that is not kept
+(`may_stage`), which resident to evict for a key (`make_room`), what a copy
 leaves behind is worth (`admit_gain`, seconds), which keys to copy in the background
 (`background`), and whether one is worth its victim (`worth`).
 
@@ -10,7 +11,7 @@ leaves behind is worth (`admit_gain`, seconds), which keys to copy in the backgr
 | cpu       | every routed expert on the CPU                 | KTransformers 0 GPU experts,        |
 |           |                                                | llama.cpp --cpu-moe                 |
 | static    | placed set pinned, never changes; misses on    | KTransformers --kt-num-gpu-experts, |
-|           | the CPU                                        | llama.cpp --n-cpu-moe               |
+|           | the CPU (staged to the GPU from 32 tokens)     | llama.cpp --n-cpu-moe               |
 | fiddler   | static popular set; a miss is copied (not      | Fiddler                             |
 |           | kept) iff copy+GPU beats the CPU               |                                     |
 | hybrimoe  | makespan split, per-layer cache by EMA of      | HybriMoE                            |
@@ -33,8 +34,11 @@ from hybridmoe.experts.plan.shape import Key
 class Policy:
     name = "base"
     uses_gpu = True
-    copy_rule = "makespan"  # "none" | "makespan" | "threshold"
-    keeps_copies = True
+    copy_rule = "makespan"  # "makespan" (the planner's split) | "threshold" (per expert)
+    keeps_copies = True  # a demand copy may be admitted to the cache
+    # Tokens in a layer from which a copy may go to a staging buffer that is not kept (where the
+    # cache has no room, or admitting would evict something likelier to be used); None = never.
+    stage_from: int | None = 1
     partition = False  # per-layer slot quotas, as caches built per layer module are
     default_placement = "frequency"
     pin_placement = False  # placed experts pinned (static sets) or only a warm start
@@ -81,6 +85,10 @@ class Policy:
 
     def worth(self, key: Key, victim: Key | None, now: float) -> bool:
         return True
+
+    def may_stage(self, tokens: float) -> bool:
+        """Whether this layer's misses (`tokens` tokens in the step) may be copied unkept."""
+        return self.stage_from is not None and tokens >= self.stage_from
 
     def make_room(
         self, key: Key, protect: set[Key], now: float, free: int, taken: int = 0
@@ -139,8 +147,13 @@ class CPUPolicy(Policy):
 
 
 class StaticPolicy(Policy):
+    """A fixed set on the GPU. Like llama.cpp with its MoE weights in host RAM, a layer with at
+    least `LLAMA_CPP_OFFLOAD_BATCH` tokens may copy its missed experts over for the layer (staged,
+    never kept); below that, as in decode, misses run on the CPU."""
+
     name = "static"
-    copy_rule = "none"
+    keeps_copies = False
+    stage_from = tuning.LLAMA_CPP_OFFLOAD_BATCH
     pin_placement = True
 
 
