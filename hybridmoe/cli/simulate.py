@@ -155,7 +155,9 @@ def format_result(r: dict) -> str:
         f"policy {r['policy']} on {r['hardware']} ({r['quant']} experts), budget {r['budget']} = "
         f"{r['slots']} slots, {r['tokens']} measured tokens",
         f"  expert time      {r['expert_ms_per_token']:.3f} ms/token  ->  {r['tokens_per_s']:.1f} "
-        "tok/s (expert-bound)",
+        "tok/s",
+        f"  planning         {r['plan_ms_per_token']:.3f} ms/token on the critical path, "
+        f"{r['prepare_ms_per_token']:.3f} ms/token beside the experts",
         f"  hit rate         {r['hit_rate']:.3f}",
         f"  copies           {r['copies_per_token']:.2f} /token, PCIe {r['pcie_mb_per_token']:.1f} "
         "MB/token",

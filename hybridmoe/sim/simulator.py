@@ -6,12 +6,16 @@ times are the truth here, since the cost model *is* the hardware. The layer ends
 (plus `dense_s` of attention and the rest, during which the copy stream keeps working); the next
 layer starts then. Copies queued on the copy stream run on across layers.
 
+Planning takes time too: each layer first waits for its plan (the planner's critical part, measured
+as it runs, or a fixed `plan_us`), and cannot end before the planner's deferred part has.
+
 Fair protocol: the first `profile_tokens` steps only build statistics (placement, every
 policy's warm start, the predictor); figures are reported on the rest, which nobody has seen.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -53,6 +57,14 @@ class SimConfig:
     )
     batch: int = field(default=1, metadata={"help": "trace lines decoded together per step"})
     dense_s: float = 0.0  # non-expert seconds per layer (attention etc.), copies overlap it
+    plan_us: float | None = field(
+        default=None,
+        metadata={
+            "metavar": "US",
+            "help": "planner time per MoE layer on the critical path (default: the planner's own "
+            "CPU time, measured as it runs; 0 leaves planning out)",
+        },
+    )
     expert_stats: str | None = field(
         default=None,
         metadata={
@@ -71,6 +83,8 @@ class SimResult:
     slots: int
     tokens: int
     expert_ms_per_token: float
+    plan_ms_per_token: float  # planning on the critical path
+    prepare_ms_per_token: float  # the planner's deferred part, beside the experts
     tokens_per_s: float
     hit_rate: float
     copies_per_token: float
@@ -148,18 +162,42 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
     return planner, steps, n_profile
 
 
-def run(planner: Planner, steps, start: int, dense_s: float = 0.0) -> float:
-    """Replay steps[start:]; returns the total expert seconds."""
-    layers = planner.layers
-    clock = expert_s = 0.0
+@dataclass
+class Clock:
+    """Where the simulated time went, in seconds."""
+
+    expert_s: float = 0.0  # from the end of planning to the layer's end, summed over layers
+    plan_s: float = 0.0  # planning on the critical path (what the layer's experts waited for)
+    prepare_s: float = 0.0  # the planner's deferred part (overlapped with the experts)
+
+
+def run(planner: Planner, steps, start: int, dense_s: float = 0.0, plan_us=None) -> Clock:
+    """Replay steps[start:]. Each layer first waits for its plan: `plan_us`, or the planner's
+    measured CPU time (its previous layers' mean, since a plan's times start when it is made);
+    the planner's deferred part runs beside the layer's experts, and the layer cannot end
+    before it does."""
+    layers, out = planner.layers, Clock()
+    clock, charge, plans = 0.0, 0.0 if plan_us is None else plan_us * 1e-6, 0
     for step in steps[start:]:
         planner.begin_step()
         for o, routed in enumerate(step):
-            plan = planner.plan(layers[o], routed, now=clock)
+            now = clock + charge
+            t0 = time.thread_time()
+            plan = planner.plan(layers[o], routed, now=now, defer=True)
+            t1 = time.thread_time()
+            planner.prepare(plan)
+            t2 = time.thread_time()
             planner.complete(plan)
-            expert_s += plan.makespan - clock
-            clock = plan.makespan + dense_s
-    return expert_s
+            deferred = 0.0 if plan_us is not None else t2 - t1
+            end = max(plan.makespan, now + deferred)
+            out.expert_s += end - now
+            out.plan_s += now - clock
+            out.prepare_s += t2 - t1
+            if plan_us is None:  # the running mean of what planning took so far
+                plans += 1
+                charge += (t1 - t0 - charge) / plans
+            clock = end + dense_s
+    return out
 
 
 def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None) -> SimResult:
@@ -169,16 +207,17 @@ def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=N
 
         policy = future_policy(cfg.policy, lines, shape, cfg.batch)
     planner, steps, start = build(lines, shape, cost, cfg, policy)
-    expert_s = run(planner, steps, start, cfg.dense_s)
-    return summarise(planner, cfg, cost, expert_s, len(steps) - start)
+    clock = run(planner, steps, start, cfg.dense_s, cfg.plan_us)
+    return summarise(planner, cfg, cost, clock, len(steps) - start)
 
 
 def summarise(
-    planner: Planner, cfg: SimConfig, cost: CostModel, expert_s: float, n_steps: int
+    planner: Planner, cfg: SimConfig, cost: CostModel, clock: Clock, n_steps: int
 ) -> SimResult:
     s, p = planner.stats, planner.predictor.stats
     tokens = n_steps * cfg.batch
-    wall = expert_s + cfg.dense_s * len(planner.layers) * n_steps
+    expert_s = clock.expert_s
+    wall = expert_s + clock.plan_s + cfg.dense_s * len(planner.layers) * n_steps
     return SimResult(
         policy=planner.policy.name,
         hardware=cost.name,
@@ -187,6 +226,8 @@ def summarise(
         slots=planner.cache.slots,
         tokens=tokens,
         expert_ms_per_token=1e3 * expert_s / tokens,
+        plan_ms_per_token=1e3 * clock.plan_s / tokens,
+        prepare_ms_per_token=1e3 * clock.prepare_s / tokens,
         tokens_per_s=n_steps * cfg.batch / wall if wall else 0.0,
         hit_rate=s.hit_rate,
         copies_per_token=(s.demand_copies + s.prefetches_issued) / tokens,

@@ -45,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hybridmoe import tuning
 from hybridmoe.experts.plan.cache import ExpertCache, placement
 from hybridmoe.experts.plan.cost_model import CostModel
@@ -68,6 +70,33 @@ class Copy:
     evicted: Key | None
     start: float
     ready: float
+
+
+class _Times:
+    """A cost model's per-expert times, memoised by token count (the planner asks for the same few
+    counts thousands of times a step)."""
+
+    def __init__(self, cost: CostModel):
+        self.cost, self._cpu, self._gpu, self._act = cost, {}, {}, {}
+        self.copy = cost.t_copy()
+
+    def cpu(self, n: int) -> float:
+        t = self._cpu.get(n)
+        if t is None:
+            t = self._cpu[n] = self.cost.t_cpu(n)
+        return t
+
+    def gpu(self, n: int) -> float:
+        t = self._gpu.get(n)
+        if t is None:
+            t = self._gpu[n] = self.cost.t_gpu(n)
+        return t
+
+    def act(self, n: int) -> float:
+        t = self._act.get(n)
+        if t is None:
+            t = self._act[n] = self.cost.t_act(n)
+        return t
 
 
 @dataclass(frozen=True)
@@ -145,6 +174,7 @@ class Planner:
         config: PlannerConfig | None = None,
     ):
         self.cost, self.cache, self.policy, self.predictor = cost, cache, policy, predictor
+        self.times = _Times(cost)
         self.config = config or PlannerConfig()
         self.layers = predictor.layers
         self.ordinal = predictor.ordinal
@@ -154,9 +184,12 @@ class Planner:
         self.position = 0  # step * L + ordinal of the layer being planned
         self._prefetched: set[Key] = set()
         self._late = 0
+        self._distances = (None, None)
+        self._unprepared = None  # (plan, routed) of a plan(defer=True) not yet prepared
         self.epoch = 0  # bumped whenever policy scores may change (policies cache rankings by it)
         self.stats = PlannerStats()
         self.uses_gpu = policy.uses_gpu and cost.has_gpu
+        cache.track(self.layers, predictor.num_experts)
         policy.bind(self)
 
     # ---- the calls ---------------------------------------------------------------------------
@@ -166,26 +199,49 @@ class Planner:
         self.stats.steps += 1
         self.predictor.begin_step()
 
-    def plan(self, layer: int, routed: list[Routed], now: float, predicted=None) -> Plan:
+    def plan(
+        self, layer: int, routed: list[Routed], now: float, predicted=None, defer: bool = False
+    ) -> Plan:
+        """Where each of `routed` runs, and the copies that takes. With `defer`, only what the
+        layer's experts wait for is done here, and the caller calls `prepare(plan, predicted)`
+        once it has started them (and before the next plan): the planner's bookkeeping for the
+        layers to come then overlaps this layer's work."""
+        if self._unprepared is not None:
+            raise RuntimeError("plan(defer=True) must be followed by prepare(plan)")
         self.epoch += 1
         self._locate(layer)
-        self._take_prediction(layer, predicted)
         plan = Plan(layer=layer, now=now)
         hits, late, misses = self._classify(layer, routed, now, plan)
-        # Learn this layer's routing before splitting it, so that a copy's worth (and a victim's)
-        # is judged by the layer's *next* visit, and the look-ahead to later layers is fresh.
-        self.predictor.observe(layer, [r.expert for r in routed])
-        if not self.uses_gpu:
+        if not self.uses_gpu:  # nothing to predict for: everything runs on the CPU
             plan.cpu, plan.gpu_hits = hits + late + misses, []
         else:
+            # Learn this layer's routing before splitting it, so that a copy's worth (and a
+            # victim's) is judged by the layer's *next* visit.
+            self.predictor.count_use(layer, [r.expert for r in routed])
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
-        self.policy.on_use(layer, routed, now)
+        self._count(plan, routed)
+        self._unprepared = (plan, routed)
+        if not defer:
+            self.prepare(plan, predicted)
+        return plan
+
+    def prepare(self, plan: Plan, predicted=None) -> list[Copy]:
+        """The rest of planning `plan`'s layer, which its experts do not wait for: the next
+        layer's router scores (`predicted`), the cross-layer look-ahead, the policy's bookkeeping,
+        and the background copies it wants (appended to plan.prefetches, and returned)."""
+        if self._unprepared is None or self._unprepared[0] is not plan:
+            raise RuntimeError("prepare(plan) takes the plan of the last plan() call, once")
+        routed = self._unprepared[1]
+        self._unprepared = None
+        self.policy.on_use(plan.layer, routed, plan.now)
         self.epoch += 1
         if self.uses_gpu:
-            self._background(layer, now, plan)
-        self._count(plan, routed)
-        return plan
+            self._take_prediction(plan.layer, predicted)
+            self.predictor.look_ahead(plan.layer)
+            self._background(plan.layer, plan.now, plan)
+            self.policy.prepare_next()
+        return plan.prefetches
 
     def observe_only(self, layer: int, routed: list[Routed]) -> None:
         """Learn from a layer's routing without planning it (the profile part of a trace)."""
@@ -211,10 +267,19 @@ class Planner:
         d = (self.ordinal[layer] - self.position % L) % L
         return d or L
 
+    def distances(self, position: int | None = None) -> np.ndarray:
+        """`distance` of every MoE layer, by ordinal [L], at this position (or `position`)."""
+        position = self.position if position is None else position
+        if self._distances[0] != position:
+            L = len(self.layers)
+            d = (np.arange(L) - position % L) % L
+            self._distances = (position, np.where(d == 0, L, d))
+        return self._distances[1]
+
     def protected(self, now: float, plan: Plan) -> set[Key]:
         """Keys no copy may evict now: used on the GPU by this plan, or still being copied."""
-        keys = {(plan.layer, r.expert) for r in plan.gpu_hits + plan.gpu_copied}
-        keys.update(k for k, t in self.cache.ready_at.items() if t > now)
+        keys = self.cache.in_flight(now)
+        keys.update((plan.layer, r.expert) for r in plan.gpu_hits + plan.gpu_copied)
         return keys
 
     # ---- steps of plan() ---------------------------------------------------------------------
@@ -248,16 +313,16 @@ class Planner:
         # Soonest ready first; among equals the one that would take the CPU longest.
         movable = sorted(
             late,
-            key=lambda r: (self.cache.ready_at[(layer, r.expert)], -self.cost.t_cpu(r.n_tokens)),
+            key=lambda r: (self.cache.ready_at[(layer, r.expert)], -self.times.cpu(r.n_tokens)),
         )
         if self.policy.copy_rule == "threshold":  # Fiddler: per expert, copy if copy + GPU wins
-            c = self.cost
+            tm = self.times
             chosen_late, chosen = (
                 movable,
                 [
                     _Option(r, "stage", 0.0)
                     for r in misses
-                    if c.t_copy() + c.t_gpu(r.n_tokens) < c.t_cpu(r.n_tokens)
+                    if tm.copy + tm.gpu(r.n_tokens) < tm.cpu(r.n_tokens)
                 ],
             )
         else:
@@ -278,12 +343,13 @@ class Planner:
         fastest first (the order in which the best split of work between two unrelated machines
         takes jobs; it differs only where the GPU is slower than the CPU for some token counts).
         Among equals (decode: all one token) the policy's favourite first."""
-        c, policy = self.cost, self.policy
-        favourite = {r.expert: -policy.copy_priority((layer, r.expert)) for r in misses}
-        by_cpu = sorted(misses, key=lambda r: (-c.t_cpu(r.n_tokens), favourite[r.expert]))
+        tm, policy = self.times, self.policy
+        experts = [r.expert for r in misses]
+        favourite = dict(zip(experts, (-x for x in policy.copy_priorities(layer, experts))))
+        by_cpu = sorted(misses, key=lambda r: (-tm.cpu(r.n_tokens), favourite[r.expert]))
         by_ratio = sorted(
             misses,
-            key=lambda r: (c.t_gpu(r.n_tokens) / c.t_cpu(r.n_tokens), favourite[r.expert]),
+            key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
         )
         best = None
         for order in (by_cpu, by_ratio) if by_ratio != by_cpu else (by_cpu,):
@@ -328,24 +394,24 @@ class Planner:
         """Which late experts and how many leading copy options run on the GPU: (makespan - value,
         the late ones, b) of the best choice. The stranded misses stay on the CPU whatever is
         chosen."""
-        c = self.cost
-        opt_cpu = [c.t_cpu(o.routed.n_tokens) for o in options]
-        base_cpu = sum(opt_cpu) + sum(c.t_cpu(r.n_tokens) for r in stranded)
+        tm = self.times
+        opt_cpu = [tm.cpu(o.routed.n_tokens) for o in options]
+        base_cpu = sum(opt_cpu) + sum(tm.cpu(r.n_tokens) for r in stranded)
         # The most tokens a CPU expert has (its activation transfer), left after b options.
         opt_max = _suffix_max([o.routed.n_tokens for o in options])
         stranded_max = max((r.n_tokens for r in stranded), default=0)
-        copy_start, t_copy = max(now, self.copy_free), c.t_copy()
+        copy_start, t_copy = max(now, self.copy_free), tm.copy
         best, best_cost = ([], 0), math.inf
         for gpu_a, cpu_a, max_a, chosen in self._late_choices(plan, late, now):
             gpu, cpu, gain = gpu_a, base_cpu + cpu_a, 0.0
             for b in range(len(options) + 1):
                 if b:
                     o = options[b - 1]
-                    gpu = max(gpu, copy_start + b * t_copy) + c.t_gpu(o.routed.n_tokens)
+                    gpu = max(gpu, copy_start + b * t_copy) + tm.gpu(o.routed.n_tokens)
                     cpu -= opt_cpu[b - 1]
                     gain += o.gain
                 n_max = max(max_a, opt_max[b], stranded_max)
-                cpu_end = now + cpu + c.t_act(n_max) if n_max else now
+                cpu_end = now + cpu + tm.act(n_max) if n_max else now
                 cost = max(cpu_end, gpu) - gain
                 if cost < best_cost - 1e-12:
                     best, best_cost = (list(chosen), b), cost
@@ -356,13 +422,13 @@ class Planner:
         and CPU: (GPU end, CPU seconds, most tokens on the CPU, the GPU's share). The GPU takes
         them as they land (the best order for one machine with release times), so an exact
         Pareto front over the three figures; beyond `tuning.LATE_SUBSETS` experts, prefixes."""
-        c = self.cost
-        start = now + sum(c.t_gpu(r.n_tokens) for r in plan.gpu_hits)
+        tm = self.times
+        start = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
         front = [(start, 0.0, 0, ())]
         exact = len(late) <= tuning.LATE_SUBSETS
         for r in late:
             ready = self.cache.ready_at[(plan.layer, r.expert)]
-            g, t, n = c.t_gpu(r.n_tokens), c.t_cpu(r.n_tokens), r.n_tokens
+            g, t, n = tm.gpu(r.n_tokens), tm.cpu(r.n_tokens), r.n_tokens
             grown = [(max(gpu, ready) + g, cpu, most, on + (r,)) for gpu, cpu, most, on in front]
             if exact:
                 grown += [(gpu, cpu + t, max(most, n), on) for gpu, cpu, most, on in front]
@@ -370,7 +436,7 @@ class Planner:
             else:  # prefixes: the first a on the GPU, the rest on the CPU
                 front.append(grown[-1])
         if not exact:
-            cpu_left = [sum(c.t_cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
+            cpu_left = [sum(tm.cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
             most = _suffix_max([r.n_tokens for r in late])
             front = [(g, cpu_left[a], most[a], on) for a, (g, _, _, on) in enumerate(front)]
         return front
@@ -395,13 +461,13 @@ class Planner:
 
     def _schedule(self, plan: Plan) -> None:
         """Predicted finish times of the chosen split (the same arithmetic as _best_split)."""
-        c, now = self.cost, plan.now
-        plan.cpu_finish = now + sum(c.t_cpu(r.n_tokens) for r in plan.cpu)
+        tm, now = self.times, plan.now
+        plan.cpu_finish = now + sum(tm.cpu(r.n_tokens) for r in plan.cpu)
         if plan.cpu:
-            plan.cpu_finish += c.t_act(max(r.n_tokens for r in plan.cpu))
-        t = now + sum(c.t_gpu(r.n_tokens) for r in plan.gpu_hits)
+            plan.cpu_finish += tm.act(max(r.n_tokens for r in plan.cpu))
+        t = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
         for r in sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert]):
-            t = max(t, plan.ready[r.expert]) + c.t_gpu(r.n_tokens)
+            t = max(t, plan.ready[r.expert]) + tm.gpu(r.n_tokens)
         plan.gpu_finish = t
 
     def _background(self, layer: int, now: float, plan: Plan) -> None:
@@ -426,7 +492,7 @@ class Planner:
             self.stats.prefetches_issued += 1
 
     def _count(self, plan: Plan, routed: list[Routed]) -> None:
-        s, c = self.stats, self.cost
+        s, tm = self.stats, self.times
         s.layers += 1
         s.routed += len(routed)
         s.hits += len(plan.gpu_hits)
@@ -436,7 +502,7 @@ class Planner:
         s.gpu_runs += len(plan.gpu_hits) + len(plan.gpu_copied)
         s.demand_copies += len(plan.copies)
         s.cpu_busy_s += plan.cpu_finish - plan.now if plan.cpu else 0.0
-        s.gpu_busy_s += sum(c.t_gpu(r.n_tokens) for r in plan.gpu_hits + plan.gpu_copied)
+        s.gpu_busy_s += sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits + plan.gpu_copied)
         s.predicted_s += plan.makespan - plan.now
 
 
