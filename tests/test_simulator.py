@@ -6,12 +6,13 @@ import json
 
 import pytest
 
+from hybridmoe import tuning
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.profiles import get_profile
 from hybridmoe.experts.plan.trace_format import TraceLine, read_trace, write_trace
 from hybridmoe.sim.oracle import belady_min_hit_rate, future_of
 from hybridmoe.sim.shapes import SHAPES, get_shape, shape_from_config
-from hybridmoe.sim.simulator import SimConfig, build, simulate
+from hybridmoe.sim.simulator import SimConfig, build, planner_seconds, simulate
 from hybridmoe.sim.synthetic import SynthConfig, generate
 from tests.traces import shared_trace
 
@@ -185,3 +186,21 @@ def test_moe_layer_freq_spaces_deepseek_moe_layers():
         "vocab_size": 10,
     }
     assert shape_from_config(cfg, "ds").experts.moe_layers == (2, 4, 6, 8)
+
+
+def test_planning_time_is_charged_on_the_critical_path():
+    lines = small_trace()
+    cost = get_profile("rtx4090-ddr5").for_expert(OLMOE.experts, "q4")
+    free = simulate(lines, OLMOE, cost, SimConfig(policy="cpu", budget="0.1", plan_us=0))
+    paid = simulate(lines, OLMOE, cost, SimConfig(policy="cpu", budget="0.1", plan_us=100))
+    assert paid.expert_ms_per_token == pytest.approx(free.expert_ms_per_token, rel=1e-12)
+    assert paid.plan_ms_per_token == pytest.approx(16 * 0.1)  # 16 layers, 100 us each
+    assert 1e3 / paid.tokens_per_s == pytest.approx(free.expert_ms_per_token + 1.6, rel=1e-9)
+    # By default each policy pays its measured cost, interpolated in the layer's routed count.
+    model = simulate(lines, OLMOE, cost, SimConfig(policy="static", budget="0.1"))
+    (n0, crit0, _), (n1, crit1, _) = tuning.PLANNER_US["static"][:2]
+    assert n0 == 8 and model.plan_ms_per_token == pytest.approx(16 * crit0 * 1e-3)
+    assert planner_seconds("static", (n0 + n1) / 2)[0] == pytest.approx(
+        (crit0 + crit1) / 2 * 1e-6
+    )
+    assert planner_seconds("oracle", 8) == (0.0, 0.0)

@@ -1,11 +1,12 @@
 """`hybridmoe bench planner`: what one `Planner.plan()` call costs, per policy, shape and batch.
 
 Each planner is built as the engine builds it (`make_planner`, a 10% GPU expert budget, warmed on
-the first half of a synthetic trace of the model's shape), then plans the second half layer by
-layer, with the next layer's router probabilities as the engine hands them in. The figure is the
-wall time of `plan()` plus `complete()`, per MoE layer. Batches are tokens of different sequences
-(consecutive tokens of the synthetic trace, which has no sequences); the prefill chunk is that
-many tokens of one step. Run it pinned to one core (`--cpu`) on an idle machine.
+synthetic traces of the model's shape), then plans the following steps layer by layer, with the
+next layer's router probabilities as the engine hands them in. Per MoE layer it times
+`plan(defer=True)`, what the layer's experts wait for, and `prepare()`, which the engine runs
+while they compute: the CPU time of the calling thread, so that other processes on a shared machine
+do not count. A decode batch is one token of each of B sequences; a prefill chunk, C
+consecutive tokens of one. Run it pinned to one core (`--cpu`) on an idle machine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from hybridmoe.errors import UserError
 
 POLICIES = ("cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value")
 SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b")
-BATCHES = (1, 8, 512)
+BATCHES = (1, 8)
+CHUNKS = (512,)
 WARM_TOKENS = 128  # tokens of the trace the planner learns from before it is timed
 
 
@@ -35,7 +37,14 @@ def add_parser(sub) -> None:
     p.add_argument("--shapes", default=",".join(SHAPES), help="model shapes (simulate's names)")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies to time")
     p.add_argument(
-        "--batches", default=",".join(map(str, BATCHES)), help="tokens per step (512: a chunk)"
+        "--batches",
+        default=",".join(map(str, BATCHES)),
+        help="decode batches: tokens of that many sequences per step",
+    )
+    p.add_argument(
+        "--chunks",
+        default=",".join(map(str, CHUNKS)),
+        help="prefill chunks: that many consecutive tokens of one sequence per step",
     )
     p.add_argument("--hardware", default="rtx4090-ddr5", help="hardware profile of the costs")
     p.add_argument("--quant", default="bf16", help="expert format of the costs")
@@ -50,7 +59,8 @@ def add_parser(sub) -> None:
 class Timing:
     shape: str
     policy: str
-    batch: int
+    tokens: str  # "batch B" (decode) or "chunk C" (prefill)
+    routed: float  # distinct experts per layer, mean
     calls: int
     median_us: float  # plan(defer=True): what the layer's experts wait for
     p90_us: float
@@ -59,29 +69,40 @@ class Timing:
     total_mean_us: float
 
 
-def routed_steps(shape, batch: int, steps: int, seed: int = 0):
-    """`steps` steps of `batch` tokens each, per MoE layer a list of Routed, from a synthetic trace
-    with the model's geometry; and per step and layer the router probabilities of the next layer."""
+def routed_steps(shape, batch: int, steps: int, chunk: bool = False, seed: int = 0):
+    """`steps` steps of `batch` tokens, per MoE layer a list of Routed, from synthetic traces with
+    the model's geometry: a decode batch takes one token from each of `batch` sequences (traces of
+    their own), a prefill chunk `batch` consecutive tokens of one. Also, per step and layer, the
+    next layer's router probabilities [E] (random)."""
     from hybridmoe.sim.simulator import steps_of
     from hybridmoe.sim.synthetic import SynthConfig, generate
 
     e = shape.experts
-    cfg = SynthConfig(
-        layers=shape.num_moe_layers,
-        experts=e.num_experts,
-        top_k=e.top_k,
-        tokens=batch * steps,
-        locality=0.4,
-        drift=60,
-        seed=seed,
-    )
-    out = steps_of(generate(cfg), batch)
+    sequences = 1 if chunk else batch
+
+    def trace(s):
+        cfg = SynthConfig(
+            layers=shape.num_moe_layers,
+            experts=e.num_experts,
+            top_k=e.top_k,
+            tokens=steps * batch // sequences,
+            locality=0.4,
+            drift=60,
+            seed=seed + s,
+        )
+        return generate(cfg)
+
+    traces = [trace(s) for s in range(sequences)]
+    lines = [t[i] for i in range(len(traces[0])) for t in traces]  # interleaved sequences
+    out = steps_of(lines, batch)
     rng = np.random.default_rng(seed)
     hints = rng.dirichlet(np.full(e.num_experts, 0.3), size=(len(out), shape.num_moe_layers))
-    return out, hints.tolist()  # [steps, L, E]
+    return out, list(hints)  # [steps][L] of [E] arrays
 
 
-def time_policy(shape, cost, policy: str, batch: int, calls: int, budget: str) -> Timing:
+def time_policy(
+    shape, cost, policy: str, batch: int, calls: int, budget: str, chunk: bool = False
+) -> Timing:
     from hybridmoe.experts.plan.cache import parse_budget
     from hybridmoe.experts.plan.planner import make_planner
     from hybridmoe.experts.plan.policies import make_policy
@@ -90,7 +111,7 @@ def time_policy(shape, cost, policy: str, batch: int, calls: int, budget: str) -
     L = shape.num_moe_layers
     timed_steps = max(1, -(-calls // L))
     warm_steps = max(timed_steps, WARM_TOKENS // batch)
-    steps, hints = routed_steps(shape, batch, warm_steps + timed_steps)
+    steps, hints = routed_steps(shape, batch, warm_steps + timed_steps, chunk)
     slots = parse_budget(budget, cost.expert_bytes * e.num_experts * L, cost.expert_bytes)
     layers = list(e.moe_layers)
     planner = make_planner(
@@ -100,20 +121,21 @@ def time_policy(shape, cost, policy: str, batch: int, calls: int, budget: str) -
     for s in range(warm_steps, warm_steps + timed_steps):
         planner.begin_step()
         for o, routed in enumerate(steps[s]):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             plan = planner.plan(layers[o], routed, now=clock, defer=True)
-            t1 = time.perf_counter()
+            t1 = time.thread_time()
             planner.prepare(plan, hints[s][o])
             planner.complete(plan)
             times.append(t1 - t0)
-            deferred.append(time.perf_counter() - t1)
+            deferred.append(time.thread_time() - t1)
             clock = plan.makespan
     us = sorted(1e6 * t for t in times)
     total = sorted(1e6 * (a + b) for a, b in zip(times, deferred))
     return Timing(
         shape.name,
         policy,
-        batch,
+        f"{'chunk' if chunk else 'batch'} {batch}",
+        statistics.fmean(len(r) for step in steps[warm_steps:] for r in step),
         len(us),
         statistics.median(us),
         us[int(0.9 * (len(us) - 1))],
@@ -140,27 +162,29 @@ def run(args) -> int:
         if name not in KNOWN or KNOWN[name].needs_future:
             raise UserError(f"--policies: {name!r} is not a policy the engine runs")
     try:
-        batches = [int(b) for b in args.batches.split(",") if b]
+        settings = [(int(b), False) for b in args.batches.split(",") if b]
+        settings += [(int(c), True) for c in args.chunks.split(",") if c]
     except ValueError:
-        raise UserError("--batches takes whole numbers, e.g. 1,8,512") from None
-    if args.calls < 1 or any(b < 1 for b in batches):
-        raise UserError("--calls and every batch must be at least 1")
+        raise UserError("--batches and --chunks take whole numbers, e.g. 1,8 and 512") from None
+    if args.calls < 1 or any(b < 1 for b, _ in settings):
+        raise UserError("--calls and every batch and chunk must be at least 1")
     if not args.json:
         print(
-            f"{'shape':14s} {'policy':9s} {'batch':>5s} {'plan us':>8s} {'p90':>7s} "
-            f"{'prepare us':>10s} {'total us':>8s} {'mean':>7s}"
+            f"{'shape':14s} {'policy':9s} {'tokens':>9s} {'routed':>6s} {'plan us':>8s} "
+            f"{'p90':>7s} {'prepare us':>10s} {'total us':>8s} {'mean':>7s}"
         )
     for shape_name in args.shapes.split(","):
         shape = get_shape(shape_name)
         cost = get_profile(args.hardware).for_expert(shape.experts, args.quant)
-        for batch in batches:
+        for batch, chunk in settings:
             for policy in policies:
-                t = time_policy(shape, cost, policy, batch, args.calls, args.budget)
+                t = time_policy(shape, cost, policy, batch, args.calls, args.budget, chunk)
                 if args.json:
                     print(json.dumps(asdict(t)), flush=True)
                 else:
                     print(
-                        f"{t.shape:14s} {t.policy:9s} {t.batch:5d} {t.median_us:8.1f} "
+                        f"{t.shape:14s} {t.policy:9s} {t.tokens:>9s} {t.routed:6.1f} "
+                        f"{t.median_us:8.1f} "
                         f"{t.p90_us:7.1f} {t.deferred_median_us:10.1f} {t.total_median_us:8.1f} "
                         f"{t.total_mean_us:7.1f}",
                         flush=True,

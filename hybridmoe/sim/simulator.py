@@ -6,8 +6,8 @@ times are the truth here, since the cost model *is* the hardware. The layer ends
 (plus `dense_s` of attention and the rest, during which the copy stream keeps working); the next
 layer starts then. Copies queued on the copy stream run on across layers.
 
-Planning takes time too: each layer first waits for its plan (the planner's critical part, measured
-as it runs, or a fixed `plan_us`), and cannot end before the planner's deferred part has.
+Planning takes time too: each layer first waits for its plan (the policy's measured cost for the
+layer's routed count, or a fixed `plan_us`), and cannot end before the planner's deferred part has.
 
 Fair protocol: the first `profile_tokens` steps only build statistics (placement, every
 policy's warm start, the predictor); figures are reported on the rest, which nobody has seen.
@@ -15,10 +15,12 @@ policy's warm start, the predictor); figures are reported on the rest, which nob
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from hybridmoe import tuning
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.cache import PLACEMENTS, parse_budget
 from hybridmoe.experts.plan.cost_model import CostModel
@@ -61,8 +63,8 @@ class SimConfig:
         default=None,
         metadata={
             "metavar": "US",
-            "help": "planner time per MoE layer on the critical path (default: the planner's own "
-            "CPU time, measured as it runs; 0 leaves planning out)",
+            "help": "planner time per MoE layer on the critical path (default: the policy's "
+            "measured cost for the layer's routed count, tuning.PLANNER_US; 0 leaves planning out)",
         },
     )
     expert_stats: str | None = field(
@@ -171,31 +173,40 @@ class Clock:
     prepare_s: float = 0.0  # the planner's deferred part (overlapped with the experts)
 
 
+def planner_seconds(policy: str, routed: int) -> tuple[float, float]:
+    """(critical, deferred) seconds of planning a layer with `routed` distinct experts: the
+    policy's measured figures (tuning.PLANNER_US), interpolated linearly in the routed count and
+    flat beyond the measured ones; nothing for a policy that was not measured (the oracles)."""
+    points = tuning.PLANNER_US.get(policy)
+    if not points:
+        return 0.0, 0.0
+    n = [p[0] for p in points]
+    crit = float(np.interp(routed, n, [p[1] for p in points]))
+    deferred = float(np.interp(routed, n, [p[2] for p in points]))
+    return crit * 1e-6, deferred * 1e-6
+
+
 def run(planner: Planner, steps, start: int, dense_s: float = 0.0, plan_us=None) -> Clock:
-    """Replay steps[start:]. Each layer first waits for its plan: `plan_us`, or the planner's
-    measured CPU time (its previous layers' mean, since a plan's times start when it is made);
-    the planner's deferred part runs beside the layer's experts, and the layer cannot end
-    before it does."""
-    layers, out = planner.layers, Clock()
-    clock, charge, plans = 0.0, 0.0 if plan_us is None else plan_us * 1e-6, 0
+    """Replay steps[start:]. Each layer first waits for its plan (`plan_us`, or the policy's
+    measured cost); the planner's deferred part runs beside the layer's experts, and the layer
+    cannot end before it does."""
+    layers, out, name = planner.layers, Clock(), planner.policy.name
+    clock = 0.0
     for step in steps[start:]:
         planner.begin_step()
         for o, routed in enumerate(step):
-            now = clock + charge
-            t0 = time.thread_time()
+            if plan_us is None:
+                crit, deferred = planner_seconds(name, len(routed))
+            else:
+                crit, deferred = plan_us * 1e-6, 0.0
+            now = clock + crit
             plan = planner.plan(layers[o], routed, now=now, defer=True)
-            t1 = time.thread_time()
             planner.prepare(plan)
-            t2 = time.thread_time()
             planner.complete(plan)
-            deferred = 0.0 if plan_us is not None else t2 - t1
             end = max(plan.makespan, now + deferred)
             out.expert_s += end - now
-            out.plan_s += now - clock
-            out.prepare_s += t2 - t1
-            if plan_us is None:  # the running mean of what planning took so far
-                plans += 1
-                charge += (t1 - t0 - charge) / plans
+            out.plan_s += crit
+            out.prepare_s += deferred
             clock = end + dense_s
     return out
 

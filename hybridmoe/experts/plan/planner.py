@@ -217,7 +217,8 @@ class Planner:
         else:
             # Learn this layer's routing before splitting it, so that a copy's worth (and a
             # victim's) is judged by the layer's *next* visit.
-            self.predictor.count_use(layer, [r.expert for r in routed])
+            if self.policy.uses_predictor:
+                self.predictor.count_use(layer, [r.expert for r in routed])
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
         self._count(plan, routed)
@@ -237,9 +238,12 @@ class Planner:
         self.policy.on_use(plan.layer, routed, plan.now)
         self.epoch += 1
         if self.uses_gpu:
-            self._take_prediction(plan.layer, predicted)
-            self.predictor.look_ahead(plan.layer)
+            if self.policy.uses_predictor:
+                self._take_prediction(plan.layer, predicted)
+                self.predictor.look_ahead(plan.layer)
             self._background(plan.layer, plan.now, plan)
+            if self.policy.uses_predictor:
+                self.predictor.matrices()  # every layer's probabilities, fresh for the next plan
             self.policy.prepare_next()
         return plan.prefetches
 
@@ -368,20 +372,16 @@ class Planner:
         tokens = sum(r.n_tokens for r in order) / self.predictor.top_k
         stage, admit = policy.may_stage(tokens), policy.keeps_copies
         protect = self.protected(now, plan) | {(layer, r.expert) for r in order}
-        free, taken = self.cache.free_count(), 0
+        rooms = policy.rooms(layer, protect, now, self.cache.free_count()) if admit else iter(())
+        room = next(rooms, _NO_ROOM)
         options, stranded = [], []
         for r in order:
             key, how, gain = (layer, r.expert), None, 0.0
-            if admit:
-                ok, victim = policy.make_room(key, protect, now, free - taken, taken)
-                admit = ok  # no room for this one: none for the rest of the layer either
-                gain = self.config.value_weight * policy.admit_gain(key, victim, now) if ok else 0.0
-                if ok and (gain >= 0.0 or not stage):
-                    how = ("evict", victim)
-                    if victim is None:
-                        taken += 1
-                    else:
-                        protect.add(victim)
+            if room is not _NO_ROOM:  # a free slot (None) or a victim
+                gain = self.config.value_weight * policy.admit_gain(key, room, now)
+                if gain >= 0.0 or not stage:
+                    how = ("evict", room)
+                    room = next(rooms, _NO_ROOM)
             if how is None and stage:
                 how, gain = "stage", 0.0
             if how is None:
@@ -504,6 +504,9 @@ class Planner:
         s.cpu_busy_s += plan.cpu_finish - plan.now if plan.cpu else 0.0
         s.gpu_busy_s += sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits + plan.gpu_copied)
         s.predicted_s += plan.makespan - plan.now
+
+
+_NO_ROOM = object()
 
 
 def _undominated(points: list[tuple]) -> list[tuple]:

@@ -51,6 +51,7 @@ class Policy:
     # Whether the policy's predictor learns cross-layer co-occurrence (ours); a peer keeps the
     # signals its paper describes (HybriMoE: the next router, or recency/frequency without it).
     cross_layer = False
+    uses_predictor = False  # reads the predictor (else the planner leaves it untouched)
     needs_future = False  # knows the trace ahead: runs only in the simulator
 
     def bind(self, planner) -> None:
@@ -112,6 +113,28 @@ class Policy:
             return True, None
         victim = self._victim(None, protect, now)
         return victim is not None, victim
+
+    def rooms(self, layer: int, protect: set[Key], now: float, free: int):
+        """The room `layer`'s demand copies may take, best first: None for each free slot (within
+        the layer's quota for a per-layer policy), then victims. Read as far as needed; each
+        victim read is added to `protect`."""
+        if self.partition:
+            i = self.planner.ordinal[layer]
+            yield from [None] * max(
+                0, min(free, self._quota(layer) - int(self.cache.mask[i].sum()))
+            )
+            mine = np.flatnonzero(self.cache.mask[i] & ~self.cache.pinned_mask[i])  # [m] experts
+            ranked = mine[np.argsort(self.row_scores(i, now)[mine], kind="stable")].tolist()
+            victims = ((layer, e) for e in ranked)
+        else:
+            yield from [None] * free
+            victims = (
+                k for k in self._ranking(now) if k in self.cache and k not in self.cache.pinned
+            )
+        for victim in victims:
+            if victim not in protect:
+                protect.add(victim)
+                yield victim
 
     # ---- shared helpers ----------------------------------------------------------------------
     def row_scores(self, i: int, now: float) -> np.ndarray:
@@ -189,6 +212,7 @@ class HybriMoEPolicy(Policy):
 
     name = "hybrimoe"
     partition = True
+    uses_predictor = True
     default_placement = "uniform"
     alpha = 0.5  # HybriMoE's score-cache EMA factor
 
@@ -283,6 +307,7 @@ class ValuePolicy(Policy):
 
     name = "value"
     cross_layer = True
+    uses_predictor = True
 
     def distance(self, key: Key, now: float, arrive: float | None = None) -> float:
         # Used at the next visit with p (which may carry the cross-layer signal, good for that one
