@@ -200,7 +200,5 @@ def test_planning_time_is_charged_on_the_critical_path():
     model = simulate(lines, OLMOE, cost, SimConfig(policy="static", budget="0.1"))
     (n0, crit0, _), (n1, crit1, _) = tuning.PLANNER_US["static"][:2]
     assert n0 == 8 and model.plan_ms_per_token == pytest.approx(16 * crit0 * 1e-3)
-    assert planner_seconds("static", (n0 + n1) / 2)[0] == pytest.approx(
-        (crit0 + crit1) / 2 * 1e-6
-    )
+    assert planner_seconds("static", (n0 + n1) / 2)[0] == pytest.approx((crit0 + crit1) / 2 * 1e-6)
     assert planner_seconds("oracle", 8) == (0.0, 0.0)
