@@ -60,6 +60,12 @@ PLANNER_US = {
     "value": ((8, 155.6, 181.7), (51.8, 393.2, 263.9), (127.9, 1144.7, 424.5)),
 }
 
+# Small kernels one decoder layer's dense part runs on the GPU in decode (norms, q/k/v/o, q/k norms,
+# rotary, attention, residual adds, router, its softmax and top-k, the weights' normalisation):
+# llama.cpp's graph for a Qwen3-MoE layer, counted. The simulator charges the GPU's `c_kernel` for
+# each (docs/benchmarks.md, "Simulator against published machines").
+DENSE_KERNELS_PER_LAYER = 18
+
 # ---- policies ----------------------------------------------------------------------------------
 
 # Tokens in a batch from which llama.cpp's CUDA backend copies weights kept in host RAM to the GPU

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "make-model": "hybridmoe.bench.make_model",
     "sim-vs-real": "hybridmoe.bench.sim_vs_real",
     "planner": "hybridmoe.bench.planner",
+    "published": "hybridmoe.bench.published",
 }
 
 

@@ -1,13 +1,16 @@
 """Discrete-event replay of a routing trace through the real planner, on modelled hardware.
 
 Three resources: the CPU pool, the GPU and the copy stream. For each step and MoE layer the
-planner makes the same call the engine makes (`plan(layer, routed, now)`); the plan's predicted
-times are the truth here, since the cost model *is* the hardware. The layer ends at its makespan
-(plus `dense_s` of attention and the rest, during which the copy stream keeps working); the next
-layer starts then. Copies queued on the copy stream run on across layers.
+planner makes the same calls the engine makes (`plan(layer, routed, now, defer=True)`, then
+`prepare`); the layer's truth comes from `machine.Machine`: the plan's times plus what the planner
+does not model (DRAM shared between copies and CPU experts, a CPU-GPU synchronisation per layer,
+expert deferral). Before its experts each layer runs its dense part (`dense.dense_cost`: attention
+over the context, shared experts, router; the head once a step) while the copy stream keeps
+working, then waits for its plan (the policy's measured cost for the layer's routed count, or a
+fixed `plan_us`), and cannot end before the planner's deferred part has.
 
-Planning takes time too: each layer first waits for its plan (the policy's measured cost for the
-layer's routed count, or a fixed `plan_us`), and cannot end before the planner's deferred part has.
+A batch of B is B sequences decoding together: the trace's requests (its "req" field) when it has
+B of them, else B equal stretches of it, each taken as a sequence; step t decodes token t of each.
 
 Fair protocol: the first `profile_tokens` steps only build statistics (placement, every
 policy's warm start, the predictor); figures are reported on the rest, which nobody has seen.
@@ -28,6 +31,8 @@ from hybridmoe.experts.plan.planner import Planner, Routed, make_planner
 from hybridmoe.experts.plan.policies import POLICIES, make_policy
 from hybridmoe.experts.plan.stats import read_stats
 from hybridmoe.experts.plan.trace_format import TraceLine
+from hybridmoe.sim.dense import DenseCost, dense_cost
+from hybridmoe.sim.machine import Machine
 from hybridmoe.sim.shapes import ModelShape
 
 
@@ -57,8 +62,21 @@ class SimConfig:
             "help": "leading tokens that only build statistics (default: half of the trace)",
         },
     )
-    batch: int = field(default=1, metadata={"help": "trace lines decoded together per step"})
-    dense_s: float = 0.0  # non-expert seconds per layer (attention etc.), copies overlap it
+    batch: int = field(
+        default=1, metadata={"help": "sequences decoded together per step (from the trace)"}
+    )
+    context: int = field(
+        default=512,
+        metadata={"metavar": "N", "help": "tokens of context each sequence attends over"},
+    )
+    defer_experts: int = field(
+        default=0,
+        metadata={
+            "metavar": "N",
+            "help": "CPU experts per layer whose result joins the next layer (expert deferral)",
+        },
+    )
+    dense_s: float = 0.0  # extra non-expert seconds per layer, beside the modelled dense part
     plan_us: float | None = field(
         default=None,
         metadata={
@@ -87,6 +105,7 @@ class SimResult:
     expert_ms_per_token: float
     plan_ms_per_token: float  # planning on the critical path
     prepare_ms_per_token: float  # the planner's deferred part, beside the experts
+    dense_ms_per_token: float  # attention, shared experts, router, head
     tokens_per_s: float
     hit_rate: float
     copies_per_token: float
@@ -102,11 +121,26 @@ class SimResult:
         return asdict(self)
 
 
+def step_lines(lines: list[TraceLine], batch: int) -> list[list[TraceLine]]:
+    """The trace lines each step decodes: token t of each of `batch` sequences (the trace's
+    requests when it has that many, else equal stretches of it)."""
+    if batch == 1:
+        return [[line] for line in lines]
+    by_req: dict[object, list[TraceLine]] = {}
+    for line in lines:
+        by_req.setdefault(line.req, []).append(line)
+    if None not in by_req and len(by_req) >= batch:
+        seqs = sorted(by_req.values(), key=len, reverse=True)[:batch]
+    else:
+        n = len(lines) // batch
+        seqs = [lines[i * n : (i + 1) * n] for i in range(batch)]
+    return [list(group) for group in zip(*seqs)]
+
+
 def steps_of(lines: list[TraceLine], batch: int) -> list[list[list[Routed]]]:
-    """Group trace lines into steps; per step and layer, one Routed per distinct expert."""
+    """Per step and MoE layer, one Routed per distinct expert of the step's tokens."""
     steps = []
-    for i in range(0, len(lines), batch):
-        group = lines[i : i + batch]
+    for group in step_lines(lines, batch):
         layers = []
         for o in range(len(group[0].layers)):
             n, w = Counter(), Counter()
@@ -144,7 +178,8 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
     n_profile = len(steps) // 2 if cfg.profile_tokens is None else cfg.profile_tokens // cfg.batch
     if not 0 <= n_profile < len(steps):
         raise UserError(
-            f"--profile-tokens must leave tokens to measure; the trace has {len(lines)}"
+            f"--profile-tokens must leave tokens to measure; the trace has {len(lines)} lines, "
+            f"{len(steps)} steps of {cfg.batch}"
         )
     e = shape.experts
     total = cost.expert_bytes * e.num_experts * len(e.moe_layers)
@@ -171,6 +206,7 @@ class Clock:
     expert_s: float = 0.0  # from the end of planning to the layer's end, summed over layers
     plan_s: float = 0.0  # planning on the critical path (what the layer's experts waited for)
     prepare_s: float = 0.0  # the planner's deferred part (overlapped with the experts)
+    dense_s: float = 0.0  # the dense part (attention, head, ...)
 
 
 def planner_seconds(policy: str, routed: int) -> tuple[float, float]:
@@ -186,28 +222,30 @@ def planner_seconds(policy: str, routed: int) -> tuple[float, float]:
     return crit * 1e-6, deferred * 1e-6
 
 
-def run(planner: Planner, steps, start: int, dense_s: float = 0.0, plan_us=None) -> Clock:
-    """Replay steps[start:]. Each layer first waits for its plan (`plan_us`, or the policy's
-    measured cost); the planner's deferred part runs beside the layer's experts, and the layer
-    cannot end before it does."""
+def run(planner: Planner, steps, start: int, machine: Machine, dense: DenseCost, cfg) -> Clock:
+    """Replay steps[start:] on `machine`; where the time went."""
     layers, out, name = planner.layers, Clock(), planner.policy.name
     clock = 0.0
     for step in steps[start:]:
         planner.begin_step()
+        clock += dense.per_step_s
+        out.dense_s += dense.per_step_s
         for o, routed in enumerate(step):
-            if plan_us is None:
+            clock += dense.per_layer_s + cfg.dense_s  # the copy stream works on meanwhile
+            out.dense_s += dense.per_layer_s + cfg.dense_s
+            if cfg.plan_us is None:
                 crit, deferred = planner_seconds(name, len(routed))
             else:
-                crit, deferred = plan_us * 1e-6, 0.0
+                crit, deferred = cfg.plan_us * 1e-6, 0.0
             now = clock + crit
             plan = planner.plan(layers[o], routed, now=now, defer=True)
             planner.prepare(plan)
-            planner.complete(plan)
-            end = max(plan.makespan, now + deferred)
+            end = max(machine.layer(plan, now, last=o == len(step) - 1), now + deferred)
+            planner.complete(plan, finished_at=end)
             out.expert_s += end - now
             out.plan_s += crit
             out.prepare_s += deferred
-            clock = end + dense_s
+            clock = end
     return out
 
 
@@ -218,7 +256,8 @@ def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=N
 
         policy = future_policy(cfg.policy, lines, shape, cfg.batch)
     planner, steps, start = build(lines, shape, cost, cfg, policy)
-    clock = run(planner, steps, start, cfg.dense_s, cfg.plan_us)
+    dense = dense_cost(shape, cost, cost.quant, cfg.batch, cfg.context)
+    clock = run(planner, steps, start, Machine(cost, cfg.defer_experts), dense, cfg)
     return summarise(planner, cfg, cost, clock, len(steps) - start)
 
 
@@ -228,7 +267,7 @@ def summarise(
     s, p = planner.stats, planner.predictor.stats
     tokens = n_steps * cfg.batch
     expert_s = clock.expert_s
-    wall = expert_s + clock.plan_s + cfg.dense_s * len(planner.layers) * n_steps
+    wall = expert_s + clock.plan_s + clock.dense_s
     return SimResult(
         policy=planner.policy.name,
         hardware=cost.name,
@@ -239,6 +278,7 @@ def summarise(
         expert_ms_per_token=1e3 * expert_s / tokens,
         plan_ms_per_token=1e3 * clock.plan_s / tokens,
         prepare_ms_per_token=1e3 * clock.prepare_s / tokens,
+        dense_ms_per_token=1e3 * clock.dense_s / tokens,
         tokens_per_s=n_steps * cfg.batch / wall if wall else 0.0,
         hit_rate=s.hit_rate,
         copies_per_token=(s.demand_copies + s.prefetches_issued) / tokens,
