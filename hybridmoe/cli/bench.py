@@ -13,6 +13,7 @@ BENCHMARKS = {
     "sim-vs-real": "hybridmoe.bench.sim_vs_real",
     "planner": "hybridmoe.bench.planner",
     "published": "hybridmoe.bench.published",
+    "deferral": "hybridmoe.bench.deferral",
 }
 
 

@@ -67,6 +67,14 @@ class HybridConfig:
             "choices": PLACEMENTS,
         },
     )
+    defer_experts: int = field(
+        default=0,
+        metadata={
+            "metavar": "N",
+            "help": "in decode, each token's N lowest-weight experts join the next MoE layer's "
+            "output instead of their own (expert deferral; approximate, 0 = exact)",
+        },
+    )
     device: str = "cpu"  # "cuda" | "emulated" | "cpu" (resolved from --device auto by the caller)
     expert_stats: str | None = field(
         default=None,
@@ -90,9 +98,14 @@ def make_runtime(
 ) -> ExpertRuntime:
     """The runtime `config` asks for: the hybrid one when there is an accelerator (CUDA or
     emulated), else the CPU one (cost: the calibrated cost model, needed only by the hybrid one)."""
+    if config.defer_experts < 0:
+        raise UserError("--defer-experts takes 0 or more experts")
     if config.device != "cpu":
-        return HybridRuntime(shape, dtype, config, cost)
-    return CPURuntime(shape, dtype, config.cpu_workers)
+        runtime = HybridRuntime(shape, dtype, config, cost)
+    else:
+        runtime = CPURuntime(shape, dtype, config.cpu_workers)
+    runtime.defer_experts = config.defer_experts
+    return runtime
 
 
 def device_cost(cost: CostModel, device: str) -> CostModel:
