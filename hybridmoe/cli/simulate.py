@@ -192,7 +192,10 @@ def run_sweep(args, shape, lines) -> int:
     rows = sweep(
         lines, shape, args.hardware.split(","), args.quant, budgets, policies, sim_config(args)
     )
-    plot(rows, args.plot, title=f"{shape.name}, {args.quant} experts")
+    from hybridmoe.sim.published import ROWS
+
+    published = [r for r in ROWS if r.shape == shape.name and r.quant == args.quant]
+    plot(rows, args.plot, title=f"{shape.name}, {args.quant} experts", published=published)
     if args.json:
         print(
             json.dumps(

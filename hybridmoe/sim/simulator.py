@@ -19,6 +19,7 @@ policy's warm start, the predictor); figures are reported on the rest, which nob
 from __future__ import annotations
 
 from collections import Counter
+from itertools import zip_longest
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -123,17 +124,18 @@ class SimResult:
 
 def step_lines(lines: list[TraceLine], batch: int) -> list[list[TraceLine]]:
     """The trace lines each step decodes: token t of each of `batch` sequences (the trace's
-    requests when it has that many, else equal stretches of it)."""
+    requests when it has that many, each until it ends, else equal stretches of it)."""
     if batch == 1:
         return [[line] for line in lines]
     by_req: dict[object, list[TraceLine]] = {}
     for line in lines:
         by_req.setdefault(line.req, []).append(line)
     if None not in by_req and len(by_req) >= batch:
+        # The longest requests; a step decodes those not finished yet, as a server's batch does.
         seqs = sorted(by_req.values(), key=len, reverse=True)[:batch]
-    else:
-        n = len(lines) // batch
-        seqs = [lines[i * n : (i + 1) * n] for i in range(batch)]
+        return [[x for x in group if x is not None] for group in zip_longest(*seqs)]
+    n = len(lines) // batch
+    seqs = [lines[i * n : (i + 1) * n] for i in range(batch)]
     return [list(group) for group in zip(*seqs)]
 
 
