@@ -39,7 +39,39 @@ ROWS_UP_TO = 16
 # The GPU an emulated accelerator pretends to be when the calibration measured none.
 EMULATED_GPU = "rtx4090-ddr5"
 
+# ---- the planner -------------------------------------------------------------------------------
+
+# Experts still being copied (late hits) up to which the planner weighs every GPU/CPU split of them
+# exactly (a Pareto front, usually a few points); beyond, only the soonest-ready-first prefixes.
+LATE_SUBSETS = 10
+
+# What planning one MoE layer costs on one core, per policy: (distinct routed experts in the layer,
+# microseconds the layer's experts wait for the plan, microseconds of the planner's deferred part
+# beside them), at the Qwen3-30B-A3B shape for a decode batch of 1 and 8 and a 512-token prefill
+# chunk: `hybridmoe bench planner` (docs/benchmarks.md, "Planner cost"). The simulator charges
+# them, interpolated in the routed count. The future-knowing yardsticks are charged nothing.
+PLANNER_US = {
+    "cpu": ((8, 6.8, 1.6), (51.8, 20.3, 1.7), (127.9, 44.6, 1.7)),
+    "static": ((8, 21.8, 3.6), (51.8, 70.8, 4.3), (127.9, 428.4, 4.2)),
+    "fiddler": ((8, 9.5, 3.4), (51.8, 30.0, 4.2), (127.9, 119.7, 6.7)),
+    "hybrimoe": ((8, 106.3, 42.4), (51.8, 243.5, 48.6), (127.9, 445.5, 74.2)),
+    "lru": ((8, 70.7, 8.0), (51.8, 171.0, 8.5), (127.9, 407.1, 12.5)),
+    "lfu": ((8, 51.2, 11.3), (51.8, 176.1, 17.5), (127.9, 435.9, 27.5)),
+    "value": ((8, 155.6, 181.7), (51.8, 393.2, 263.9), (127.9, 1144.7, 424.5)),
+}
+
+# Small kernels one decoder layer's dense part runs on the GPU in decode (norms, q/k/v/o, q/k norms,
+# rotary, attention, residual adds, router, its softmax and top-k, the weights' normalisation):
+# llama.cpp's graph for a Qwen3-MoE layer, counted. The simulator charges the GPU's `c_kernel` for
+# each (docs/benchmarks.md, "Simulator against published machines").
+DENSE_KERNELS_PER_LAYER = 18
+
 # ---- policies ----------------------------------------------------------------------------------
+
+# Tokens in a batch from which llama.cpp's CUDA backend copies weights kept in host RAM to the GPU
+# for an op rather than running it on the CPU (ggml-cuda.cu, `ggml_backend_cuda_offload_op`:
+# min_batch_size = 32); the static policy stages copies from there, as llama.cpp --n-cpu-moe does.
+LLAMA_CPP_OFFLOAD_BATCH = 32
 
 # Background copies are queued only if they finish this many copy-times before the layer ends, so
 # that the next layer's demand copies do not queue behind them (better for value and hybrimoe).

@@ -53,9 +53,13 @@ class BatchKVContext:
 
 
 @torch.inference_mode()
-def forward_step(model, cache: SequenceKV, ids: list[int], start: int) -> torch.Tensor:
-    """Run `ids` at positions start.. through the model; fp32 logits of the last position [V]."""
+def forward_step(
+    model, cache: SequenceKV, ids: list[int], start: int, decode: bool = False
+) -> torch.Tensor:
+    """Run `ids` at positions start.. through the model; fp32 logits of the last position [V].
+    `decode`: the step is one decode token (the engine says so to the expert runtime)."""
     input_ids = torch.tensor(ids, dtype=torch.long)
     positions = torch.arange(start, start + len(ids))
-    hidden = model(input_ids, positions, BatchKVContext([cache], [len(ids)]))  # [n, H]
+    rows = [(len(ids) - 1, "seq")] if decode else []
+    hidden = model(input_ids, positions, BatchKVContext([cache], [len(ids)]), rows)  # [n, H]
     return model.logits(hidden[-1:])[0]

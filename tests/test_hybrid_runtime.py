@@ -9,6 +9,7 @@ import torch
 from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.plan.profiles import PROFILES
+from hybridmoe.experts.run.accelerators import Staging
 from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.loader import load_model
 from tests.contiguous_kv import SequenceKV, forward_step
@@ -93,6 +94,23 @@ def test_the_demo_model_too(demo_model):
         )
         model.runtime.acc.check()
         model.runtime.close()
+
+
+@pytest.mark.parametrize("policy", ["static", "hybrimoe", "lru"])
+def test_a_long_prefill_on_a_full_cache_stages_copies_and_keeps_the_output(policy, tiny_dir):
+    # Per-layer caches (and static's pinned set) have no room here: the GPU gets experts only
+    # through staging buffers.
+    path = tiny_dir("qwen3_moe")
+    prompt = [(7 * i + 3) % 95 + 1 for i in range(96)]
+    reference = prompt_logits(load_model(path, progress=False), prompt)
+    model = hybrid_model(path, policy=policy, budget="0.1")
+    runtime = model.runtime
+    assert runtime.planner.cache.free_count() == 0  # placed full at start
+    assert torch.equal(prompt_logits(model, prompt), reference)
+    staged = [c for c in runtime.acc.copies if isinstance(c.buffer, Staging)]
+    assert staged, "a 96-token prefill should copy some experts over without keeping them"
+    runtime.acc.check()
+    runtime.close()
 
 
 def test_slots_hold_exactly_the_store_weights_after_a_run(tiny_dir):

@@ -6,10 +6,12 @@ import pytest
 
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.cache import ExpertCache
-from hybridmoe.experts.plan.planner import Planner, PlannerConfig, Routed
+from hybridmoe.experts.plan.planner import Planner, PlannerConfig, Routed, make_planner
 from hybridmoe.experts.plan.policies import POLICIES, make_policy
 from hybridmoe.experts.plan.predictor import Predictor
+from hybridmoe.experts.plan.profiles import get_profile
 from hybridmoe.sim.oracle import Future
+from hybridmoe.sim.shapes import SHAPES
 from tests.test_planner import cost_model
 
 LAYERS = [0, 1]
@@ -67,6 +69,49 @@ def test_fiddler_copies_only_when_copy_and_gpu_beat_the_cpu_and_keeps_nothing():
     assert cost.t_copy() + cost.t_gpu(64) < cost.t_cpu(64)
     assert [c.slot for c in many.copies] == [None] and [r.expert for r in many.gpu_copied] == [2]
     assert set(planner.cache.slot_of) == {(0, 1)}
+
+
+@pytest.mark.parametrize("name", ["static", "fiddler", "hybrimoe", "lru", "lfu", "value"])
+def test_a_prefill_plan_on_a_full_cache_copies_the_experts_with_many_tokens(name):
+    # A 512-token chunk at Qwen3-30B-A3B's shape (bf16, rtx4090-ddr5): 128 experts share 4096
+    # routed slots. The cache is full, and this layer's residents are routed here (protected), so a
+    # per-layer quota leaves no room: what goes to the GPU must be staged, unkept.
+    cost = get_profile("rtx4090-ddr5").for_expert(SHAPES["qwen3-30b-a3b"].experts, "bf16")
+    layers = list(range(4))
+    planner = make_planner(cost, layers, 128, 8, 8, make_policy(name), placement_kind="uniform")
+    assert planner.cache.free_count() == 0
+    resident = sorted(e for layer, e in planner.cache.slot_of if layer == 0)
+    many = [Routed(e, 96) for e in range(64, 96)]  # 3072 slots
+    few = [Routed(e, 8) for e in range(0, 128) if e not in resident and not 64 <= e < 96][:126]
+    routed = [Routed(e, 8) for e in resident] + many + few
+    kept = dict(planner.cache.slot_of)
+    planner.begin_step()
+    plan = planner.plan(0, routed, now=0.0)
+    copied = {c.expert for c in plan.copies}
+    # A copy of an expert with many tokens saves more CPU time than the copy stream spends on it
+    # (the reference: copy + GPU against the CPU, per expert); one with few tokens does not, but
+    # may still shorten the layer while the CPU is the bottleneck.
+    assert cost.t_copy() + cost.t_gpu(96) < cost.t_cpu(96)
+    assert cost.t_copy() + cost.t_gpu(8) > cost.t_cpu(8)
+    assert {r.expert for r in many} <= copied
+    assert {r.expert for r in plan.gpu_copied} == copied
+    all_cpu = sum(cost.t_cpu(r.n_tokens) for r in routed if r.expert not in resident)
+    assert plan.makespan < 0.6 * all_cpu
+    if name != "value":  # a global cache may evict another layer's expert for it instead
+        assert all(c.slot is None and c.evicted is None for c in plan.copies)
+        assert planner.cache.slot_of == kept
+    planner.cache.check()
+
+
+def test_static_copies_nothing_below_llama_cpps_batch():
+    cost = get_profile("rtx4090-ddr5").for_expert(SHAPES["qwen3-30b-a3b"].experts, "bf16")
+    planner = make_planner(cost, [0, 1], 128, 8, 2, make_policy("static"), placement_kind="uniform")
+    planner.begin_step()
+    # 31 tokens, all on two experts: copying would pay (as above), but llama.cpp would not do it.
+    plan = planner.plan(0, [Routed(100, 31 * 4), Routed(101, 31 * 4)], now=0.0)
+    assert not plan.copies and len(plan.cpu) == 2
+    plan = planner.plan(1, [Routed(100, 32 * 4), Routed(101, 32 * 4)], now=1.0)
+    assert plan.copies and all(c.slot is None for c in plan.copies)
 
 
 def test_lru_evicts_the_least_recently_used_expert_of_the_same_layer():

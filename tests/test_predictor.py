@@ -100,3 +100,34 @@ def test_p_base_ignores_the_cross_layer_signal():
     # Layer 1 now has a cross-layer score in one predictor only; their base estimates agree.
     assert with_x.lift and not without.lift
     assert all(abs(with_x.p_base((1, e)) - without.p_next((1, e))) < 1e-12 for e in range(E))
+
+
+def test_vectorised_predictor_equals_the_per_expert_reference():
+    """Every probability, at every layer after every observation, as the plain-Python predictor
+    it replaced computes it (tests/reference_predictor.py), router scores and cross-layer signal
+    included."""
+    from tests.reference_predictor import Predictor as Reference
+
+    _, lines = planted(160, seed=8)
+    rng = np.random.default_rng(8)
+    fast = Predictor(list(range(L)), E, K, cross_layer=True)
+    slow = Reference(list(range(L)), E, K, cross_layer=True)
+    fast.warm_start([[t % 3 for t in range(E)]] * L, 10)
+    slow.warm_start([[t % 3 for t in range(E)]] * L, 10)
+    for line in lines:
+        fast.begin_step()
+        slow.begin_step()
+        for i, ids in enumerate(line.layers):
+            if i + 1 < L and rng.random() < 0.5:
+                probs = rng.dirichlet(np.full(E, 0.3))
+                fast.set_router_scores(i + 1, probs)
+                slow.set_router_scores(i + 1, probs)
+            fast.observe(i, ids)
+            slow.observe(i, ids)
+            for j in range(L):
+                np.testing.assert_allclose(fast.p_layer(j), slow.p_layer(j), rtol=1e-9)
+                np.testing.assert_allclose(
+                    fast.p_base_layer(j), [slow.p_base((j, e)) for e in range(E)], rtol=1e-9
+                )
+            assert fast.predict(i) == slow.predict(i)
+    assert vars(fast.stats) == vars(slow.stats)

@@ -6,12 +6,13 @@ import json
 
 import pytest
 
+from hybridmoe import tuning
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.profiles import get_profile
 from hybridmoe.experts.plan.trace_format import TraceLine, read_trace, write_trace
 from hybridmoe.sim.oracle import belady_min_hit_rate, future_of
 from hybridmoe.sim.shapes import SHAPES, get_shape, shape_from_config
-from hybridmoe.sim.simulator import SimConfig, build, simulate
+from hybridmoe.sim.simulator import SimConfig, build, planner_seconds, simulate
 from hybridmoe.sim.synthetic import SynthConfig, generate
 from tests.traces import shared_trace
 
@@ -106,9 +107,8 @@ def test_cpu_policy_time_is_the_sum_of_cpu_expert_times():
     lines = small_trace()
     cost = get_profile("rtx4090-ddr5").for_expert(OLMOE.experts, "q4")
     r = simulate(lines, OLMOE, cost, SimConfig(policy="cpu", budget="0.1"))
-    per_layer = 8 * cost.t_cpu(1) + cost.t_act(
-        1
-    )  # 8 experts in turn, plus the activation round trip
+    # 8 experts in turn, the activation round trip, and the GPU waiting for the result
+    per_layer = 8 * cost.t_cpu(1) + cost.t_act(1) + cost.c_sync
     assert r.expert_ms_per_token == pytest.approx(16 * per_layer * 1e3, rel=1e-9)
     assert r.hit_rate == 0 and r.tokens == 20  # the first half only built statistics
 
@@ -185,3 +185,20 @@ def test_moe_layer_freq_spaces_deepseek_moe_layers():
         "vocab_size": 10,
     }
     assert shape_from_config(cfg, "ds").experts.moe_layers == (2, 4, 6, 8)
+
+
+def test_planning_time_is_charged_on_the_critical_path():
+    lines = small_trace()
+    cost = get_profile("rtx4090-ddr5").for_expert(OLMOE.experts, "q4")
+    free = simulate(lines, OLMOE, cost, SimConfig(policy="cpu", budget="0.1", plan_us=0))
+    paid = simulate(lines, OLMOE, cost, SimConfig(policy="cpu", budget="0.1", plan_us=100))
+    assert paid.expert_ms_per_token == pytest.approx(free.expert_ms_per_token, rel=1e-12)
+    assert paid.plan_ms_per_token == pytest.approx(16 * 0.1)  # 16 layers, 100 us each
+    per_token = free.expert_ms_per_token + free.dense_ms_per_token + 1.6
+    assert 1e3 / paid.tokens_per_s == pytest.approx(per_token, rel=1e-9)
+    # By default each policy pays its measured cost, interpolated in the layer's routed count.
+    model = simulate(lines, OLMOE, cost, SimConfig(policy="static", budget="0.1"))
+    (n0, crit0, _), (n1, crit1, _) = tuning.PLANNER_US["static"][:2]
+    assert n0 == 8 and model.plan_ms_per_token == pytest.approx(16 * crit0 * 1e-3)
+    assert planner_seconds("static", (n0 + n1) / 2)[0] == pytest.approx((crit0 + crit1) / 2 * 1e-6)
+    assert planner_seconds("oracle", 8) == (0.0, 0.0)

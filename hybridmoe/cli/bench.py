@@ -11,6 +11,9 @@ BENCHMARKS = {
     "serve": "hybridmoe.bench.serve",
     "make-model": "hybridmoe.bench.make_model",
     "sim-vs-real": "hybridmoe.bench.sim_vs_real",
+    "planner": "hybridmoe.bench.planner",
+    "published": "hybridmoe.bench.published",
+    "deferral": "hybridmoe.bench.deferral",
 }
 
 

@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
         "--dense-ms",
         type=float,
         default=0.0,
-        help="non-expert milliseconds per layer (attention etc.)",
+        help="extra non-expert milliseconds per layer, beside the modelled dense part",
     )
     add_comparison_options(p.add_argument_group("comparison"))
     p.set_defaults(func=run)
@@ -115,6 +115,8 @@ def load_lines(args, shape):
 def sim_config(args, budget=None, policy=None):
     if args.batch < 1:
         raise UserError("--batch must be at least 1")
+    if args.context < 0 or args.defer_experts < 0:
+        raise UserError("--context and --defer-experts take 0 or more")
     values = config_values(args, SimConfig)
     values.update(policy=policy or args.policy, budget=budget or args.budget)
     return SimConfig(**values, dense_s=args.dense_ms / 1e3)
@@ -155,7 +157,10 @@ def format_result(r: dict) -> str:
         f"policy {r['policy']} on {r['hardware']} ({r['quant']} experts), budget {r['budget']} = "
         f"{r['slots']} slots, {r['tokens']} measured tokens",
         f"  expert time      {r['expert_ms_per_token']:.3f} ms/token  ->  {r['tokens_per_s']:.1f} "
-        "tok/s (expert-bound)",
+        "tok/s",
+        f"  dense part       {r['dense_ms_per_token']:.3f} ms/token (attention, shared, head)",
+        f"  planning         {r['plan_ms_per_token']:.3f} ms/token on the critical path, "
+        f"{r['prepare_ms_per_token']:.3f} ms/token beside the experts",
         f"  hit rate         {r['hit_rate']:.3f}",
         f"  copies           {r['copies_per_token']:.2f} /token, PCIe {r['pcie_mb_per_token']:.1f} "
         "MB/token",
@@ -187,7 +192,10 @@ def run_sweep(args, shape, lines) -> int:
     rows = sweep(
         lines, shape, args.hardware.split(","), args.quant, budgets, policies, sim_config(args)
     )
-    plot(rows, args.plot, title=f"{shape.name}, {args.quant} experts")
+    from hybridmoe.sim.published import ROWS
+
+    published = [r for r in ROWS if r.shape == shape.name and r.quant == args.quant]
+    plot(rows, args.plot, title=f"{shape.name}, {args.quant} experts", published=published)
     if args.json:
         print(
             json.dumps(

@@ -138,3 +138,26 @@ def report(path: Path) -> str:
             f"(random: {r['olmoe_overlap_if_random']:.1%})",
         )
     return "\n".join(lines)
+
+
+@torch.inference_mode()
+def decoded_stats(model, ids: torch.Tensor, mask: torch.Tensor, scored: torch.Tensor):
+    """Held-out perplexity of the engine's `model` fed the text one decode step at a time (so that
+    what applies to decode only, as expert deferral, applies), and its argmax predictions for the
+    scored tokens [S]."""
+    from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
+
+    nll, count, preds, block = 0.0, 0, [], 16
+    for row, m, sc in zip(ids, mask, scored):
+        tokens, sc = row[m].tolist(), sc[m]
+        cache = PagedKVCache(len(tokens) // block + 1, block)
+        table = list(range(cache.num_blocks))
+        for t, token in enumerate(tokens[:-1]):
+            ctx = PagedKVContext(cache, [table], [t], [1])
+            hidden = model(torch.tensor([token]), torch.tensor([t]), ctx, [(0, "eval")])  # [1, H]
+            if sc[t + 1]:
+                logits = model.logits(hidden)[0]  # [V]
+                nll -= torch.log_softmax(logits, -1)[tokens[t + 1]].item()
+                count += 1
+                preds.append(int(logits.argmax()))
+    return math.exp(nll / count), torch.tensor(preds)

@@ -3,7 +3,7 @@
 For each quantisation: does the model fit in RAM; what VRAM is left for experts once the dense
 weights, the KV-cache reserve and the runtime overhead are on the GPU; then the simulator runs the
 candidate policies at that budget (on the given trace, or a synthetic one of the model's shape)
-and the fastest wins. Dense layers are charged at GPU memory speed per token.
+and the fastest wins; the simulator charges the dense part (sim/dense.py).
 """
 
 from __future__ import annotations
@@ -71,20 +71,12 @@ def advise(
         kv_left = max(0.0, vram - dense_gb - on_gpu - RUNTIME_OVERHEAD_GB) if vram else 0.0
         opt = Option(quant, need <= ram, need, round(frac, 4), on_gpu, kv_left)
         cost = base.for_expert(shape.experts, quant)
-        dense_s = _dense_seconds_per_layer(shape, cost, qb)
         for policy in policies if frac > 0 else ("cpu",):
-            r = simulate(
-                lines, shape, cost, SimConfig(policy=policy, budget=str(frac), dense_s=dense_s)
-            )
+            r = simulate(lines, shape, cost, SimConfig(policy=policy, budget=str(frac)))
             if r.tokens_per_s > opt.tokens_per_s:
                 opt.policy, opt.tokens_per_s, opt.hit_rate = policy, r.tokens_per_s, r.hit_rate
         options.append(opt)
     return options
-
-
-def _dense_seconds_per_layer(shape: ModelShape, cost, qb: float) -> float:
-    bw = cost.bw_gpu if cost.has_gpu else cost.bw_cpu
-    return shape.dense_params * qb / bw / shape.num_moe_layers
 
 
 def synthetic_for(shape: ModelShape, tokens: int = 120):

@@ -73,15 +73,13 @@ class OraclePolicy(BeladyPolicy):
 
 
 def future_of(lines, shape: ModelShape, batch: int) -> Future:
-    steps = []
-    for i in range(0, len(lines), batch):
-        group = lines[i : i + batch]
-        steps.append(
-            [
-                sorted({e for line in group for e in line.layers[o]})
-                for o in range(len(group[0].layers))
-            ]
-        )
+    """When each key is used, with the steps grouped as the simulator groups them."""
+    from hybridmoe.sim.simulator import step_lines
+
+    steps = [
+        [sorted({e for line in group for e in line.layers[o]}) for o in range(len(group[0].layers))]
+        for group in step_lines(lines, batch)
+    ]
     return Future(steps, list(shape.experts.moe_layers))
 
 

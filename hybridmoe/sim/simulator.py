@@ -1,10 +1,16 @@
 """Discrete-event replay of a routing trace through the real planner, on modelled hardware.
 
 Three resources: the CPU pool, the GPU and the copy stream. For each step and MoE layer the
-planner makes the same call the engine makes (`plan(layer, routed, now)`); the plan's predicted
-times are the truth here, since the cost model *is* the hardware. The layer ends at its makespan
-(plus `dense_s` of attention and the rest, during which the copy stream keeps working); the next
-layer starts then. Copies queued on the copy stream run on across layers.
+planner makes the same calls the engine makes (`plan(layer, routed, now, defer=True)`, then
+`prepare`); the layer's truth comes from `machine.Machine`: the plan's times plus what the planner
+does not model (DRAM shared between copies and CPU experts, a CPU-GPU synchronisation per layer,
+expert deferral). Before its experts each layer runs its dense part (`dense.dense_cost`: attention
+over the context, shared experts, router; the head once a step) while the copy stream keeps
+working, then waits for its plan (the policy's measured cost for the layer's routed count, or a
+fixed `plan_us`), and cannot end before the planner's deferred part has.
+
+A batch of B is B sequences decoding together: the trace's requests (its "req" field) when it has
+B of them, else B equal stretches of it, each taken as a sequence; step t decodes token t of each.
 
 Fair protocol: the first `profile_tokens` steps only build statistics (placement, every
 policy's warm start, the predictor); figures are reported on the rest, which nobody has seen.
@@ -13,8 +19,12 @@ policy's warm start, the predictor); figures are reported on the rest, which nob
 from __future__ import annotations
 
 from collections import Counter
+from itertools import zip_longest
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from hybridmoe import tuning
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.cache import PLACEMENTS, parse_budget
 from hybridmoe.experts.plan.cost_model import CostModel
@@ -22,6 +32,8 @@ from hybridmoe.experts.plan.planner import Planner, Routed, make_planner
 from hybridmoe.experts.plan.policies import POLICIES, make_policy
 from hybridmoe.experts.plan.stats import read_stats
 from hybridmoe.experts.plan.trace_format import TraceLine
+from hybridmoe.sim.dense import DenseCost, dense_cost
+from hybridmoe.sim.machine import Machine
 from hybridmoe.sim.shapes import ModelShape
 
 
@@ -51,8 +63,29 @@ class SimConfig:
             "help": "leading tokens that only build statistics (default: half of the trace)",
         },
     )
-    batch: int = field(default=1, metadata={"help": "trace lines decoded together per step"})
-    dense_s: float = 0.0  # non-expert seconds per layer (attention etc.), copies overlap it
+    batch: int = field(
+        default=1, metadata={"help": "sequences decoded together per step (from the trace)"}
+    )
+    context: int = field(
+        default=512,
+        metadata={"metavar": "N", "help": "tokens of context each sequence attends over"},
+    )
+    defer_experts: int = field(
+        default=0,
+        metadata={
+            "metavar": "N",
+            "help": "CPU experts per layer whose result joins the next layer (expert deferral)",
+        },
+    )
+    dense_s: float = 0.0  # extra non-expert seconds per layer, beside the modelled dense part
+    plan_us: float | None = field(
+        default=None,
+        metadata={
+            "metavar": "US",
+            "help": "planner time per MoE layer on the critical path (default: the policy's "
+            "measured cost for the layer's routed count, tuning.PLANNER_US; 0 leaves planning out)",
+        },
+    )
     expert_stats: str | None = field(
         default=None,
         metadata={
@@ -71,6 +104,9 @@ class SimResult:
     slots: int
     tokens: int
     expert_ms_per_token: float
+    plan_ms_per_token: float  # planning on the critical path
+    prepare_ms_per_token: float  # the planner's deferred part, beside the experts
+    dense_ms_per_token: float  # attention, shared experts, router, head
     tokens_per_s: float
     hit_rate: float
     copies_per_token: float
@@ -86,11 +122,27 @@ class SimResult:
         return asdict(self)
 
 
+def step_lines(lines: list[TraceLine], batch: int) -> list[list[TraceLine]]:
+    """The trace lines each step decodes: token t of each of `batch` sequences (the trace's
+    requests when it has that many, each until it ends, else equal stretches of it)."""
+    if batch == 1:
+        return [[line] for line in lines]
+    by_req: dict[object, list[TraceLine]] = {}
+    for line in lines:
+        by_req.setdefault(line.req, []).append(line)
+    if None not in by_req and len(by_req) >= batch:
+        # The longest requests; a step decodes those not finished yet, as a server's batch does.
+        seqs = sorted(by_req.values(), key=len, reverse=True)[:batch]
+        return [[x for x in group if x is not None] for group in zip_longest(*seqs)]
+    n = len(lines) // batch
+    seqs = [lines[i * n : (i + 1) * n] for i in range(batch)]
+    return [list(group) for group in zip(*seqs)]
+
+
 def steps_of(lines: list[TraceLine], batch: int) -> list[list[list[Routed]]]:
-    """Group trace lines into steps; per step and layer, one Routed per distinct expert."""
+    """Per step and MoE layer, one Routed per distinct expert of the step's tokens."""
     steps = []
-    for i in range(0, len(lines), batch):
-        group = lines[i : i + batch]
+    for group in step_lines(lines, batch):
         layers = []
         for o in range(len(group[0].layers)):
             n, w = Counter(), Counter()
@@ -128,7 +180,8 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
     n_profile = len(steps) // 2 if cfg.profile_tokens is None else cfg.profile_tokens // cfg.batch
     if not 0 <= n_profile < len(steps):
         raise UserError(
-            f"--profile-tokens must leave tokens to measure; the trace has {len(lines)}"
+            f"--profile-tokens must leave tokens to measure; the trace has {len(lines)} lines, "
+            f"{len(steps)} steps of {cfg.batch}"
         )
     e = shape.experts
     total = cost.expert_bytes * e.num_experts * len(e.moe_layers)
@@ -148,18 +201,54 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
     return planner, steps, n_profile
 
 
-def run(planner: Planner, steps, start: int, dense_s: float = 0.0) -> float:
-    """Replay steps[start:]; returns the total expert seconds."""
-    layers = planner.layers
-    clock = expert_s = 0.0
+@dataclass
+class Clock:
+    """Where the simulated time went, in seconds."""
+
+    expert_s: float = 0.0  # from the end of planning to the layer's end, summed over layers
+    plan_s: float = 0.0  # planning on the critical path (what the layer's experts waited for)
+    prepare_s: float = 0.0  # the planner's deferred part (overlapped with the experts)
+    dense_s: float = 0.0  # the dense part (attention, head, ...)
+
+
+def planner_seconds(policy: str, routed: int) -> tuple[float, float]:
+    """(critical, deferred) seconds of planning a layer with `routed` distinct experts: the
+    policy's measured figures (tuning.PLANNER_US), interpolated linearly in the routed count and
+    flat beyond the measured ones; nothing for a policy that was not measured (the oracles)."""
+    points = tuning.PLANNER_US.get(policy)
+    if not points:
+        return 0.0, 0.0
+    n = [p[0] for p in points]
+    crit = float(np.interp(routed, n, [p[1] for p in points]))
+    deferred = float(np.interp(routed, n, [p[2] for p in points]))
+    return crit * 1e-6, deferred * 1e-6
+
+
+def run(planner: Planner, steps, start: int, machine: Machine, dense: DenseCost, cfg) -> Clock:
+    """Replay steps[start:] on `machine`; where the time went."""
+    layers, out, name = planner.layers, Clock(), planner.policy.name
+    clock = 0.0
     for step in steps[start:]:
         planner.begin_step()
+        clock += dense.per_step_s
+        out.dense_s += dense.per_step_s
         for o, routed in enumerate(step):
-            plan = planner.plan(layers[o], routed, now=clock)
-            planner.complete(plan)
-            expert_s += plan.makespan - clock
-            clock = plan.makespan + dense_s
-    return expert_s
+            clock += dense.per_layer_s + cfg.dense_s  # the copy stream works on meanwhile
+            out.dense_s += dense.per_layer_s + cfg.dense_s
+            if cfg.plan_us is None:
+                crit, deferred = planner_seconds(name, len(routed))
+            else:
+                crit, deferred = cfg.plan_us * 1e-6, 0.0
+            now = clock + crit
+            plan = planner.plan(layers[o], routed, now=now, defer=True)
+            planner.prepare(plan)
+            end = max(machine.layer(plan, now, last=o == len(step) - 1), now + deferred)
+            planner.complete(plan, finished_at=end)
+            out.expert_s += end - now
+            out.plan_s += crit
+            out.prepare_s += deferred
+            clock = end
+    return out
 
 
 def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None) -> SimResult:
@@ -169,16 +258,18 @@ def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=N
 
         policy = future_policy(cfg.policy, lines, shape, cfg.batch)
     planner, steps, start = build(lines, shape, cost, cfg, policy)
-    expert_s = run(planner, steps, start, cfg.dense_s)
-    return summarise(planner, cfg, cost, expert_s, len(steps) - start)
+    dense = dense_cost(shape, cost, cost.quant, cfg.batch, cfg.context)
+    clock = run(planner, steps, start, Machine(cost, cfg.defer_experts), dense, cfg)
+    return summarise(planner, cfg, cost, clock, len(steps) - start)
 
 
 def summarise(
-    planner: Planner, cfg: SimConfig, cost: CostModel, expert_s: float, n_steps: int
+    planner: Planner, cfg: SimConfig, cost: CostModel, clock: Clock, n_steps: int
 ) -> SimResult:
     s, p = planner.stats, planner.predictor.stats
     tokens = n_steps * cfg.batch
-    wall = expert_s + cfg.dense_s * len(planner.layers) * n_steps
+    expert_s = clock.expert_s
+    wall = expert_s + clock.plan_s + clock.dense_s
     return SimResult(
         policy=planner.policy.name,
         hardware=cost.name,
@@ -187,6 +278,9 @@ def summarise(
         slots=planner.cache.slots,
         tokens=tokens,
         expert_ms_per_token=1e3 * expert_s / tokens,
+        plan_ms_per_token=1e3 * clock.plan_s / tokens,
+        prepare_ms_per_token=1e3 * clock.prepare_s / tokens,
+        dense_ms_per_token=1e3 * clock.dense_s / tokens,
         tokens_per_s=n_steps * cfg.batch / wall if wall else 0.0,
         hit_rate=s.hit_rate,
         copies_per_token=(s.demand_copies + s.prefetches_issued) / tokens,

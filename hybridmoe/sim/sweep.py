@@ -82,8 +82,10 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[Row], path: str, title: str = "") -> None:
-    """tok/s (expert-bound) against budget: one line per policy, one panel per hardware profile."""
+def plot(rows: list[Row], path: str, title: str = "", published=()) -> None:
+    """tok/s against budget: one line per policy, the oracle dashed, one panel per hardware
+    profile; `published` (sim/published.py rows of this model) marked where their machine has a
+    panel, at their setting's budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,12 +98,23 @@ def plot(rows: list[Row], path: str, title: str = "") -> None:
         for policy in dict.fromkeys(r.policy for r in mine):
             pts = sorted((float(r.budget), r.tokens_per_s) for r in mine if r.policy == policy)
             style = "k--" if policy == "oracle" else "-o"
+            label = "oracle (knows the future)" if policy == "oracle" else policy
             ax.plot(
-                [100 * b for b, _ in pts], [t for _, t in pts], style, label=policy, markersize=3
+                [100 * b for b, _ in pts], [t for _, t in pts], style, label=label, markersize=3
+            )
+        for row in (r for r in published if r.hardware == hw):
+            ax.plot(100 * float(row.budget), row.tok_s, "r*", markersize=12)
+            ax.annotate(
+                f"published {row.tok_s:g}\n({row.engine})",
+                (100 * float(row.budget), row.tok_s),
+                textcoords="offset points",
+                xytext=(6, -4),
+                fontsize=7,
+                color="r",
             )
         ax.set_title(hw)
         ax.set_xlabel("GPU expert budget (% of expert bytes)")
-        ax.set_ylabel("tok/s (expert time bound)")
+        ax.set_ylabel("decode tok/s (simulated)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     if title:

@@ -10,6 +10,8 @@ Frequency placement reads activation statistics (stats.py).
 
 from __future__ import annotations
 
+import numpy as np
+
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.shape import Key
 from hybridmoe.experts.plan.stats import ExpertStats
@@ -78,7 +80,11 @@ def _per_layer_order(layers, num_experts, order) -> dict[int, list[Key]]:
 
 
 class ExpertCache:
-    """Slots and who holds them. Pure bookkeeping: which expert to evict is the policy's call."""
+    """Slots and who holds them. Pure bookkeeping: which expert to evict is the policy's call.
+
+    Once `track(layers, num_experts)` has been called (the planner does), the cache also keeps
+    [L, E] masks of resident and pinned keys by layer ordinal, and a count of changes, so that
+    policies can score whole layers at once."""
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -87,6 +93,30 @@ class ExpertCache:
         self.ready_at: dict[Key, float] = {}
         self.pinned: set[Key] = set()
         self._free = list(range(slots - 1, -1, -1))
+        self._pending: dict[Key, float] = {}  # keys whose copy may still be in flight
+        self.row: dict[int, int] = {}  # layer -> ordinal, once tracked
+        self.mask = np.zeros((0, 0), dtype=bool)  # [L, E] resident
+        self.pinned_mask = np.zeros((0, 0), dtype=bool)  # [L, E] pinned
+        self.changes = 0
+        self.row_version = np.zeros(0, dtype=np.int64)  # [L] bumped when a layer's keys change
+
+    def track(self, layers: list[int], num_experts: int) -> None:
+        """Keep [L, E] masks of what is resident and pinned, by layer ordinal."""
+        self.row = {layer: i for i, layer in enumerate(layers)}
+        self.mask = np.zeros((len(layers), num_experts), dtype=bool)
+        self.pinned_mask = np.zeros_like(self.mask)
+        self.row_version = np.zeros(len(layers), dtype=np.int64)
+        for key in self.slot_of:
+            self._mark(key, True)
+        for key in self.pinned:
+            self.pinned_mask[self.row[key[0]], key[1]] = True
+
+    def _mark(self, key: Key, resident: bool) -> None:
+        self.changes += 1
+        i = self.row.get(key[0])
+        if i is not None:
+            self.mask[i, key[1]] = resident
+            self.row_version[i] += 1
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
@@ -104,6 +134,13 @@ class ExpertCache:
         """Resident keys the policy may evict (pinned ones excluded)."""
         return (k for k in self.slot_of if k not in self.pinned)
 
+    def in_flight(self, now: float) -> set[Key]:
+        """Resident keys whose copy is not done at `now` (which never goes back)."""
+        done = [k for k, t in self._pending.items() if t <= now]
+        for k in done:
+            del self._pending[k]
+        return set(self._pending)
+
     def place(self, keys: list[Key], pinned: bool) -> None:
         """Fill slots at start (ready at time 0)."""
         for key in keys:
@@ -111,6 +148,8 @@ class ExpertCache:
                 self.insert(key, ready_at=0.0)
                 if pinned:
                     self.pinned.add(key)
+                    if key[0] in self.row:
+                        self.pinned_mask[self.row[key[0]], key[1]] = True
 
     def insert(self, key: Key, ready_at: float, evict: Key | None = None) -> int:
         """Give `key` a slot (the evicted key's, or a free one); usable from `ready_at` on."""
@@ -120,12 +159,17 @@ class ExpertCache:
         assert self._free, "no free slot: choose a victim first"
         slot = self._free.pop()
         self.slot_of[key], self.key_of[slot], self.ready_at[key] = slot, key, ready_at
+        if ready_at > 0:
+            self._pending[key] = ready_at
+        self._mark(key, True)
         return slot
 
     def remove(self, key: Key) -> int:
         assert key not in self.pinned, f"pinned expert {key} may not be evicted"
         slot = self.slot_of.pop(key)
         del self.ready_at[key]
+        self._pending.pop(key, None)
+        self._mark(key, False)
         self.key_of[slot] = None
         self._free.append(slot)
         return slot
@@ -136,3 +180,8 @@ class ExpertCache:
         for key, slot in self.slot_of.items():
             assert self.key_of[slot] == key
         assert self.pinned <= set(self.slot_of)
+        if self.row:
+            tracked = {k for k in self.slot_of if k[0] in self.row}
+            assert int(self.mask.sum()) == len(tracked)
+            assert all(self.mask[self.row[k[0]], k[1]] for k in tracked)
+            assert int(self.pinned_mask.sum()) == len({k for k in self.pinned if k[0] in self.row})

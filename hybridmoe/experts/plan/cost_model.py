@@ -92,6 +92,12 @@ class CostModel:
     # larger: 1 = the roofline's max, 0 = their sum (measured near 0 on one thread: the notes,
     # "cpu_overlap").
     cpu_overlap: float = 1.0
+    # What the machine charges besides the experts themselves (the simulator's physics; 0 = not
+    # modelled): all the bytes/s DRAM delivers, shared by the CPU experts and the copies' DMA; the
+    # floor of one small GPU kernel (launch and execution); one CPU<->GPU synchronisation a layer.
+    bw_dram: float = 0.0
+    c_kernel: float = 0.0
+    c_sync: float = 0.0
     # Geometry, filled in by for_expert():
     expert_bytes: float = 0.0
     flops_per_token: float = 0.0

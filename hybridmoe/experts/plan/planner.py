@@ -33,7 +33,9 @@ Objective per layer: makespan = max(CPU finish, GPU finish), where a GPU expert 
 waits for it, minus the value (seconds of expected future saving, from the policy) of what the
 copies leave in the cache. Experts whose copy is in flight are ordered by readiness, misses by
 CPU time saved; every pair of prefixes (a of the first, b of the second go to the GPU) is tried
-and the best kept (list scheduling on two resources; within 10% of brute force in the tests).
+and the best kept (list scheduling on two resources; within 5% of a brute force over every subset
+on the named hardware profiles, tests/test_planner.py). Misses the cache has no room for stay on
+the CPU, and are charged there.
 Then the policy's background candidates (admissions, prefetches) are queued on the copy stream
 while it is idle, or its backlog ends `policy.background_slack` copies before this layer does.
 """
@@ -43,6 +45,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from hybridmoe import tuning
 from hybridmoe.experts.plan.cache import ExpertCache, placement
 from hybridmoe.experts.plan.cost_model import CostModel
 from hybridmoe.experts.plan.predictor import Predictor, PredictorStats
@@ -61,10 +66,46 @@ class Routed:
 class Copy:
     layer: int
     expert: int
-    slot: int | None  # None: a staging buffer, not kept in the cache (Fiddler)
+    slot: int | None  # None: a staging buffer, not kept in the cache (valid for its layer only)
     evicted: Key | None
     start: float
     ready: float
+
+
+class _Times:
+    """A cost model's per-expert times, memoised by token count (the planner asks for the same few
+    counts thousands of times a step)."""
+
+    def __init__(self, cost: CostModel):
+        self.cost, self._cpu, self._gpu, self._act = cost, {}, {}, {}
+        self.copy = cost.t_copy()
+
+    def cpu(self, n: int) -> float:
+        t = self._cpu.get(n)
+        if t is None:
+            t = self._cpu[n] = self.cost.t_cpu(n)
+        return t
+
+    def gpu(self, n: int) -> float:
+        t = self._gpu.get(n)
+        if t is None:
+            t = self._gpu[n] = self.cost.t_gpu(n)
+        return t
+
+    def act(self, n: int) -> float:
+        t = self._act.get(n)
+        if t is None:
+            t = self._act[n] = self.cost.t_act(n)
+        return t
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One way to run a missed expert on the GPU: its copy and what that leaves in the cache."""
+
+    routed: Routed
+    how: object  # ("evict", victim or None): admitted to the cache; "stage": a staging buffer
+    gain: float  # seconds of cache value the copy leaves (value_weight included)
 
 
 @dataclass
@@ -133,6 +174,7 @@ class Planner:
         config: PlannerConfig | None = None,
     ):
         self.cost, self.cache, self.policy, self.predictor = cost, cache, policy, predictor
+        self.times = _Times(cost)
         self.config = config or PlannerConfig()
         self.layers = predictor.layers
         self.ordinal = predictor.ordinal
@@ -142,9 +184,12 @@ class Planner:
         self.position = 0  # step * L + ordinal of the layer being planned
         self._prefetched: set[Key] = set()
         self._late = 0
+        self._distances = (None, None)
+        self._unprepared = None  # (plan, routed) of a plan(defer=True) not yet prepared
         self.epoch = 0  # bumped whenever policy scores may change (policies cache rankings by it)
         self.stats = PlannerStats()
         self.uses_gpu = policy.uses_gpu and cost.has_gpu
+        cache.track(self.layers, predictor.num_experts)
         policy.bind(self)
 
     # ---- the calls ---------------------------------------------------------------------------
@@ -154,26 +199,53 @@ class Planner:
         self.stats.steps += 1
         self.predictor.begin_step()
 
-    def plan(self, layer: int, routed: list[Routed], now: float, predicted=None) -> Plan:
+    def plan(
+        self, layer: int, routed: list[Routed], now: float, predicted=None, defer: bool = False
+    ) -> Plan:
+        """Where each of `routed` runs, and the copies that takes. With `defer`, only what the
+        layer's experts wait for is done here, and the caller calls `prepare(plan, predicted)`
+        once it has started them (and before the next plan): the planner's bookkeeping for the
+        layers to come then overlaps this layer's work."""
+        if self._unprepared is not None:
+            raise RuntimeError("plan(defer=True) must be followed by prepare(plan)")
         self.epoch += 1
         self._locate(layer)
-        self._take_prediction(layer, predicted)
         plan = Plan(layer=layer, now=now)
         hits, late, misses = self._classify(layer, routed, now, plan)
-        # Learn this layer's routing before splitting it, so that a copy's worth (and a victim's)
-        # is judged by the layer's *next* visit, and the look-ahead to later layers is fresh.
-        self.predictor.observe(layer, [r.expert for r in routed])
-        if not self.uses_gpu:
+        if not self.uses_gpu:  # nothing to predict for: everything runs on the CPU
             plan.cpu, plan.gpu_hits = hits + late + misses, []
         else:
+            # Learn this layer's routing before splitting it, so that a copy's worth (and a
+            # victim's) is judged by the layer's *next* visit.
+            if self.policy.uses_predictor:
+                self.predictor.count_use(layer, [r.expert for r in routed])
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
-        self.policy.on_use(layer, routed, now)
+        self._count(plan, routed)
+        self._unprepared = (plan, routed)
+        if not defer:
+            self.prepare(plan, predicted)
+        return plan
+
+    def prepare(self, plan: Plan, predicted=None) -> list[Copy]:
+        """The rest of planning `plan`'s layer, which its experts do not wait for: the next
+        layer's router scores (`predicted`), the cross-layer look-ahead, the policy's bookkeeping,
+        and the background copies it wants (appended to plan.prefetches, and returned)."""
+        if self._unprepared is None or self._unprepared[0] is not plan:
+            raise RuntimeError("prepare(plan) takes the plan of the last plan() call, once")
+        routed = self._unprepared[1]
+        self._unprepared = None
+        self.policy.on_use(plan.layer, routed, plan.now)
         self.epoch += 1
         if self.uses_gpu:
-            self._background(layer, now, plan)
-        self._count(plan, routed)
-        return plan
+            if self.policy.uses_predictor:
+                self._take_prediction(plan.layer, predicted)
+                self.predictor.look_ahead(plan.layer)
+            self._background(plan.layer, plan.now, plan)
+            if self.policy.uses_predictor:
+                self.predictor.matrices()  # every layer's probabilities, fresh for the next plan
+            self.policy.prepare_next()
+        return plan.prefetches
 
     def observe_only(self, layer: int, routed: list[Routed]) -> None:
         """Learn from a layer's routing without planning it (the profile part of a trace)."""
@@ -199,10 +271,19 @@ class Planner:
         d = (self.ordinal[layer] - self.position % L) % L
         return d or L
 
+    def distances(self, position: int | None = None) -> np.ndarray:
+        """`distance` of every MoE layer, by ordinal [L], at this position (or `position`)."""
+        position = self.position if position is None else position
+        if self._distances[0] != position:
+            L = len(self.layers)
+            d = (np.arange(L) - position % L) % L
+            self._distances = (position, np.where(d == 0, L, d))
+        return self._distances[1]
+
     def protected(self, now: float, plan: Plan) -> set[Key]:
         """Keys no copy may evict now: used on the GPU by this plan, or still being copied."""
-        keys = {(plan.layer, r.expert) for r in plan.gpu_hits + plan.gpu_copied}
-        keys.update(k for k, t in self.cache.ready_at.items() if t > now)
+        keys = self.cache.in_flight(now)
+        keys.update((plan.layer, r.expert) for r in plan.gpu_hits + plan.gpu_copied)
         return keys
 
     # ---- steps of plan() ---------------------------------------------------------------------
@@ -233,90 +314,132 @@ class Planner:
 
     def _split(self, layer, late, misses, now, plan) -> None:
         """Choose which late/missed experts go to the GPU; issue their copies."""
-        rule = self.policy.copy_rule
-        movable = sorted(late, key=lambda r: self.cache.ready_at[(layer, r.expert)])
-        if rule == "none":
-            options = [(r, None, 0.0) for r in movable]
-        elif rule == "threshold":  # Fiddler: per expert, copy if copy + GPU beats the CPU
-            fast = [
-                r
-                for r in misses
-                if self.cost.t_copy() + self.cost.t_gpu(r.n_tokens) < self.cost.t_cpu(r.n_tokens)
-            ]
-            options = [(r, None, 0.0) for r in movable] + [(r, "copy", 0.0) for r in fast]
-        else:
-            options = [(r, None, 0.0) for r in movable] + self._copy_options(
-                layer, misses, now, plan
-            )
-        if rule == "threshold":
-            chosen = options
-        else:
-            chosen = self._best_split(plan, options[: len(movable)], options[len(movable) :], now)
-        gpu = {r.expert for r, _, _ in chosen}
-        plan.cpu = [r for r in movable + misses if r.expert not in gpu]
-        for r, how, _ in chosen:
-            if how is not None:
-                self._issue(layer, r.expert, how, now, plan.copies)
-            plan.ready[r.expert] = self.cache.ready_at.get(
-                (layer, r.expert), plan.copies[-1].ready if how else now
-            )
-            plan.gpu_copied.append(r)
-
-    def _copy_options(self, layer, misses, now, plan) -> list[tuple]:
-        """Misses that could be copied, biggest CPU saving first, each with its victim and gain."""
-        protect = self.protected(now, plan) | {(layer, r.expert) for r in misses}
-        free = self.cache.free_count()
-        out = []
-        # Biggest CPU saving first; among equals (decode: all one token) the policy's favourite.
-        order = sorted(
-            misses,
-            key=lambda r: (
-                -self.cost.t_cpu(r.n_tokens),
-                -self.policy.copy_priority((layer, r.expert)),
-            ),
+        # Soonest ready first; among equals the one that would take the CPU longest.
+        movable = sorted(
+            late,
+            key=lambda r: (self.cache.ready_at[(layer, r.expert)], -self.times.cpu(r.n_tokens)),
         )
+        if self.policy.copy_rule == "threshold":  # Fiddler: per expert, copy if copy + GPU wins
+            tm = self.times
+            chosen_late, chosen = (
+                movable,
+                [
+                    _Option(r, "stage", 0.0)
+                    for r in misses
+                    if tm.copy + tm.gpu(r.n_tokens) < tm.cpu(r.n_tokens)
+                ],
+            )
+        else:
+            chosen_late, chosen = self._choose(layer, movable, misses, now, plan)
+        gpu = {r.expert for r in chosen_late} | {o.routed.expert for o in chosen}
+        plan.cpu = [r for r in movable + misses if r.expert not in gpu]
+        for r in chosen_late:
+            plan.ready[r.expert] = self.cache.ready_at[(layer, r.expert)]
+            plan.gpu_copied.append(r)
+        for o in chosen:
+            copy = self._issue(layer, o.routed.expert, o.how, now, plan.copies)
+            plan.ready[o.routed.expert] = copy.ready
+            plan.gpu_copied.append(o.routed)
+
+    def _choose(self, layer, late, misses, now, plan) -> tuple[list[Routed], list[_Option]]:
+        """The best split over two orders of the misses: the most CPU time first (what a copy
+        saves; on every real machine also the most tokens first), and where the GPU is relatively
+        fastest first (the order in which the best split of work between two unrelated machines
+        takes jobs; it differs only where the GPU is slower than the CPU for some token counts).
+        Among equals (decode: all one token) the policy's favourite first."""
+        tm, policy = self.times, self.policy
+        experts = [r.expert for r in misses]
+        favourite = dict(zip(experts, (-x for x in policy.copy_priorities(layer, experts))))
+        by_cpu = sorted(misses, key=lambda r: (-tm.cpu(r.n_tokens), favourite[r.expert]))
+        by_ratio = sorted(
+            misses,
+            key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
+        )
+        best = None
+        for order in (by_cpu, by_ratio) if by_ratio != by_cpu else (by_cpu,):
+            options, stranded = self._copy_options(layer, order, now, plan)
+            cost, chosen_late, b = self._best_split(plan, late, options, stranded, now)
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, chosen_late, options[:b])
+        return best[1], best[2]
+
+    def _copy_options(self, layer, order, now, plan) -> tuple[list[_Option], list[Routed]]:
+        """The misses in `order` that could be copied, each admitted to the cache (with its victim
+        and gain) or staged in a buffer that is not kept; and those that can run only on the CPU.
+        A copy is staged where the cache has no room, or where admitting it would cost more cache
+        value than it leaves (the victim is likelier to be used)."""
+        policy = self.policy
+        tokens = sum(r.n_tokens for r in order) / self.predictor.top_k
+        stage, admit = policy.may_stage(tokens), policy.keeps_copies
+        protect = self.protected(now, plan) | {(layer, r.expert) for r in order}
+        rooms = policy.rooms(layer, protect, now, self.cache.free_count()) if admit else iter(())
+        room = next(rooms, _NO_ROOM)
+        options, stranded = [], []
         for r in order:
-            key = (layer, r.expert)
-            ok, victim = self.policy.make_room(key, protect, now, free)
-            if not ok:
-                break
-            if victim is None:
-                free -= 1
-            else:
-                protect.add(victim)
-            gain = self.config.value_weight * self.policy.admit_gain(key, victim, now)
-            out.append((r, ("evict", victim), gain))
-        return out
-
-    def _best_split(self, plan: Plan, late, copies, now) -> list:
-        """Which leading late experts (soonest ready first) and leading copy options (biggest CPU
-        saving first) to run on the GPU: the pair of prefixes minimising makespan - value."""
-        best, best_cost = [], math.inf
-        for a in range(len(late) + 1):
-            for b in range(len(copies) + 1):
-                gpu = late[:a] + copies[:b]
-                cpu = [r for r, _, _ in late[a:] + copies[b:]]
-                cost = self._makespan(plan, cpu, gpu, now) - sum(g for _, _, g in gpu)
-                if cost < best_cost - 1e-12:
-                    best, best_cost = gpu, cost
-        return best
-
-    def _makespan(self, plan: Plan, cpu, gpu_options, now) -> float:
-        c = self.cost
-        cpu_end = now + sum(c.t_cpu(r.n_tokens) for r in cpu)
-        if cpu:
-            cpu_end += c.t_act(max(r.n_tokens for r in cpu))
-        gpu_end = now + sum(c.t_gpu(r.n_tokens) for r in plan.gpu_hits)
-        copy_t, readies = max(now, self.copy_free), []
-        for r, how, _ in gpu_options:
+            key, how, gain = (layer, r.expert), None, 0.0
+            if room is not _NO_ROOM:  # a free slot (None) or a victim
+                gain = self.config.value_weight * policy.admit_gain(key, room, now)
+                if gain >= 0.0 or not stage:
+                    how = ("evict", room)
+                    room = next(rooms, _NO_ROOM)
+            if how is None and stage:
+                how, gain = "stage", 0.0
             if how is None:
-                readies.append((self.cache.ready_at[(plan.layer, r.expert)], r.n_tokens))
+                stranded.append(r)
             else:
-                copy_t += c.t_copy()
-                readies.append((copy_t, r.n_tokens))
-        for ready, n in sorted(readies):  # the GPU takes copied experts as they arrive
-            gpu_end = max(gpu_end, ready) + c.t_gpu(n)
-        return max(cpu_end, gpu_end)
+                options.append(_Option(r, how, gain))
+        return options, stranded
+
+    def _best_split(self, plan: Plan, late, options, stranded, now) -> tuple[float, list, int]:
+        """Which late experts and how many leading copy options run on the GPU: (makespan - value,
+        the late ones, b) of the best choice. The stranded misses stay on the CPU whatever is
+        chosen."""
+        tm = self.times
+        opt_cpu = [tm.cpu(o.routed.n_tokens) for o in options]
+        base_cpu = sum(opt_cpu) + sum(tm.cpu(r.n_tokens) for r in stranded)
+        # The most tokens a CPU expert has (its activation transfer), left after b options.
+        opt_max = _suffix_max([o.routed.n_tokens for o in options])
+        stranded_max = max((r.n_tokens for r in stranded), default=0)
+        copy_start, t_copy = max(now, self.copy_free), tm.copy
+        best, best_cost = ([], 0), math.inf
+        for gpu_a, cpu_a, max_a, chosen in self._late_choices(plan, late, now):
+            gpu, cpu, gain = gpu_a, base_cpu + cpu_a, 0.0
+            for b in range(len(options) + 1):
+                if b:
+                    o = options[b - 1]
+                    gpu = max(gpu, copy_start + b * t_copy) + tm.gpu(o.routed.n_tokens)
+                    cpu -= opt_cpu[b - 1]
+                    gain += o.gain
+                n_max = max(max_a, opt_max[b], stranded_max)
+                cpu_end = now + cpu + tm.act(n_max) if n_max else now
+                cost = max(cpu_end, gpu) - gain
+                if cost < best_cost - 1e-12:
+                    best, best_cost = (list(chosen), b), cost
+        return best_cost, *best
+
+    def _late_choices(self, plan: Plan, late, now) -> list[tuple]:
+        """The undominated ways to split the late experts (in flight, soonest first) between GPU
+        and CPU: (GPU end, CPU seconds, most tokens on the CPU, the GPU's share). The GPU takes
+        them as they land (the best order for one machine with release times), so an exact
+        Pareto front over the three figures; beyond `tuning.LATE_SUBSETS` experts, prefixes."""
+        tm = self.times
+        start = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
+        front = [(start, 0.0, 0, ())]
+        exact = len(late) <= tuning.LATE_SUBSETS
+        for r in late:
+            ready = self.cache.ready_at[(plan.layer, r.expert)]
+            g, t, n = tm.gpu(r.n_tokens), tm.cpu(r.n_tokens), r.n_tokens
+            grown = [(max(gpu, ready) + g, cpu, most, on + (r,)) for gpu, cpu, most, on in front]
+            if exact:
+                grown += [(gpu, cpu + t, max(most, n), on) for gpu, cpu, most, on in front]
+                front = _undominated(grown)
+            else:  # prefixes: the first a on the GPU, the rest on the CPU
+                front.append(grown[-1])
+        if not exact:
+            cpu_left = [sum(tm.cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
+            most = _suffix_max([r.n_tokens for r in late])
+            front = [(g, cpu_left[a], most[a], on) for a, (g, _, _, on) in enumerate(front)]
+        return front
 
     def _issue(self, layer: int, expert: int, how, now: float, out: list[Copy]) -> Copy:
         """Queue one copy on the copy stream and record it in the cache."""
@@ -324,7 +447,7 @@ class Planner:
         ready = start + self.cost.t_copy()
         self.copy_free = ready
         key, victim, slot = (layer, expert), None, None
-        if how != "copy" and self.policy.keeps_copies:
+        if how != "stage" and self.policy.keeps_copies:
             victim = how[1]
             if victim is not None:
                 self._prefetched.discard(victim)
@@ -337,14 +460,14 @@ class Planner:
         return copy
 
     def _schedule(self, plan: Plan) -> None:
-        """Predicted finish times of the chosen split (the same arithmetic as _makespan)."""
-        c, now = self.cost, plan.now
-        plan.cpu_finish = now + sum(c.t_cpu(r.n_tokens) for r in plan.cpu)
+        """Predicted finish times of the chosen split (the same arithmetic as _best_split)."""
+        tm, now = self.times, plan.now
+        plan.cpu_finish = now + sum(tm.cpu(r.n_tokens) for r in plan.cpu)
         if plan.cpu:
-            plan.cpu_finish += c.t_act(max(r.n_tokens for r in plan.cpu))
-        t = now + sum(c.t_gpu(r.n_tokens) for r in plan.gpu_hits)
+            plan.cpu_finish += tm.act(max(r.n_tokens for r in plan.cpu))
+        t = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
         for r in sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert]):
-            t = max(t, plan.ready[r.expert]) + c.t_gpu(r.n_tokens)
+            t = max(t, plan.ready[r.expert]) + tm.gpu(r.n_tokens)
         plan.gpu_finish = t
 
     def _background(self, layer: int, now: float, plan: Plan) -> None:
@@ -369,7 +492,7 @@ class Planner:
             self.stats.prefetches_issued += 1
 
     def _count(self, plan: Plan, routed: list[Routed]) -> None:
-        s, c = self.stats, self.cost
+        s, tm = self.stats, self.times
         s.layers += 1
         s.routed += len(routed)
         s.hits += len(plan.gpu_hits)
@@ -379,8 +502,29 @@ class Planner:
         s.gpu_runs += len(plan.gpu_hits) + len(plan.gpu_copied)
         s.demand_copies += len(plan.copies)
         s.cpu_busy_s += plan.cpu_finish - plan.now if plan.cpu else 0.0
-        s.gpu_busy_s += sum(c.t_gpu(r.n_tokens) for r in plan.gpu_hits + plan.gpu_copied)
+        s.gpu_busy_s += sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits + plan.gpu_copied)
         s.predicted_s += plan.makespan - plan.now
+
+
+_NO_ROOM = object()
+
+
+def _undominated(points: list[tuple]) -> list[tuple]:
+    """The points no other beats (or ties) on all of their first three figures."""
+    points.sort(key=lambda p: p[:3])
+    kept = []
+    for p in points:
+        if not any(q[1] <= p[1] and q[2] <= p[2] for q in kept):
+            kept.append(p)
+    return kept
+
+
+def _suffix_max(values: list[int]) -> list[int]:
+    """out[i] = max(values[i:]), with out[len(values)] = 0."""
+    out = [0] * (len(values) + 1)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = max(values[i], out[i + 1])
+    return out
 
 
 def make_planner(

@@ -1,7 +1,8 @@
 """Cache and placement policies under one interface, so each peer is a baseline we can run.
 
 The planner (planner.py) does the scheduling arithmetic; a policy answers its questions:
-may a miss be copied (`copy_rule`), which resident to evict for a key (`make_room`), what a copy
+may a miss be copied (`copy_rule`), kept (`keeps_copies`) or staged in a buffer that is not kept
+(`may_stage`), which resident to evict for a key (`make_room`), what a copy
 leaves behind is worth (`admit_gain`, seconds), which keys to copy in the background
 (`background`), and whether one is worth its victim (`worth`).
 
@@ -10,7 +11,7 @@ leaves behind is worth (`admit_gain`, seconds), which keys to copy in the backgr
 | cpu       | every routed expert on the CPU                 | KTransformers 0 GPU experts,        |
 |           |                                                | llama.cpp --cpu-moe                 |
 | static    | placed set pinned, never changes; misses on    | KTransformers --kt-num-gpu-experts, |
-|           | the CPU                                        | llama.cpp --n-cpu-moe               |
+|           | the CPU (staged to the GPU from 32 tokens)     | llama.cpp --n-cpu-moe               |
 | fiddler   | static popular set; a miss is copied (not      | Fiddler                             |
 |           | kept) iff copy+GPU beats the CPU               |                                     |
 | hybrimoe  | makespan split, per-layer cache by EMA of      | HybriMoE                            |
@@ -25,6 +26,10 @@ leaves behind is worth (`admit_gain`, seconds), which keys to copy in the backgr
 
 from __future__ import annotations
 
+import heapq
+
+import numpy as np
+
 from hybridmoe import tuning
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.shape import Key
@@ -33,8 +38,11 @@ from hybridmoe.experts.plan.shape import Key
 class Policy:
     name = "base"
     uses_gpu = True
-    copy_rule = "makespan"  # "none" | "makespan" | "threshold"
-    keeps_copies = True
+    copy_rule = "makespan"  # "makespan" (the planner's split) | "threshold" (per expert)
+    keeps_copies = True  # a demand copy may be admitted to the cache
+    # Tokens in a layer from which a copy may go to a staging buffer that is not kept (where the
+    # cache has no room, or admitting would evict something likelier to be used); None = never.
+    stage_from: int | None = 0
     partition = False  # per-layer slot quotas, as caches built per layer module are
     default_placement = "frequency"
     pin_placement = False  # placed experts pinned (static sets) or only a warm start
@@ -43,6 +51,7 @@ class Policy:
     # Whether the policy's predictor learns cross-layer co-occurrence (ours); a peer keeps the
     # signals its paper describes (HybriMoE: the next router, or recency/frequency without it).
     cross_layer = False
+    uses_predictor = False  # reads the predictor (else the planner leaves it untouched)
     needs_future = False  # knows the trace ahead: runs only in the simulator
 
     def bind(self, planner) -> None:
@@ -52,7 +61,7 @@ class Policy:
             planner.cost,
             planner.predictor,
         )
-        self.L = len(planner.layers)
+        self.L, self.E = len(planner.layers), planner.predictor.num_experts
         self._ranked, self._ranked_epoch = [], None
 
     # ---- hooks the planner calls -------------------------------------------------------------
@@ -76,34 +85,67 @@ class Policy:
         """Among misses that save the same CPU time, which to copy first (higher first)."""
         return 0.0
 
+    def copy_priorities(self, layer: int, experts: list[int]) -> list[float]:
+        """copy_priority of several experts of one layer."""
+        return [self.copy_priority((layer, e)) for e in experts]
+
     def background(self, layer: int, now: float, plan):
         return ()
+
+    def prepare_next(self) -> None:
+        """Work for the next plan that can be done while this layer's experts run."""
 
     def worth(self, key: Key, victim: Key | None, now: float) -> bool:
         return True
 
+    def may_stage(self, tokens: float) -> bool:
+        """Whether this layer's misses (`tokens` tokens in the step) may be copied unkept."""
+        return self.stage_from is not None and tokens >= self.stage_from
+
     def make_room(
-        self, key: Key, protect: set[Key], now: float, free: int
+        self, key: Key, protect: set[Key], now: float, free: int, taken: int = 0
     ) -> tuple[bool, Key | None]:
-        """(True, None): a free slot; (True, victim): evict it; (False, None): no room."""
+        """(True, None): a free slot; (True, victim): evict it; (False, None): no room. `free`:
+        slots still free; `taken`: free slots already promised to `key`'s layer by this plan."""
         if self.partition:
-            return self._room_in_layer(key, protect, now, free)
+            return self._room_in_layer(key, protect, now, free, taken)
         if free > 0:
             return True, None
-        victim = self._victim(self.cache.dynamic(), protect, now)
+        victim = self._victim(None, protect, now)
         return victim is not None, victim
 
+    def rooms(self, layer: int, protect: set[Key], now: float, free: int):
+        """The room `layer`'s demand copies may take, best first: None for each free slot (within
+        the layer's quota for a per-layer policy), then victims. Read as far as needed; each
+        victim read is added to `protect`."""
+        if self.partition:
+            i = self.planner.ordinal[layer]
+            yield from [None] * max(
+                0, min(free, self._quota(layer) - int(self.cache.mask[i].sum()))
+            )
+            mine = np.flatnonzero(self.cache.mask[i] & ~self.cache.pinned_mask[i])  # [m] experts
+            ranked = mine[np.argsort(self.row_scores(i, now)[mine], kind="stable")].tolist()
+            victims = ((layer, e) for e in ranked)
+        else:
+            yield from [None] * free
+            victims = (
+                k for k in self._ranking(now) if k in self.cache and k not in self.cache.pinned
+            )
+        for victim in victims:
+            if victim not in protect:
+                protect.add(victim)
+                yield victim
+
     # ---- shared helpers ----------------------------------------------------------------------
+    def row_scores(self, i: int, now: float) -> np.ndarray:
+        """keep_score of every expert of the layer of ordinal i, [E]."""
+        layer = self.planner.layers[i]
+        return np.array([self.keep_score((layer, e), now) for e in range(self.E)])
+
     def _victim(self, keys, protect, now):
         """The evictable key with the lowest keep_score. Scores only change when the planner's
         epoch does (a new layer, or new observations), so the ranking is computed once per epoch."""
-        group = keys if isinstance(keys, list) else None
-        ranking = (
-            self._ranking(now)
-            if group is None
-            else sorted(group, key=lambda k: self.keep_score(k, now))
-        )
-        for k in ranking:
+        for k in self._ranking(now):
             if k not in protect and k in self.cache and k not in self.cache.pinned:
                 return k
         return None
@@ -119,14 +161,19 @@ class Policy:
         base, extra = divmod(self.cache.slots, self.L)
         return base + (self.planner.ordinal[layer] < extra)
 
-    def _room_in_layer(self, key, protect, now, free):
-        mine = [k for k in self.cache.dynamic() if k[0] == key[0]]
-        if free > 0 and len(mine) + sum(
-            1 for k in self.cache.pinned if k[0] == key[0]
-        ) < self._quota(key[0]):
+    def _room_in_layer(self, key, protect, now, free, taken=0):
+        """A free slot within the layer's quota, else its lowest-scored unprotected resident."""
+        cache, i = self.cache, self.planner.ordinal[key[0]]
+        if free > 0 and int(cache.mask[i].sum()) + taken < self._quota(key[0]):
             return True, None
-        victim = self._victim(mine, protect, now)
-        return victim is not None, victim
+        mine = np.flatnonzero(cache.mask[i] & ~cache.pinned_mask[i])  # [m] experts
+        if len(mine):
+            scores = self.row_scores(i, now)[mine]
+            for j in np.argsort(scores, kind="stable"):
+                victim = (key[0], int(mine[j]))
+                if victim not in protect:
+                    return True, victim
+        return False, None
 
     def _cpu_misses(self, layer, plan):
         """This layer's experts that just ran on the CPU: demand caching admits them."""
@@ -139,8 +186,13 @@ class CPUPolicy(Policy):
 
 
 class StaticPolicy(Policy):
+    """A fixed set on the GPU. Like llama.cpp with its MoE weights in host RAM, a layer with at
+    least `LLAMA_CPP_OFFLOAD_BATCH` tokens may copy its missed experts over for the layer (staged,
+    never kept); below that, as in decode, misses run on the CPU."""
+
     name = "static"
-    copy_rule = "none"
+    keeps_copies = False
+    stage_from = tuning.LLAMA_CPP_OFFLOAD_BATCH
     pin_placement = True
 
 
@@ -160,30 +212,38 @@ class HybriMoEPolicy(Policy):
 
     name = "hybrimoe"
     partition = True
+    uses_predictor = True
     default_placement = "uniform"
     alpha = 0.5  # HybriMoE's score-cache EMA factor
 
-    def __init__(self):
-        self.score: dict[Key, float] = {}
+    def bind(self, planner) -> None:
+        super().bind(planner)
+        self.score = np.zeros((self.L, self.E))  # [L, E] EMA of router weights
 
     def on_use(self, layer, routed, now):
-        weights = {r.expert: r.weight for r in routed}
-        a = self.alpha
-        for e in range(self.predictor.num_experts):
-            key = (layer, e)
-            self.score[key] = a * weights.get(e, 0.0) + (1 - a) * self.score.get(key, 0.0)
+        i, a = self.planner.ordinal[layer], self.alpha
+        row = self.score[i]
+        row *= 1 - a
+        row[[r.expert for r in routed]] += a * np.array([r.weight for r in routed])
 
     def on_insert(self, key, victim, now):
         # A prefetched expert enters with its predicted score,
         # so the next prefetch does not evict it.
+        i = self.planner.ordinal[key[0]]
         p = self.predictor.p_next(key) / self.predictor.top_k
-        self.score[key] = max(self.score.get(key, 0.0), self.alpha * p)
+        self.score[i, key[1]] = max(self.score[i, key[1]], self.alpha * p)
 
     def keep_score(self, key, now):
-        return self.score.get(key, 0.0)
+        return float(self.score[self.planner.ordinal[key[0]], key[1]])
+
+    def row_scores(self, i, now):
+        return self.score[i]
 
     def copy_priority(self, key):
-        return self.score.get(key, 0.0)
+        return self.keep_score(key, 0.0)
+
+    def copy_priorities(self, layer, experts):
+        return self.score[self.planner.ordinal[layer], experts].tolist()
 
     def background(self, layer, now, plan):
         o = self.planner.ordinal[layer]
@@ -202,15 +262,18 @@ class LRUPolicy(Policy):
     partition = True
     default_placement = "uniform"
 
-    def __init__(self):
-        self.last: dict[Key, int] = {}
+    def bind(self, planner) -> None:
+        super().bind(planner)
+        self.last = np.full((self.L, self.E), -1.0)  # [L, E] position of the last use
 
     def on_use(self, layer, routed, now):
-        for r in routed:
-            self.last[(layer, r.expert)] = self.planner.position
+        self.last[self.planner.ordinal[layer], [r.expert for r in routed]] = self.planner.position
 
     def keep_score(self, key, now):
-        return self.last.get(key, -1)
+        return float(self.row_scores(self.planner.ordinal[key[0]], now)[key[1]])
+
+    def row_scores(self, i, now):
+        return self.last[i]
 
     def background(self, layer, now, plan):
         return self._cpu_misses(layer, plan)
@@ -219,23 +282,20 @@ class LRUPolicy(Policy):
 class LFUPolicy(LRUPolicy):
     name = "lfu"
 
-    def __init__(self):
-        super().__init__()
-        self.uses: dict[Key, int] = {}
+    def bind(self, planner) -> None:
+        super().bind(planner)
+        self.uses = np.zeros((self.L, self.E))  # [L, E] uses (the warm start's counts first)
 
     def on_use(self, layer, routed, now):
         super().on_use(layer, routed, now)
-        for r in routed:
-            key = (layer, r.expert)
-            self.uses[key] = self.uses.get(key, 0) + 1
+        self.uses[self.planner.ordinal[layer], [r.expert for r in routed]] += 1
 
     def warm_start(self, stats):
-        for i, layer in enumerate(stats.layers):
-            for e, c in enumerate(stats.counts[i]):
-                self.uses[(layer, e)] = c
+        for layer, row in zip(stats.layers, stats.counts):
+            self.uses[self.planner.ordinal[layer]] = row
 
-    def keep_score(self, key, now):
-        return self.uses.get(key, 0) + 1e-9 * self.last.get(key, -1)  # ties: least recent out
+    def row_scores(self, i, now):
+        return self.uses[i] + 1e-9 * self.last[i]  # ties: least recent out
 
 
 class ValuePolicy(Policy):
@@ -247,6 +307,7 @@ class ValuePolicy(Policy):
 
     name = "value"
     cross_layer = True
+    uses_predictor = True
 
     def distance(self, key: Key, now: float, arrive: float | None = None) -> float:
         # Used at the next visit with p (which may carry the cross-layer signal, good for that one
@@ -270,6 +331,9 @@ class ValuePolicy(Policy):
     def copy_priority(self, key):
         return self.predictor.p_next(key)
 
+    def copy_priorities(self, layer, experts):
+        return self.predictor.p_layer(layer)[experts].tolist()
+
     def admit_gain(self, key, victim, now):
         saving = self.cost.hit_saving(1)
         lost = self.predictor.p_next(victim) if victim is not None else 0.0
@@ -283,21 +347,131 @@ class ValuePolicy(Policy):
             victim, now
         )
 
+    # ---- the same, for many keys at once ---------------------------------------------------
+    def bind(self, planner) -> None:
+        super().bind(planner)
+        self._layer_ids = np.asarray(planner.layers)
+        k = min(tuning.VALUE_CANDIDATES_PER_LAYER, self.E)
+        self._cand = np.zeros((self.L, k), dtype=np.intp)  # [L, k] each layer's best non-residents
+        self._cand_seen = np.full((2, self.L), -1, dtype=np.int64)  # versions they were made at
+        self._ranked_at = None
+
+    def prepare_next(self) -> None:
+        """Rank the residents for the next plan now, while this layer's experts run: all but the
+        next layer's, whose probabilities that plan changes first (it patches them in)."""
+        position = self.planner.position + 1
+        nxt = position % self.L
+        dyn = self.cache.mask & ~self.cache.pinned_mask
+        dyn[nxt] = False
+        rows, cols = np.nonzero(dyn)
+        keys = self._sorted(rows, cols, self._distances(rows, cols, 0.0, position=position))
+        self._pre = (position, self.predictor.row_version.copy(), keys)
+
+    def _distances(self, rows, cols, now, arrive=None, position=None) -> np.ndarray:
+        """`distance` of the keys (layer ordinal rows[j], expert cols[j]) [n], at the planner's
+        position (or `position`)."""
+        P, Q = self.predictor.matrices()
+        d = self.planner.distances(position)[rows]
+        t = self.planner.layer_time
+        if arrive is not None and t > 0:
+            d = d + self.L * (arrive > now + d * t)  # the copy would miss this visit
+        p = np.maximum(P[rows, cols], 1e-3)
+        q = np.maximum(Q[rows, cols], 1e-3)
+        return d + self.L * (1.0 - p) / q
+
+    def _sorted(self, rows, cols, distance, first: int = 32) -> list[tuple[float, Key]]:
+        """The `first` keys of largest distance, largest first, as (-distance, key)."""
+        n = len(distance)
+        head = np.argpartition(-distance, first)[:first] if n > first else np.arange(n)
+        head = head[np.argsort(-distance[head], kind="stable")]
+        ids = self._layer_ids
+        return list(
+            zip((-distance[head]).tolist(), zip(ids[rows[head]].tolist(), cols[head].tolist()))
+        )
+
+    def _ranking(self, now):
+        """Dynamic residents, largest distance first (the lowest keep_score). The ranking that
+        prepare_next made is patched with the layer being planned; else made afresh."""
+        at = (self.planner.position, self.predictor.changes)
+        if self._ranked_at != at:
+            self._ranked = _Lazy(self._ranked_keys(now))
+            self._ranked_at = at
+        return self._ranked
+
+    def _ranked_keys(self, now):
+        pre, position = getattr(self, "_pre", None), self.planner.position
+        if pre is not None and pre[0] == position:
+            changed = np.flatnonzero(self.predictor.row_version != pre[1])
+            here = position % self.L
+            if all(r == here for r in changed.tolist()):
+                cols = np.flatnonzero(self.cache.mask[here] & ~self.cache.pinned_mask[here])
+                rows = np.full(len(cols), here)
+                mine = self._sorted(rows, cols, self._distances(rows, cols, now), len(cols))
+                seen = set()
+                for _, key in heapq.merge(pre[2], mine):
+                    seen.add(key)
+                    yield key
+                if len(pre[2]) < 32:  # that was every resident
+                    return
+                yield from (k for k in self._every_key(now) if k not in seen)
+                return
+        yield from self._every_key(now)
+
+    def _every_key(self, now):
+        rows, cols = np.nonzero(self.cache.mask & ~self.cache.pinned_mask)
+        for _, key in self._sorted(rows, cols, self._distances(rows, cols, now), len(rows)):
+            yield key
+
+    def _in_order(self, rows, cols, scores, first: int):
+        """Keys in order of `scores`, lowest first: the `first` lowest sorted, then the rest."""
+        n = len(scores)
+        head = np.argpartition(scores, first)[:first] if n > first else np.arange(n)
+        head = head[np.argsort(scores[head], kind="stable")]
+        ids = self._layer_ids
+        yield from zip(ids[rows[head]].tolist(), cols[head].tolist())
+        if n > first:
+            rest = np.setdiff1d(np.arange(n), head)
+            rest = rest[np.argsort(scores[rest], kind="stable")]
+            yield from zip(ids[rows[rest]].tolist(), cols[rest].tolist())
+
     def background(self, layer, now, plan):
-        cands = []
-        for other in self.planner.layers:
-            p = self.predictor.p_layer(other)
-            order = sorted(range(len(p)), key=lambda e: -p[e])
-            taken = 0
-            for e in order:
-                if (other, e) in self.cache:
-                    continue
-                cands.append((other, e))
-                taken += 1
-                if taken == tuning.VALUE_CANDIDATES_PER_LAYER:
-                    break
+        """Each layer's most likely experts not resident, shortest distance first (counting a
+        copy that cannot arrive in time as a miss of that visit)."""
+        P, _ = self.predictor.matrices()
+        versions = np.stack([self.predictor.row_version, self.cache.row_version])  # [2, L]
+        k = self._cand.shape[1]
+        for i in np.flatnonzero((versions != self._cand_seen).any(axis=0)):
+            p = np.where(self.cache.mask[i], -np.inf, P[i])  # [E]
+            self._cand[i] = np.argpartition(-p, k - 1)[:k] if k < self.E else np.arange(k)
+        self._cand_seen = versions
+        rows = np.repeat(np.arange(self.L), k)
+        cols = self._cand.ravel()
+        keep = ~self.cache.mask[rows, cols]  # a layer with fewer than k non-residents
+        rows, cols = rows[keep], cols[keep]
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
-        return sorted(cands, key=lambda k: self.distance(k, now, arrive))
+        return self._in_order(rows, cols, self._distances(rows, cols, now, arrive), first=16)
+
+
+class _Lazy:
+    """A sequence drawn from an iterator as far as it is read, and kept: several readers of one
+    ranking in one plan pay for the prefix they read, once."""
+
+    def __init__(self, items):
+        self._items, self._seen = items, []
+
+    def __iter__(self):
+        i = 0
+        while True:
+            if i == len(self._seen):
+                nxt = next(self._items, _END)
+                if nxt is _END:
+                    return
+                self._seen.append(nxt)
+            yield self._seen[i]
+            i += 1
+
+
+_END = object()
 
 
 class BeladyPolicy(Policy):

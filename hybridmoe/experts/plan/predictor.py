@@ -21,7 +21,6 @@ It also scores itself: for every observed layer, precision and recall of its top
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +59,9 @@ class CrossLayer:
     The score of b given the set S at layer i is the largest over a in S of the smoothed
     conditional (co[a, b] + prior * f(b)) / (n[a] + prior), f the marginal rate of b at layer i+h.
     It is not a calibrated probability: the predictor bands it and learns what each band means.
+
+    The discount is kept as one scale per (h, layer) rather than applied to E*E counts each step:
+    the true counts are co[h][i] * scale[h][i] (`counts`).
     """
 
     horizons = (1, 2)
@@ -67,63 +69,90 @@ class CrossLayer:
     def __init__(self, n_layers: int, num_experts: int, window: int):
         L, E = n_layers, num_experts
         self.keep = 1.0 - 1.0 / window if window else 1.0
+        self.E = E
         self.co = {h: np.zeros((L, E, E)) for h in self.horizons}  # [L, E, E]
         self.n = {h: np.zeros((L, E)) for h in self.horizons}  # [L, E]
-        self.sets: dict[int, list[int]] = {}  # layer ordinal -> experts it used at this step
+        self.scale = {h: np.ones(L) for h in self.horizons}  # [L]
+        self.sets: dict[int, np.ndarray] = {}  # layer ordinal -> experts it used at this step
 
     def begin_step(self) -> None:
         self.sets.clear()
 
-    def learn(self, i: int, used: list[int]) -> None:
+    def counts(self, h: int, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """The discounted (co [E, E], n [E]) of layer i and horizon h."""
+        return self.co[h][i] * self.scale[h][i], self.n[h][i] * self.scale[h][i]
+
+    def learn(self, i: int, used) -> None:
         """Layer ordinal i ran `used` at this step (layers arrive in model order)."""
+        used = np.asarray(used, dtype=np.intp)
         for h in self.horizons:
             src = self.sets.get(i - h)
-            if src:
-                co, n = self.co[h][i - h], self.n[h][i - h]
-                co *= self.keep
-                n *= self.keep
-                co[np.ix_(src, used)] += 1.0
-                n[src] += 1.0
-        self.sets[i] = list(used)
+            if src is not None and len(src):
+                scale = self.scale[h]
+                scale[i - h] *= self.keep
+                if scale[i - h] < 1e-150:  # fold the scale in before it underflows
+                    self.co[h][i - h] *= scale[i - h]
+                    self.n[h][i - h] *= scale[i - h]
+                    scale[i - h] = 1.0
+                one = 1.0 / scale[i - h]
+                co = self.co[h][i - h].reshape(-1)  # a view of [E, E]
+                co[(src[:, None] * self.E + used).ravel()] += one  # the pairs are distinct
+                self.n[h][i - h][src] += one
+        self.sets[i] = used
 
-    def scores(self, i: int, h: int, rate) -> np.ndarray:
+    def scores(self, i: int, h: int, rate: np.ndarray) -> np.ndarray:
         """Per expert of layer i+h, its probability given what layer i used at this step."""
-        src = self.sets[i]
-        f = np.minimum(np.asarray(rate, dtype=float), 1.0)  # [E]
-        cond = (self.co[h][i][src] + CROSS_LAYER_PRIOR * f) / (
-            self.n[h][i][src, None] + CROSS_LAYER_PRIOR
+        src, scale = self.sets[i], self.scale[h][i]
+        f = np.minimum(rate, 1.0)  # [E]
+        cond = (self.co[h][i][src] * scale + CROSS_LAYER_PRIOR * f) / (
+            self.n[h][i][src, None] * scale + CROSS_LAYER_PRIOR
         )  # [|S|, E]
         # The strongest pull wins: the mean dilutes a strong successor by 1/|S|
         # (docs/notes/2026-11-24-measurements-in-code.md).
         return cond.max(axis=0)
 
 
+_AGE = np.asarray(AGE_EDGES, dtype=float)
+_FREQ = np.asarray(FREQ_EDGES, dtype=float)
+_LIFT = np.asarray(LIFT_EDGES, dtype=float)
+# Calibration cells: (router bucket 0-3, age bucket, frequency bucket) numbered base = (r * NA + a)
+# * NF + f; with a cross-layer band b >= 1 (one per horizon and score level) the banded cell is
+# base * NB + b, in a table of its own.
+_NA, _NF = len(AGE_EDGES) + 1, len(FREQ_EDGES) + 1
+_NB = 1 + 2 * (len(LIFT_EDGES) + 1)
+_BASE_CELLS = 4 * _NA * _NF
+
+
 class Predictor:
+    """Per (layer, expert) state in [L, E] arrays; each layer's probabilities are computed for
+    all its experts at once and kept until something they depend on changes (`_stale`)."""
+
     window = PREDICTOR_WINDOW  # visits over which frequency is counted (0 = all history)
 
     def __init__(self, layers: list[int], num_experts: int, top_k: int, cross_layer: bool = False):
         self.layers, self.num_experts, self.top_k = list(layers), num_experts, top_k
         self.ordinal = {layer: i for i, layer in enumerate(self.layers)}
         L, E = len(self.layers), num_experts
-        self.last_use = [[-(10**9)] * E for _ in range(L)]
-        self.count = [[0.0] * E for _ in range(L)]
-        self.weight = [0.0] * L  # visits counted in `count` (discounted like it)
-        self.visits = [0] * L  # steps observed per layer
-        self.router: dict[
-            int, list[int]
-        ] = {}  # layer ordinal -> rank of each expert by router score
-        self._p: dict[
-            int, list[float]
-        ] = {}  # layer ordinal -> p_next of each expert, until it changes
-        self._base: dict[int, list[float]] = {}  # the same without the cross-layer signal
-        self.hits: dict[tuple, float] = {}
-        self.trials: dict[tuple, float] = {}
+        self.last_use = np.full((L, E), -(10**9), dtype=np.int64)  # [L, E] visit of last use
+        self.count = np.zeros((L, E))  # [L, E] discounted uses
+        self.weight = np.zeros(L)  # [L] visits counted in `count` (discounted like it)
+        self.visits = np.zeros(L, dtype=np.int64)  # [L] steps observed per layer
+        self.router = np.zeros((L, E), dtype=np.intp)  # [L, E] router bucket (0: no scores)
+        self.band = np.zeros((L, E), dtype=np.intp)  # [L, E] cross-layer band (0: none)
+        self.hits, self.trials = np.zeros(_BASE_CELLS), np.zeros(_BASE_CELLS)
+        self.band_hits = np.zeros(_BASE_CELLS * _NB)
+        self.band_trials = np.zeros(_BASE_CELLS * _NB)
+        # Per layer ordinal, until stale: its calibration cells (base [E], banded [E] or None);
+        # its probabilities are the rows of P (p_next) and Q (p_base), [L, E] each.
+        self._rows: dict[int, tuple] = {}
+        self.P, self.Q = np.zeros((L, E)), np.zeros((L, E))
         # Pairs need more history than single experts (E*E counts): 4x the frequency window.
         self.cross = CrossLayer(L, E, 4 * self.window) if cross_layer else None
-        self.lift: dict[
-            int, tuple[int, list[float]]
-        ] = {}  # layer ordinal -> (h, cross-layer score per expert)
+        self.lift: dict[int, int] = {}  # layer ordinal -> horizon of its cross-layer score
         self.stats = PredictorStats()
+        self._used = (-1, None)  # (layer ordinal, experts) of the last count_use
+        self.changes = 0  # bumped whenever any layer's probabilities may change
+        self.row_version = np.zeros(L, dtype=np.int64)  # [L] bumped when that layer's may
 
     # ---- inputs ------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -134,142 +163,150 @@ class Predictor:
     def set_router_scores(self, layer: int, probs) -> None:
         """Probabilities for `layer`'s experts at its coming visit (None clears them)."""
         i = self.ordinal[layer]
-        self._p.pop(i, None)
+        self._stale(i)
+        row = self.router[i]
         if probs is None:
-            self.router.pop(i, None)
-        else:
-            probs = [float(p) for p in probs]
-            order = sorted(range(len(probs)), key=lambda e: -probs[e])
-            rank = [0] * len(probs)
-            for r, e in enumerate(order):
-                rank[e] = r
-            self.router[i] = rank
+            row[:] = 0
+            return
+        probs = np.asarray(probs, dtype=float)  # [E]
+        k = self.top_k
+        # rank < k: 3, < 2k: 2, else 1; ties broken by expert id, as a stable sort would
+        order = np.argsort(-probs, kind="stable")
+        row[:] = 1
+        row[order[: 2 * k]] = 2
+        row[order[:k]] = 3
 
     def observe(self, layer: int, experts) -> None:
-        """`layer` ran with `experts` (ids) this step: learn from it,
-        then update recency/frequency."""
+        """`layer` ran with `experts` (distinct ids) this step: learn from it, update its recency
+        and frequency, then look ahead to the next layers."""
+        self.count_use(layer, experts)
+        self.look_ahead(layer)
+
+    def count_use(self, layer: int, experts) -> None:
+        """The part of `observe` that concerns `layer` itself: its calibration cells, recency and
+        frequency (what the planner needs before it splits the layer)."""
         i = self.ordinal[layer]
-        used = set(experts)
-        self._score_guess(i, used)
-        trials, hits = self.trials, self.hits
-        for e in range(self.num_experts):
-            for cell in self._cells(i, e):
-                trials[cell] = trials.get(cell, 0.0) + 1.0
-                if e in used:
-                    hits[cell] = hits.get(cell, 0.0) + 1.0
+        used = np.array(sorted(experts), dtype=np.intp)
+        base, banded = self._row(i)
+        self._score_guess(self.P[i], used)
+        np.add.at(self.trials, base, 1.0)
+        np.add.at(self.hits, base[used], 1.0)
+        if banded is not None:
+            np.add.at(self.band_trials, banded, 1.0)
+            np.add.at(self.band_hits, banded[used], 1.0)
         self.visits[i] += 1
         if self.window:  # discount old uses so the frequency follows drifting popularity
             keep = 1.0 - 1.0 / self.window
-            self.count[i] = [c * keep for c in self.count[i]]
+            self.count[i] *= keep
             self.weight[i] *= keep
         self.weight[i] += 1.0
-        for e in used:
-            self.last_use[i][e] = self.visits[i]
-            self.count[i][e] += 1.0
-        self.router.pop(i, None)
+        self.last_use[i, used] = self.visits[i]
+        self.count[i, used] += 1.0
+        self.router[i] = 0
+        self.band[i] = 0
         self.lift.pop(i, None)
-        self._p.pop(i, None)
-        self._base.pop(i, None)
-        if self.cross is not None:
-            self._look_ahead(i, sorted(used))
+        self._stale(i)
+        self._used = (i, used)
 
-    def _look_ahead(self, i: int, used: list[int]) -> None:
-        """Learn from this token's layer i, then score layers i+1, i+2 given it (the nearer wins,
-        since the layers arrive in order and a later call overwrites)."""
+    def look_ahead(self, layer: int) -> None:
+        """The rest of `observe`: learn the cross-layer pairs of what `layer` just used, then score
+        layers i+1, i+2 given it (the nearer wins, since the layers arrive in order and a later
+        call overwrites). Nothing to do without the cross-layer signal."""
+        i = self.ordinal[layer]
+        if self.cross is None or self._used[0] != i:
+            return
+        used = self._used[1]
         self.cross.learn(i, used)
         for h in self.cross.horizons:
             j = i + h
             if j < len(self.layers):
-                rate = [self._rate(j, e) for e in range(self.num_experts)]
-                self.lift[j] = (h, self.cross.scores(i, h, rate).tolist())
-                self._p.pop(j, None)
-                self._base.pop(j, None)
+                score = self.cross.scores(i, h, self._rates(j))
+                level = np.searchsorted(_LIFT, score * self.num_experts / self.top_k, "left")
+                self.band[j] = 1 + (h - 1) * (len(LIFT_EDGES) + 1) + level
+                self.lift[j] = h
+                self._stale(j)
 
     def warm_start(self, counts: list[list[int]], tokens: int) -> None:
         """Frequency from activation statistics (the profile part of a trace, or a stats file)."""
-        for i, row in enumerate(counts):
-            self.count[i] = [float(c) for c in row]
-            self.visits[i] = max(self.visits[i], tokens)
-            self.weight[i] = float(tokens)
-        self._p.clear()
-        self._base.clear()
+        self.count[:] = np.asarray(counts, dtype=float)
+        self.visits[:] = np.maximum(self.visits, tokens)
+        self.weight[:] = float(tokens)
+        self._rows.clear()
+        self.changes += 1
+        self.row_version += 1
 
     # ---- outputs -----------------------------------------------------------------------------
     def p_next(self, key: Key) -> float:
         """Probability that expert key[1] is used at the next visit of layer key[0]."""
-        return self.p_layer(key[0])[key[1]]
+        i = self.ordinal[key[0]]
+        self._row(i)
+        return float(self.P[i, key[1]])
 
-    def p_layer(self, layer: int) -> list[float]:
-        """p_next of every expert of `layer`; cached until that layer is observed again."""
+    def p_layer(self, layer: int) -> np.ndarray:
+        """p_next of every expert of `layer` [E] (a view: read it, do not keep it)."""
         i = self.ordinal[layer]
-        p = self._p.get(i)
-        if p is None:
-            p = self._p[i] = [self._estimate(i, e) for e in range(self.num_experts)]
-        return p
+        self._row(i)
+        return self.P[i]
+
+    def p_base_layer(self, layer: int) -> np.ndarray:
+        """p_base of every expert of `layer` [E] (a view)."""
+        i = self.ordinal[layer]
+        self._row(i)
+        return self.Q[i]
 
     def p_base(self, key: Key) -> float:
         """p_next without the cross-layer signal: what recency, frequency (and the router) say.
         The cross-layer score speaks of one visit only; the visits after it look like this."""
-        if self.cross is None:
-            return self.p_next(key)
         i = self.ordinal[key[0]]
-        p = self._base.get(i)
-        if p is None:
-            p = self._base[i] = [self._estimate(i, e, cross=False) for e in range(self.num_experts)]
-        return p[key[1]]
+        self._row(i)
+        return float(self.Q[i, key[1]])
+
+    def matrices(self) -> tuple[np.ndarray, np.ndarray]:
+        """(P, Q): p_next and p_base of every (layer ordinal, expert), [L, E] each, up to date."""
+        if len(self._rows) < len(self.layers):
+            for i in range(len(self.layers)):
+                self._row(i)
+        return self.P, self.Q
 
     def predict(self, layer: int, k: int | None = None) -> list[int]:
         """The k most likely experts of `layer` at its next visit, most likely first."""
         k = self.top_k if k is None else k
-        p = self.p_layer(layer)
-        return sorted(range(self.num_experts), key=lambda e: -p[e])[:k]
+        return np.argsort(-self.p_layer(layer), kind="stable")[:k].tolist()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _estimate(self, i: int, e: int, cross: bool = True) -> float:
-        cell = self._cells(i, e)[-1 if cross else 0]
-        prior = min(1.0, self._rate(i, e))
-        return (self.hits.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT * prior) / (
-            self.trials.get(cell, 0.0) + PREDICTOR_PRIOR_WEIGHT
-        )
+    def _stale(self, i: int) -> None:
+        self._rows.pop(i, None)
+        self.changes += 1
+        self.row_version[i] += 1
 
-    def _rate(self, i: int, e: int) -> float:
-        return self.count[i][e] / max(1.0, self.weight[i])
+    def _rates(self, i: int) -> np.ndarray:
+        return self.count[i] / max(1.0, self.weight[i])  # [E]
 
-    def _cells(self, i: int, e: int) -> list[tuple]:
-        """The calibration cells this (layer, expert) falls in now: its recency/frequency/router
-        cell, and that cell split by the cross-layer band when there is one (both are learnt, so
-        p_base stays calibrated on every layer)."""
-        base = self._cell(i, e)
-        band = self._cross_bucket(i, e)
-        return [base, base + (band,)] if band else [base]
+    def _row(self, i: int) -> tuple:
+        """Layer i's calibration cells and probabilities, computed for all experts at once."""
+        row = self._rows.get(i)
+        if row is None:
+            rate = self._rates(i)
+            age = self.visits[i] - self.last_use[i] + 1  # [E]; 1 = used at the previous visit
+            a = np.searchsorted(_AGE, age, "left")
+            f = np.searchsorted(_FREQ, rate * self.num_experts / self.top_k, "left")
+            base = (self.router[i] * _NA + a) * _NF + f  # [E]
+            prior = PREDICTOR_PRIOR_WEIGHT * np.minimum(rate, 1.0)
+            q = (self.hits[base] + prior) / (self.trials[base] + PREDICTOR_PRIOR_WEIGHT)
+            self.Q[i] = q
+            banded = None
+            if self.lift.get(i):
+                banded = base * _NB + self.band[i]  # [E]
+                q = (self.band_hits[banded] + prior) / (
+                    self.band_trials[banded] + PREDICTOR_PRIOR_WEIGHT
+                )
+            self.P[i] = q
+            row = self._rows[i] = (base, banded)
+        return row
 
-    def _cell(self, i: int, e: int) -> tuple:
-        age = self.visits[i] - self.last_use[i][e] + 1  # 1 = used at the previous visit
-        rel = self.count[i][e] / max(1.0, self.weight[i]) * self.num_experts / self.top_k
-        return (
-            self._router_bucket(i, e),
-            bisect.bisect_left(AGE_EDGES, age),
-            bisect.bisect_left(FREQ_EDGES, rel),
-        )
-
-    def _cross_bucket(self, i: int, e: int) -> int:
-        """0: no cross-layer score for this visit; else one band per (horizon, score level)."""
-        got = self.lift.get(i)
-        if got is None:
-            return 0
-        h, score = got
-        level = bisect.bisect_left(LIFT_EDGES, score[e] * self.num_experts / self.top_k)
-        return 1 + (h - 1) * (len(LIFT_EDGES) + 1) + level
-
-    def _router_bucket(self, i: int, e: int) -> int:
-        ranks = self.router.get(i)
-        if ranks is None:
-            return 0
-        rank = ranks[e]
-        return 3 if rank < self.top_k else 2 if rank < 2 * self.top_k else 1
-
-    def _score_guess(self, i: int, used: set[int]) -> None:
-        guess = self.predict(self.layers[i])
-        self.stats.predicted += len(guess)
-        self.stats.correct += len(used.intersection(guess))
+    def _score_guess(self, p: np.ndarray, used: np.ndarray) -> None:
+        k = min(self.top_k, len(p))
+        guess = np.argpartition(-p, k - 1)[:k] if k < len(p) else np.arange(k)
+        self.stats.predicted += k
+        self.stats.correct += len(set(guess.tolist()).intersection(used.tolist()))
         self.stats.actual += len(used)

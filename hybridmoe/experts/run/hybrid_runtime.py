@@ -67,6 +67,14 @@ class HybridConfig:
             "choices": PLACEMENTS,
         },
     )
+    defer_experts: int = field(
+        default=0,
+        metadata={
+            "metavar": "N",
+            "help": "in decode, each token's N lowest-weight experts join the next MoE layer's "
+            "output instead of their own (expert deferral; approximate, 0 = exact)",
+        },
+    )
     device: str = "cpu"  # "cuda" | "emulated" | "cpu" (resolved from --device auto by the caller)
     expert_stats: str | None = field(
         default=None,
@@ -90,9 +98,14 @@ def make_runtime(
 ) -> ExpertRuntime:
     """The runtime `config` asks for: the hybrid one when there is an accelerator (CUDA or
     emulated), else the CPU one (cost: the calibrated cost model, needed only by the hybrid one)."""
+    if config.defer_experts < 0:
+        raise UserError("--defer-experts takes 0 or more experts")
     if config.device != "cpu":
-        return HybridRuntime(shape, dtype, config, cost)
-    return CPURuntime(shape, dtype, config.cpu_workers)
+        runtime = HybridRuntime(shape, dtype, config, cost)
+    else:
+        runtime = CPURuntime(shape, dtype, config.cpu_workers)
+    runtime.defer_experts = config.defer_experts
+    return runtime
 
 
 def device_cost(cost: CostModel, device: str) -> CostModel:
@@ -180,18 +193,20 @@ class HybridRuntime(BaseRuntime):
         routed = [
             Routed(e, len(rows), float(topk_weights[rows, cols].sum())) for e, rows, cols in groups
         ]
-        predicted = self._predict_next(layer, hint)
         acc, before = self.acc, vars(self.planner.stats).copy()
         gpu_before, copy_before = acc.gpu_busy_s, acc.copy_busy_s
         start = acc.begin_layer()
-        plan = self.planner.plan(layer, routed, now=start, predicted=predicted)
-        staged = self._issue_copies(plan)
+        plan = self.planner.plan(layer, routed, now=start, defer=True)
+        staged = self._issue_copies(plan, plan.copies)
         cpu = self._run_cpu(layer, [(r.expert, x[rows_of[r.expert]]) for r in plan.cpu])
         gpu_order = plan.gpu_hits + sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert])
         handles = [
             acc.run(x[rows_of[r.expert]], layer, r.expert, self._buffer(layer, r.expert, staged))
             for r in gpu_order
         ]
+        # The planner's bookkeeping for the layers to come, and its background copies, while
+        # this layer's experts run.
+        self._issue_copies(plan, self.planner.prepare(plan, self._predict_next(layer, hint)))
         cpu_out, cpu_s = cpu.result()
         gpu_out = acc.gather(handles)
         finish = acc.end_layer(self._cpu_clock(plan, cpu_s))
@@ -208,10 +223,10 @@ class HybridRuntime(BaseRuntime):
         )
         return combine(outputs, groups, x, topk_ids, topk_weights), report
 
-    def _issue_copies(self, plan: Plan) -> dict[int, object]:
-        """Demand copies, then prefetches, on the copy stream; the staging buffers of this layer."""
+    def _issue_copies(self, plan: Plan, copies) -> dict[int, object]:
+        """`copies` on the copy stream, in order; the staging buffers of this layer they fill."""
         staged = {}
-        for c in plan.copies + plan.prefetches:
+        for c in copies:
             buf = self.acc.copy(c.layer, c.expert, c.slot)
             if c.slot is None and c.layer == plan.layer:
                 staged[c.expert] = buf
@@ -228,9 +243,9 @@ class HybridRuntime(BaseRuntime):
             return plan.cpu_finish - plan.now
         return cpu_s + self.cost.t_act(max(r.n_tokens for r in plan.cpu))
 
-    def _predict_next(self, layer: int, hint) -> list[float] | None:
-        """The next MoE layer's router on this layer's input, per-expert mean probability,
-        or None."""
+    def _predict_next(self, layer: int, hint):
+        """The next MoE layer's router on this layer's input, per-expert mean probability [E]
+        (a numpy array), or None."""
         if hint is None or not self.planner.uses_gpu:
             return None
-        return hint().mean(dim=0).tolist()  # [E]
+        return hint().mean(dim=0).float().numpy()  # [E]

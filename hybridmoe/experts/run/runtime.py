@@ -91,6 +91,30 @@ class ExpertRuntime(Protocol):
     def close(self) -> None: ...
 
 
+_DEFERRED = "deferred experts"  # Step.notes key: the previous layer's deferred experts
+
+
+def _all_decode(step: Step) -> bool:
+    return bool(step.decode_rows) and len(step.decode_rows) == step.num_tokens
+
+
+def _split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n: int):
+    """Expert deferral (KTransformers, SOSP'25): each token's `n` experts of lowest router weight
+    leave this layer and join the next one's output, so that the CPU computes them while the next
+    layer's attention runs. (ids [T, K-n], weights [T, K-n]) kept, and (ids, weights) [T, n]
+    deferred, each in the original top-k order."""
+    n = min(n, topk_ids.shape[1] - 1)  # a token keeps at least one expert in its own layer
+    low = torch.argsort(topk_weights, dim=1, stable=True)[:, :n]  # [T, n]
+    deferred = torch.zeros_like(topk_ids, dtype=torch.bool).scatter_(1, low, True)  # [T, K]
+    keep, later = ~deferred, deferred
+    t, k = topk_ids.shape
+    return (
+        topk_ids[keep].view(t, k - n),
+        topk_weights[keep].view(t, k - n),
+        (topk_ids[later].view(t, n), topk_weights[later].view(t, n)),
+    )
+
+
 class _ThreadStep(threading.local):
     step: Step | None = None  # the step in progress on this thread
 
@@ -117,6 +141,7 @@ class BaseRuntime:
         self.observers: list[Observer] = [stats]
         self._local = _ThreadStep()
         self._closed = False
+        self.defer_experts = 0  # expert deferral in decode steps (set by make_runtime)
 
     def finish_loading(self) -> None:
         """Called once every expert is in the store."""
@@ -145,7 +170,15 @@ class BaseRuntime:
                 "an MoE layer ran outside a step: the model's forward must call begin_step first"
             )
         o = self.ordinal[layer]
-        out, report = self._layer(layer, x, topk_ids, topk_weights, hint)
+        ids, weights = topk_ids, topk_weights
+        if self.defer_experts and o < len(self.layers) - 1 and _all_decode(step):
+            ids, weights, later = _split_deferred(topk_ids, topk_weights, self.defer_experts)
+        out, report = self._layer(layer, x, ids, weights, hint)
+        earlier = step.notes.pop(_DEFERRED, None)
+        if earlier is not None:  # the previous layer's deferred experts join the stream here
+            out = out + earlier()
+        if ids is not topk_ids:
+            step.notes[_DEFERRED] = self._defer(layer, x, *later)
         for observer in self.observers:
             observer.on_layer(step, o, topk_ids, topk_weights, report)
         if o == len(self.layers) - 1:
@@ -159,6 +192,13 @@ class BaseRuntime:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The layer's output [T, H], and what happened (RuntimeStats' fields) for the observers."""
         raise NotImplementedError
+
+    def _defer(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """Start the deferred experts ids [T, N] on the CPU; a callable that waits for them and
+        returns their weighted sum [T, H] (what the next MoE layer adds to its output)."""
+        groups = group_by_expert(ids)
+        job = self._run_cpu(layer, [(e, x[rows]) for e, rows, _ in groups])
+        return lambda: combine_grouped(x, groups, job.result()[0], weights).to(x.dtype)
 
     def _run_cpu(self, layer: int, inputs: list[tuple[int, torch.Tensor]]):
         """Start (expert, rows [n, H]) pairs on the CPU; `.result()` -> (outputs, busy seconds)."""
