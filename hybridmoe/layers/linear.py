@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe import native
+from hybridmoe.layers.lora import LoRA, add_lora
 from hybridmoe.tuning import FEW_ROWS, THREADED_NATIVE_ROWS
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -51,7 +52,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint names) computed by `linear` above."""
+    """nn.Linear (same parameters, same checkpoint names) computed by `linear` above, plus the LoRA
+    adapters attached to it (layers/lora.py), each on the rows that use it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.adapters: dict[str, LoRA] = {}  # name -> adapter; not submodules (layers/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return add_lora(y, x, self.adapters) if self.adapters else y

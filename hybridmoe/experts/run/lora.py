@@ -1,0 +1,117 @@
+"""LoRA on routed experts: one adapter's low-rank terms for every expert of one MoE layer, and the
+expert op with them.
+
+In PEFT's terms this is a LoRA on the layer's fused expert parameters (transformers >= 5 keeps
+gate_up_proj [E, 2I, H] and down_proj [E, H, I]; peft's `target_parameters`): each expert e has its
+own pair per matrix, gate_up adding scaling * B_e A_e to [gate; up] (A_e [r, H], B_e [2I, r]) and
+down adding scaling * B_e A_e to down (A_e [r, I], B_e [H, r]). The frozen weights are the store's
+records, used in place: never copied, never upcast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridmoe.experts.run.ffn import expert_ffn
+from hybridmoe.experts.run.store import ExpertWeights
+
+MATRICES = ("gate_up", "down")
+
+
+class ExpertLoRA(nn.Module):
+    """One adapter on the routed experts of one layer; a matrix not targeted has no factors."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        rank: int,
+        alpha: float,
+        matrices: tuple[str, ...] = MATRICES,
+    ):
+        super().__init__()
+        E, H, II, r = num_experts, hidden, intermediate, rank
+        self.scaling = alpha / rank
+        self.matrices = tuple(m for m in MATRICES if m in matrices)
+        shapes = {"gate_up": ((E, r, H), (E, 2 * II, r)), "down": ((E, r, II), (E, H, r))}
+        for m in MATRICES:
+            a, b = shapes[m] if m in self.matrices else (None, None)
+            setattr(self, f"{m}_A", nn.Parameter(torch.zeros(a)) if a else None)
+            setattr(self, f"{m}_B", nn.Parameter(torch.zeros(b)) if b else None)
+
+    def factors(self, matrix: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [E, r, in], B [E, out, r]) of `matrix`, or None when it is not targeted."""
+        a = getattr(self, f"{matrix}_A")
+        return None if a is None else (a, getattr(self, f"{matrix}_B"))
+
+    def reset(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's initialisation of each expert's pair: A uniform in +-1/sqrt(in) (Kaiming with
+        a = sqrt 5), B zero."""
+        with torch.no_grad():
+            for m in self.matrices:
+                a, b = self.factors(m)
+                bound = 1 / math.sqrt(a.shape[2])
+                a.uniform_(-bound, bound, generator=generator)
+                b.zero_()
+
+    def delta_weight(self, matrix: str, expert: int) -> torch.Tensor:
+        """scaling * B_e A_e: [2I, H] (gate_up) or [H, I] (down), what merging adds."""
+        a, b = self.factors(matrix)
+        return self.scaling * b[expert] @ a[expert]
+
+
+def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """scaling * (x A^T) B^T for x [n, in], A [r, in], B [out, r] -> [n, out], in A's dtype."""
+    return F.linear(F.linear(x.to(a.dtype), a), b) * scaling
+
+
+def gate_up(x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int) -> torch.Tensor:
+    """Expert e's [gate; up] pre-activations [n, 2I] for x [n, H], its gate_up LoRA included."""
+    gu = F.linear(x.to(w.gate_up.dtype), w.gate_up)  # [n, 2I]
+    f = lora.factors("gate_up")
+    if f is None:
+        return gu
+    return gu.to(f[0].dtype) + _low_rank(x, f[0][e], f[1][e], lora.scaling)
+
+
+def expert_ffn_lora(x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int) -> torch.Tensor:
+    """expert_ffn (experts/run/ffn.py) of expert e with `lora`'s terms: x [n, H] -> [n, H]."""
+    gate, up = gate_up(x, w, lora, e).chunk(2, dim=-1)  # [n, I] each
+    h = F.silu(gate) * up  # [n, I]
+    y = F.linear(h.to(w.down.dtype), w.down)  # [n, H]
+    f = lora.factors("down")
+    if f is not None:
+        y = y.to(f[0].dtype) + _low_rank(h, f[0][e], f[1][e], lora.scaling)
+    return y.to(x.dtype)
+
+
+@dataclass
+class RowLoRA:
+    """Which rows of a layer's input [T, H] use which adapter's expert LoRA (serving several
+    adapters in one batch)."""
+
+    adapter: torch.Tensor  # [T] int64: an index into `loras`, or -1 for the base model
+    loras: list[ExpertLoRA]
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The adapter index of each of `rows` [n], or None when none of them has one."""
+        which = self.adapter[rows]  # [n]
+        return which if bool((which >= 0).any()) else None
+
+
+def expert_rows(
+    x: torch.Tensor, w: ExpertWeights, e: int, which: torch.Tensor, loras: list[ExpertLoRA]
+) -> torch.Tensor:
+    """Expert e on rows x [n, H] of several adapters (`which` [n]: index into `loras`, -1 none):
+    each row as its own adapter, or the base model, computes it -> [n, H]."""
+    out = torch.empty_like(x)  # [n, H]
+    for a in which.unique().tolist():
+        sel = (which == a).nonzero()[:, 0]  # [m]
+        out[sel] = expert_ffn(x[sel], w) if a < 0 else expert_ffn_lora(x[sel], w, loras[a], e)
+    return out
