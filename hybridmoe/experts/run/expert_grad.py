@@ -5,12 +5,12 @@ runtime's (experts/run/ffn.py), as a `torch.autograd.Function` whose backward gi
 the layer input, of the routing weights (the router learns nothing unless asked, but the loss still
 reaches earlier layers through them) and of the experts' LoRA factors (experts/run/lora.py). The
 frozen weights stay the store's records, in their dtype: autograd never sees them, so it never keeps
-or upcasts a copy, and nothing of size [2I, H] is made per expert.
+or upcasts a copy, and nothing of the size of an expert's weights is made.
 
-Memory: the forward keeps only its inputs (x [T, H], the routing); the backward recomputes each
-expert's [n, 2I] pre-activations rather than keeping them for every layer of the step. Per expert
-with n rows, the backward costs the forward's two matmuls once more (the recomputed gate_up and the
-input gradient through gate_up), plus the one through down.
+What the forward keeps for the backward, per expert with n rows: its [gate; up] pre-activations
+[n, 2I] in the model's dtype, and the LoRA's rank-r projections x A^T and h A^T [n, r]. The backward
+then costs two frozen matmuls per expert (the input gradient through down and through gate_up), as
+many as the forward.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.experts.run.ffn import group_by_expert
-from hybridmoe.experts.run.lora import ExpertLoRA, expert_ffn_lora, gate_up
+from hybridmoe.experts.run.lora import ExpertLoRA, down, gate_up
 from hybridmoe.experts.run.store import ExpertStore, ExpertWeights
 
 
@@ -58,34 +58,48 @@ def expert_layer(
     return _ExpertLayer.apply(x, topk_weights, *params, topk_ids, store, layer, lora)
 
 
+def _in_lora_dtype(t: torch.Tensor, lora: ExpertLoRA) -> torch.Tensor | None:
+    """t converted once per layer for the LoRA terms (None when there are none)."""
+    return t.to(lora.gate_up_A.dtype) if lora.gate_up_A is not None else None
+
+
 class _ExpertLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, gu_a, gu_b, d_a, d_b, topk_ids, store, layer, lora):
         groups = group_by_expert(topk_ids)
+        x32 = _in_lora_dtype(x, lora)  # [T, H]
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+        kept = []
         for e, rows, cols in groups:
-            y = expert_ffn_lora(x[rows], store.get(layer, e), lora, e)  # [n, H]
+            w = store.get(layer, e)
+            gu, xa = gate_up(x[rows], w, lora, e, None if x32 is None else x32[rows])  # [n, 2I]
+            gate, up = gu.chunk(2, dim=-1)
+            y, ha = down(F.silu(gate) * up, w, lora, e)  # [n, H]
             out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())
-        ctx.save_for_backward(x, topk_weights, topk_ids)
-        ctx.store, ctx.layer, ctx.lora, ctx.groups = store, layer, lora, groups
+            kept.append((gu.to(x.dtype), xa, ha))
+        ctx.save_for_backward(x, topk_weights)
+        ctx.store, ctx.layer, ctx.lora, ctx.groups, ctx.kept = store, layer, lora, groups, kept
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, topk_weights, _ = ctx.saved_tensors
+        x, topk_weights = ctx.saved_tensors
         lora = ctx.lora
+        g32 = grad_out.float()  # [T, H]
+        x32 = _in_lora_dtype(x, lora)
         dx = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         dw = torch.zeros(topk_weights.shape, dtype=torch.float32)  # [T, K]
         grads = {
             m: [torch.zeros_like(p) for p in f] for m in lora.matrices if (f := lora.factors(m))
         }
-        for e, rows, cols in ctx.groups:
+        for (e, rows, cols), kept in zip(ctx.groups, ctx.kept):
             w = ctx.store.get(ctx.layer, e)
-            g = grad_out[rows].float()  # [n, H]
             wk = topk_weights[rows, cols, None].float()  # [n, 1]
-            dx_e, dw_e = _expert_backward(x[rows], g, wk, w, lora, e, grads)
+            xr = None if x32 is None else x32[rows]
+            dx_e, dw_e = _expert_backward(g32[rows], wk, kept, xr, w, lora, e, grads)
             dx.index_add_(0, rows, dx_e)
             dw[rows, cols] = dw_e
+        ctx.kept = None
         flat = [t for m in ("gate_up", "down") for t in grads.get(m, (None, None))]
         return (dx.to(x.dtype), dw.to(topk_weights.dtype), *flat, None, None, None, None)
 
@@ -95,36 +109,37 @@ def _through(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (g.to(weight.dtype) @ weight).float()
 
 
-def _expert_backward(x, g, wk, w: ExpertWeights, lora: ExpertLoRA, e: int, grads: dict):
-    """One expert's rows: x [n, H], g = dLoss/d(layer output) [n, H], wk their routing weights
-    [n, 1]. Returns dx [n, H] and d(routing weight) [n]; adds the LoRA gradients into `grads`."""
+def _expert_backward(g, wk, kept, x32, w: ExpertWeights, lora: ExpertLoRA, e: int, grads: dict):
+    """One expert's rows: g = dLoss/d(layer output) [n, H] fp32, wk their routing weights [n, 1],
+    what the forward kept, x32 the rows in the LoRA's dtype. Returns dx [n, H] and d(routing weight)
+    [n]; adds the LoRA gradients into `grads`."""
     s = lora.scaling
-    gate, up = gate_up(x, w, lora, e).float().chunk(2, dim=-1)  # [n, I] each, recomputed
-    sg = F.silu(gate)
+    gu, xa, ha = kept
+    gate, up = gu.float().chunk(2, dim=-1)  # [n, I] each
+    sig = torch.sigmoid(gate)
+    sg = gate * sig  # silu(gate)
     h = sg * up  # [n, I]
     # y = down(h); dLoss/dy = wk * g. The routing weight's gradient is <g, y> = <g down, h>.
     dh = _through(g, w.down)  # [n, I]
     f = lora.factors("down")
     if f is not None:
-        a, b = f[0][e].float(), f[1][e].float()  # [r, I], [H, r]
+        a, b = f[0][e], f[1][e]  # [r, I], [H, r]
         gb = g @ b  # [n, r]
         dh = dh + s * gb @ a
         da, db = grads["down"]
-        da[e] += (s * (wk * gb).T @ h).to(da.dtype)  # [r, I]
-        db[e] += (s * (wk * g).T @ (h @ a.T)).to(db.dtype)  # [H, r]
+        da[e] += s * (wk * gb).T @ h  # [r, I]
+        db[e] += s * (wk * g).T @ ha  # [H, r]
     dw = (dh * h).sum(dim=-1)  # [n]
     dh = dh * wk
-    sig = torch.sigmoid(gate)
     dgate = dh * up * sig * (1 + gate * (1 - sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
     dgu = torch.cat([dgate, dh * sg], dim=-1)  # [n, 2I]
     dx = _through(dgu, w.gate_up)  # [n, H]
     f = lora.factors("gate_up")
     if f is not None:
-        a, b = f[0][e].float(), f[1][e].float()  # [r, H], [2I, r]
+        a, b = f[0][e], f[1][e]  # [r, H], [2I, r]
         gb = dgu @ b  # [n, r]
         dx = dx + s * gb @ a
         da, db = grads["gate_up"]
-        xf = x.float()
-        da[e] += (s * gb.T @ xf).to(da.dtype)  # [r, H]
-        db[e] += (s * dgu.T @ (xf @ a.T)).to(db.dtype)  # [2I, r]
+        da[e] += s * gb.T @ x32  # [r, H]
+        db[e] += s * dgu.T @ xa  # [2I, r]
     return dx, dw

@@ -66,29 +66,39 @@ class ExpertLoRA(nn.Module):
         return self.scaling * b[expert] @ a[expert]
 
 
-def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """scaling * (x A^T) B^T for x [n, in], A [r, in], B [out, r] -> [n, out], in A's dtype."""
-    return F.linear(F.linear(x.to(a.dtype), a), b) * scaling
-
-
-def gate_up(x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int) -> torch.Tensor:
-    """Expert e's [gate; up] pre-activations [n, 2I] for x [n, H], its gate_up LoRA included."""
+def gate_up(
+    x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int, x32: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert e's [gate; up] pre-activations [n, 2I] for x [n, H], its gate_up LoRA included (then
+    in fp32), and the LoRA's x A^T [n, r] (None without one). x32: x in the adapter's dtype, when
+    the caller has it."""
     gu = F.linear(x.to(w.gate_up.dtype), w.gate_up)  # [n, 2I]
     f = lora.factors("gate_up")
     if f is None:
-        return gu
-    return gu.to(f[0].dtype) + _low_rank(x, f[0][e], f[1][e], lora.scaling)
+        return gu, None
+    a, b = f[0][e], f[1][e]  # [r, H], [2I, r]
+    xa = F.linear(x.to(a.dtype) if x32 is None else x32, a)  # [n, r]
+    return gu.to(a.dtype) + F.linear(xa, b) * lora.scaling, xa
+
+
+def down(
+    h: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert e's down projection of h [n, I], its LoRA included (then in fp32) -> [n, H], and the
+    LoRA's h A^T [n, r] (None without one)."""
+    y = F.linear(h.to(w.down.dtype), w.down)  # [n, H]
+    f = lora.factors("down")
+    if f is None:
+        return y, None
+    a, b = f[0][e], f[1][e]  # [r, I], [H, r]
+    ha = F.linear(h.to(a.dtype), a)  # [n, r]
+    return y.to(a.dtype) + F.linear(ha, b) * lora.scaling, ha
 
 
 def expert_ffn_lora(x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int) -> torch.Tensor:
     """expert_ffn (experts/run/ffn.py) of expert e with `lora`'s terms: x [n, H] -> [n, H]."""
-    gate, up = gate_up(x, w, lora, e).chunk(2, dim=-1)  # [n, I] each
-    h = F.silu(gate) * up  # [n, I]
-    y = F.linear(h.to(w.down.dtype), w.down)  # [n, H]
-    f = lora.factors("down")
-    if f is not None:
-        y = y.to(f[0].dtype) + _low_rank(h, f[0][e], f[1][e], lora.scaling)
-    return y.to(x.dtype)
+    gate, up = gate_up(x, w, lora, e)[0].chunk(2, dim=-1)  # [n, I] each
+    return down(F.silu(gate) * up, w, lora, e)[0].to(x.dtype)  # [n, H]
 
 
 @dataclass
