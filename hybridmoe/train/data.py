@@ -52,9 +52,9 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
         records.append((number, record))
     if not records:
         raise UserError(
-            f'{path}: no examples (the file is empty); give one JSON object per line, {{"messages": '
-            '[{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} or '
-            '{"text": ...}'
+            f"{path}: no examples (the file is empty); give one JSON object per line, "
+            '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": '
+            '...}]} or {"text": ...}'
         )
     return records
 
