@@ -63,9 +63,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- the prefix cache ----
-    def block_keys(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        """Keys of the first `num_blocks` full blocks of `token_ids`."""
-        keys, prev, bs = [], 0, self.block_size
+    def block_keys(
+        self, token_ids: list[int], num_blocks: int, adapter: str | None = None
+    ) -> list[int]:
+        """Keys of the first `num_blocks` full blocks of `token_ids`. A LoRA adapter changes the
+        cached keys and values, so a sequence's adapter is part of its blocks' keys."""
+        keys, prev, bs = [], 0 if adapter is None else hash(("adapter", adapter)), self.block_size
         for i in range(num_blocks):
             prev = hash((prev, tuple(token_ids[i * bs : (i + 1) * bs])))
             keys.append(prev)
@@ -80,7 +83,7 @@ class BlockManager:
         assert not seq.block_table, "match_prefix is for a sequence that holds no blocks"
         tokens = seq.token_ids
         self.query_tokens += len(tokens)
-        for key in self.block_keys(tokens, (len(tokens) - 1) // self.block_size):
+        for key in self.block_keys(tokens, (len(tokens) - 1) // self.block_size, seq.adapter):
             block = self.by_key.get(key)
             if block is None:
                 break
@@ -105,7 +108,7 @@ class BlockManager:
         full = seq.num_computed // self.block_size
         if full == 0 or self.blocks[seq.block_table[full - 1]].key is not None:
             return
-        keys = self.block_keys(seq.token_ids, full)
+        keys = self.block_keys(seq.token_ids, full, seq.adapter)
         for block_id, key in zip(seq.block_table, keys):
             block = self.blocks[block_id]
             if block.key is None:

@@ -155,15 +155,25 @@ def attach(
     return modules
 
 
+def _holders(model):
+    """Every dict of adapters in `model`: its projections', routers' and MoE blocks'."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            yield m.adapters
+        elif isinstance(m, SparseMoE):
+            yield m.adapters
+            yield m.gate.adapters
+
+
+def adapter_names(model) -> frozenset[str]:
+    """The adapters attached to `model`, by name."""
+    return frozenset(name for holder in _holders(model) for name in holder)
+
+
 def detach(model, name: str) -> None:
     """Remove adapter `name` from every part of `model`."""
-    for m in model.modules():
-        for holder in (
-            getattr(m, "adapters", None),
-            getattr(getattr(m, "gate", None), "adapters", None),
-        ):
-            if isinstance(holder, dict):
-                holder.pop(name, None)
+    for holder in _holders(model):
+        holder.pop(name, None)
 
 
 def parameters(modules: dict[str, nn.Module]) -> list[nn.Parameter]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe import native
 from hybridmoe.experts.run.ffn import expert_ffn
 from hybridmoe.experts.run.store import ExpertWeights
 
@@ -66,13 +67,21 @@ class ExpertLoRA(nn.Module):
         return self.scaling * b[expert] @ a[expert]
 
 
+def _frozen(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, in] through a store weight [out, in]: the native kernel for a few bf16 rows (fp32
+    out, as the LoRA term is added in fp32), else F.linear in the weight's dtype."""
+    if native.applies(x, weight):
+        return native.gemm(x, weight)  # [n, out] fp32
+    return F.linear(x.to(weight.dtype), weight)
+
+
 def gate_up(
     x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int, x32: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert e's [gate; up] pre-activations [n, 2I] for x [n, H], its gate_up LoRA included (then
     in fp32), and the LoRA's x A^T [n, r] (None without one). x32: x in the adapter's dtype, when
     the caller has it."""
-    gu = F.linear(x.to(w.gate_up.dtype), w.gate_up)  # [n, 2I]
+    gu = _frozen(x, w.gate_up)  # [n, 2I]
     f = lora.factors("gate_up")
     if f is None:
         return gu, None
@@ -86,7 +95,7 @@ def down(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert e's down projection of h [n, I], its LoRA included (then in fp32) -> [n, H], and the
     LoRA's h A^T [n, r] (None without one)."""
-    y = F.linear(h.to(w.down.dtype), w.down)  # [n, H]
+    y = _frozen(h, w.down)  # [n, H]
     f = lora.factors("down")
     if f is None:
         return y, None
@@ -120,6 +129,9 @@ def expert_rows(
 ) -> torch.Tensor:
     """Expert e on rows x [n, H] of several adapters (`which` [n]: index into `loras`, -1 none):
     each row as its own adapter, or the base model, computes it -> [n, H]."""
+    first = int(which[0])
+    if bool((which == first).all()):  # one adapter (or none) for all rows: the usual case
+        return expert_ffn(x, w) if first < 0 else expert_ffn_lora(x, w, loras[first], e)
     out = torch.empty_like(x)  # [n, H]
     for a in which.unique().tolist():
         sel = (which == a).nonzero()[:, 0]  # [m]
