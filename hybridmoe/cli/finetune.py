@@ -90,6 +90,10 @@ def _out_dir(args) -> Path:
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: a file is there; give a directory")
+    if args.resume and not has_checkpoint(out):
+        raise UserError(
+            f"--resume: {out} holds no checkpoint.pt to resume from; leave --resume out"
+        )
     if has_checkpoint(out) and not args.resume:
         raise UserError(
             f"--out {out} holds the checkpoint of an unfinished run; pass --resume to continue "

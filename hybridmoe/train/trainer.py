@@ -166,7 +166,7 @@ class Trainer:
                 bar.update()
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{r.tokens_per_s:.0f}")
                 if r.steps % self.steps_per_epoch == 0:
-                    bar.write(self._end_epoch(r.steps // self.steps_per_epoch))
+                    bar.write(self._end_epoch(r.steps // self.steps_per_epoch), file=sys.stderr)
                 if r.steps % self.steps_per_epoch == 0 or r.steps % self.cfg.save_every == 0:
                     self._checkpoint()
         self._save_adapter()
