@@ -132,3 +132,19 @@ def _prefill(model, cache, ids):
 
     hidden = model(torch.tensor(ids), torch.arange(len(ids)), BatchKVContext([cache], [len(ids)]))
     return model.logits(hidden)
+
+
+def test_a_merged_model_gives_transformers_the_logits_of_peft_with_the_adapter(arch_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hybridmoe.train.merge import merge
+
+    arch, path = arch_dir
+    maker = load_model(path, progress=False)
+    save_random_adapter(maker, tmp_path / "a", targets=every_group(maker), seed=4)
+    merged = merge(path, tmp_path / "a", tmp_path / "merged")
+    ids = torch.tensor([list(range(3, 23))])
+    with torch.no_grad():
+        want = peft_model(build_tiny(arch, tmp_path / "ref"), tmp_path / "a")(ids).logits[0]
+        got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits[0]
+    assert rel_err(got, want) <= 1e-4
