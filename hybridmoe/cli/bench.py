@@ -11,6 +11,7 @@ BENCHMARKS = {
     "serve": "hybridmoe.bench.serve",
     "make-model": "hybridmoe.bench.make_model",
     "sim-vs-real": "hybridmoe.bench.sim_vs_real",
+    "finetune": "hybridmoe.bench.finetune",
 }
 
 
