@@ -27,8 +27,10 @@ from torch import nn
 class LoRA(nn.Module):
     """One adapter on one projection: x [n, in] -> scaling * (dropout(x) A^T) B^T [n, out].
 
-    Computed in the adapter's dtype (fp32 for training, as PEFT keeps adapters); dropout acts only
-    while gradients are being recorded (training steps), never in evaluation or serving."""
+    The factors are kept in fp32 (they are what trains) and computed in x's dtype, as under
+    torch.autocast: for a bf16 model the backward then keeps x itself (which q, k and v share)
+    rather than an fp32 copy per projection. Dropout acts only while gradients are being recorded
+    (training steps), never in evaluation or serving."""
 
     def __init__(
         self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0
@@ -48,10 +50,10 @@ class LoRA(nn.Module):
             self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.lora_A.dtype)
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         if self.dropout and torch.is_grad_enabled():
             x = F.dropout(x, self.dropout)
-        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling  # [n, out]
+        return F.linear(F.linear(x, a), b) * self.scaling  # [n, out]
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B A [out, in]: what merging adds to the projection's weight."""
