@@ -5,8 +5,10 @@ Each measurement is a process of its own (`--engine`), so that its peak resident
 its own: load the model, put the LoRA adapter on it, run `--warmup` optimizer steps unmeasured, then
 `--steps` measured ones. The two engines' processes take turns, `--repeats` times each, and the
 median is reported, since the machine may be shared. The data: random token sequences of
-`--seq-len`, every token learned, `--batch-size` per step: hybridmoe packs them into one pass,
-transformers gets them as one padded batch (all the same length: no padding), as its Trainer does.
+`--seq-len`, `--batch-size` per step, the last `--learn` fraction of each learned (as an assistant's
+answer after its prompt); hybridmoe packs them into one pass, transformers gets them as one batch
+(all the same length: no padding) with labels, as its Trainer does. Tokens/s counts every token
+of the sequences, learned or not.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="frozen weights")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument(
+        "--learn", type=float, default=0.5, help="learned fraction of each sequence (default 0.5)"
+    )
     p.add_argument("--steps", type=int, default=3, help="measured steps per run (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="runs per engine (default 3)")
@@ -72,6 +77,7 @@ def compare(args) -> dict:
         "dtype": args.dtype,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
+        "learn": args.learn,
         "steps": args.steps,
         "repeats": args.repeats,
         "lora_rank": args.lora_rank,
@@ -92,7 +98,16 @@ def compare(args) -> dict:
 
 def _child(args, engine: str) -> dict:
     cmd = [sys.executable, "-m", "hybridmoe", "bench", "finetune", "--engine", engine]
-    for flag in ("model", "dtype", "seq_len", "batch_size", "steps", "warmup", "lora_rank"):
+    for flag in (
+        "model",
+        "dtype",
+        "seq_len",
+        "batch_size",
+        "learn",
+        "steps",
+        "warmup",
+        "lora_rank",
+    ):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--threads", str(args.threads)] + (["--targets", args.targets] if args.targets else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -103,7 +118,8 @@ def _child(args, engine: str) -> dict:
 
 def table(r: dict) -> str:
     lines = [
-        f"{r['model']}  {r['dtype']}  {r['batch_size']} x {r['seq_len']} tokens per step  "
+        f"{r['model']}  {r['dtype']}  {r['batch_size']} x {r['seq_len']} tokens per step "
+        f"({r['learn']:.0%} learned)  "
         f"rank {r['lora_rank']}  threads {r['threads']}  median of {r['repeats']}  load average "
         f"{r['load_avg_1min'][0]} -> {r['load_avg_1min'][1]}",
         f"{'engine':<14}{'tokens/s':>10}{'peak RSS MB':>13}",
@@ -133,6 +149,7 @@ def measure_once(args) -> dict:
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     step = (_hybridmoe if args.engine == "hybridmoe" else _transformers)(args, dtype)
+    prompt = args.seq_len - max(1, round(args.learn * args.seq_len))  # tokens not learned
     vocab = _vocab(args.model)
     gen = torch.Generator().manual_seed(0)
     batches = [
@@ -140,9 +157,9 @@ def measure_once(args) -> dict:
         for _ in range(args.warmup + args.steps)
     ]
     for ids in batches[: args.warmup]:
-        step(ids)
+        step(ids, prompt)
     t0 = time.perf_counter()
-    losses = [step(ids) for ids in batches[args.warmup :]]
+    losses = [step(ids, prompt) for ids in batches[args.warmup :]]
     seconds = time.perf_counter() - t0
     return {
         "tokens_per_s": args.steps * args.batch_size * args.seq_len / seconds,
@@ -175,8 +192,9 @@ def _hybridmoe(args, dtype):
     params = model_lora.parameters(modules)
     opt = torch.optim.AdamW(params, lr=1e-4)
 
-    def step(ids) -> float:
-        batch = Batch.of([(row.tolist(), [True] * len(row)) for row in ids])
+    def step(ids, prompt: int) -> float:
+        learn = [False] * prompt + [True] * (ids.shape[1] - prompt)
+        batch = Batch.of([(row.tolist(), learn) for row in ids])
         loss = loss_sum(model, batch, "bench") / batch.num_targets
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -206,11 +224,10 @@ def _transformers(args, dtype):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
 
-    def step(ids) -> float:
-        logits = model(input_ids=ids).logits[:, :-1].float()  # [B, L-1, V]
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
-        )
+    def step(ids, prompt: int) -> float:
+        labels = ids.clone()
+        labels[:, :prompt] = -100  # not learned; transformers shifts the labels itself
+        loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
