@@ -17,6 +17,7 @@ from tests.contiguous_kv import SequenceKV, forward_step
 from tests.tiny import build_tiny
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"]
+ARCHS = [*MOE, "llama"]  # and the dense base, whose MLPs are plain target modules
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -55,7 +56,7 @@ def peft_grads(pm) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module", params=MOE)
+@pytest.fixture(scope="module", params=ARCHS)
 def arch_dir(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     build_tiny(request.param, out)

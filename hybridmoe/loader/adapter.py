@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
@@ -191,8 +190,3 @@ def _why(e: Exception) -> str:
     if isinstance(e, KeyError):
         return f"it lacks {e.args[0]}"
     return str(e)
-
-
-def adapter_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of an adapter directory, by PEFT name."""
-    return load_file(str(Path(path) / WEIGHTS))
