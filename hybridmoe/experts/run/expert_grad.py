@@ -8,9 +8,10 @@ frozen weights stay the store's records, in their dtype: autograd never sees the
 or upcasts a copy, and nothing of the size of an expert's weights is made.
 
 What the forward keeps for the backward, per expert with n rows: its [gate; up] pre-activations
-[n, 2I] in the model's dtype, and the LoRA's rank-r projections x A^T and h A^T [n, r]. The backward
-then costs two frozen matmuls per expert (the input gradient through down and through gate_up), as
-many as the forward.
+[n, 2I] and the LoRA's rank-r projections x A^T and h A^T [n, r]. The backward then costs two frozen
+matmuls per expert (the input gradient through down and through gate_up), as many as the forward.
+Everything computes in the store's dtype, the LoRA terms too (as under autocast: bf16 for a bf16
+model); the outputs and the gradients are summed in fp32.
 """
 
 from __future__ import annotations
@@ -58,25 +59,21 @@ def expert_layer(
     return _ExpertLayer.apply(x, topk_weights, *params, topk_ids, store, layer, lora)
 
 
-def _in_lora_dtype(t: torch.Tensor, lora: ExpertLoRA) -> torch.Tensor | None:
-    """t converted once per layer for the LoRA terms (None when there are none)."""
-    return t.to(lora.gate_up_A.dtype) if lora.gate_up_A is not None else None
-
-
 class _ExpertLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, gu_a, gu_b, d_a, d_b, topk_ids, store, layer, lora):
         groups = group_by_expert(topk_ids)
-        x32 = _in_lora_dtype(x, lora)  # [T, H]
+        dtype, s = store.dtype, lora.scaling  # the experts compute in the store's dtype
+        f_gu, f_d = lora.cast("gate_up", dtype), lora.cast("down", dtype)
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         kept = []
         for e, rows, cols in groups:
             w = store.get(layer, e)
-            gu, xa = gate_up(x[rows], w, lora, e, None if x32 is None else x32[rows])  # [n, 2I]
+            gu, xa = gate_up(x[rows], w, f_gu, e, s)  # [n, 2I]
             gate, up = gu.chunk(2, dim=-1)
-            y, ha = down(F.silu(gate) * up, w, lora, e)  # [n, H]
-            out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())
-            kept.append((gu.to(x.dtype), xa, ha))
+            y, ha = down(F.silu(gate) * up, w, f_d, e, s)  # [n, H]
+            out.index_add_(0, rows, y.float().mul_(topk_weights[rows, cols, None]))
+            kept.append((gu, xa, ha))
         ctx.save_for_backward(x, topk_weights)
         ctx.store, ctx.layer, ctx.lora, ctx.groups, ctx.kept = store, layer, lora, groups, kept
         return out.to(x.dtype)
@@ -84,9 +81,9 @@ class _ExpertLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, topk_weights = ctx.saved_tensors
-        lora = ctx.lora
-        g32 = grad_out.float()  # [T, H]
-        x32 = _in_lora_dtype(x, lora)
+        lora, dtype = ctx.lora, ctx.store.dtype
+        f_gu, f_d = lora.cast("gate_up", dtype), lora.cast("down", dtype)
+        grad_out = grad_out.to(dtype)
         dx = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         dw = torch.zeros(topk_weights.shape, dtype=torch.float32)  # [T, K]
         grads = {
@@ -94,52 +91,45 @@ class _ExpertLayer(torch.autograd.Function):
         }
         for (e, rows, cols), kept in zip(ctx.groups, ctx.kept):
             w = ctx.store.get(ctx.layer, e)
-            wk = topk_weights[rows, cols, None].float()  # [n, 1]
-            xr = None if x32 is None else x32[rows]
-            dx_e, dw_e = _expert_backward(g32[rows], wk, kept, xr, w, lora, e, grads)
-            dx.index_add_(0, rows, dx_e)
-            dw[rows, cols] = dw_e
+            wk = topk_weights[rows, cols, None].to(dtype)  # [n, 1]
+            f = (f_gu, f_d)
+            dx_e, dw_e = _expert_backward(grad_out[rows], wk, kept, x, rows, w, f, e, lora, grads)
+            dx.index_add_(0, rows, dx_e.float())
+            dw[rows, cols] = dw_e.float()
         ctx.kept = None
         flat = [t for m in ("gate_up", "down") for t in grads.get(m, (None, None))]
         return (dx.to(x.dtype), dw.to(topk_weights.dtype), *flat, None, None, None, None)
 
 
-def _through(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """g [n, out] back through a frozen weight [out, in] -> [n, in] fp32, in the weight's dtype."""
-    return (g.to(weight.dtype) @ weight).float()
-
-
-def _expert_backward(g, wk, kept, x32, w: ExpertWeights, lora: ExpertLoRA, e: int, grads: dict):
-    """One expert's rows: g = dLoss/d(layer output) [n, H] fp32, wk their routing weights [n, 1],
-    what the forward kept, x32 the rows in the LoRA's dtype. Returns dx [n, H] and d(routing weight)
-    [n]; adds the LoRA gradients into `grads`."""
-    s = lora.scaling
+def _expert_backward(g, wk, kept, x, rows, w: ExpertWeights, f, e, lora: ExpertLoRA, grads):
+    """One expert's rows, in the store's dtype: g = dLoss/d(layer output) [n, H], wk their routing
+    weights [n, 1], what the forward kept, f the LoRA factors (gate_up, down). Returns dx [n, H]
+    and d(routing weight) [n]; adds the LoRA gradients into `grads` (fp32)."""
+    s, (f_gu, f_d) = lora.scaling, f
     gu, xa, ha = kept
-    gate, up = gu.float().chunk(2, dim=-1)  # [n, I] each
+    gate, up = gu.chunk(2, dim=-1)  # [n, I] each
     sig = torch.sigmoid(gate)
     sg = gate * sig  # silu(gate)
     h = sg * up  # [n, I]
     # y = down(h); dLoss/dy = wk * g. The routing weight's gradient is <g, y> = <g down, h>.
-    dh = _through(g, w.down)  # [n, I]
-    f = lora.factors("down")
-    if f is not None:
-        a, b = f[0][e], f[1][e]  # [r, I], [H, r]
+    dh = g @ w.down  # [n, I]
+    if f_d is not None:
+        a, b = f_d[0][e], f_d[1][e]  # [r, I], [H, r]
         gb = g @ b  # [n, r]
-        dh = dh + s * gb @ a
+        dh.addmm_(gb, a, alpha=s)
         da, db = grads["down"]
-        da[e] += s * (wk * gb).T @ h  # [r, I]
-        db[e] += s * (wk * g).T @ ha  # [H, r]
+        da[e] += (s * (wk * gb).T @ h).float()  # [r, I]
+        db[e] += (s * g.T @ (wk * ha)).float()  # [H, r]
     dw = (dh * h).sum(dim=-1)  # [n]
     dh = dh * wk
     dgate = dh * up * sig * (1 + gate * (1 - sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
     dgu = torch.cat([dgate, dh * sg], dim=-1)  # [n, 2I]
-    dx = _through(dgu, w.gate_up)  # [n, H]
-    f = lora.factors("gate_up")
-    if f is not None:
-        a, b = f[0][e], f[1][e]  # [r, H], [2I, r]
+    dx = dgu @ w.gate_up  # [n, H]
+    if f_gu is not None:
+        a, b = f_gu[0][e], f_gu[1][e]  # [r, H], [2I, r]
         gb = dgu @ b  # [n, r]
-        dx = dx + s * gb @ a
+        dx.addmm_(gb, a, alpha=s)
         da, db = grads["gate_up"]
-        da[e] += s * gb.T @ x32  # [r, H]
-        db[e] += s * dgu.T @ xa  # [2I, r]
+        da[e] += (s * gb.T @ x[rows].to(gb.dtype)).float()  # [r, H]
+        db[e] += (s * dgu.T @ xa).float()  # [2I, r]
     return dx, dw

@@ -66,48 +66,60 @@ class ExpertLoRA(nn.Module):
         a, b = self.factors(matrix)
         return self.scaling * b[expert] @ a[expert]
 
+    def cast(self, matrix: str, dtype: torch.dtype) -> Factors:
+        """`matrix`'s factors of every expert in `dtype` (None when it is not targeted)."""
+        f = self.factors(matrix)
+        return None if f is None else (f[0].to(dtype), f[1].to(dtype))
+
+
+# (A [E, r, in], B [E, out, r]) of one matrix, in the dtype the expert computes in; or None
+Factors = tuple[torch.Tensor, torch.Tensor] | None
+
 
 def _frozen(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [n, in] through a store weight [out, in]: the native kernel for a few bf16 rows (fp32
-    out, as the LoRA term is added in fp32), else F.linear in the weight's dtype."""
+    """x [n, in] through a store weight [out, in] -> [n, out] in the weight's dtype: the native
+    kernel for a few bf16 rows, as expert_ffn, else F.linear."""
+    x = x.to(weight.dtype)
     if native.applies(x, weight):
-        return native.gemm(x, weight)  # [n, out] fp32
-    return F.linear(x.to(weight.dtype), weight)
+        return native.gemm(x, weight).to(weight.dtype)  # accumulated in fp32, rounded as F.linear
+    return F.linear(x, weight)
 
 
 def gate_up(
-    x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int, x32: torch.Tensor | None = None
+    x: torch.Tensor, w: ExpertWeights, f: Factors, e: int, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Expert e's [gate; up] pre-activations [n, 2I] for x [n, H], its gate_up LoRA included (then
-    in fp32), and the LoRA's x A^T [n, r] (None without one). x32: x in the adapter's dtype, when
-    the caller has it."""
+    """Expert e's [gate; up] pre-activations [n, 2I] for x [n, H] with its gate_up LoRA `f`, and
+    the LoRA's x A^T [n, r] (None without one); in the store's dtype, as under autocast."""
     gu = _frozen(x, w.gate_up)  # [n, 2I]
-    f = lora.factors("gate_up")
     if f is None:
         return gu, None
-    a, b = f[0][e], f[1][e]  # [r, H], [2I, r]
-    xa = F.linear(x.to(a.dtype) if x32 is None else x32, a)  # [n, r]
-    return gu.to(a.dtype) + F.linear(xa, b) * lora.scaling, xa
+    xa = F.linear(x.to(gu.dtype), f[0][e])  # [n, r]
+    return gu.add_(F.linear(xa, f[1][e]), alpha=scaling), xa
 
 
 def down(
-    h: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int
+    h: torch.Tensor, w: ExpertWeights, f: Factors, e: int, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Expert e's down projection of h [n, I], its LoRA included (then in fp32) -> [n, H], and the
-    LoRA's h A^T [n, r] (None without one)."""
+    """Expert e's down projection of h [n, I] with its LoRA `f` -> [n, H], and the LoRA's h A^T
+    [n, r] (None without one)."""
     y = _frozen(h, w.down)  # [n, H]
-    f = lora.factors("down")
     if f is None:
         return y, None
-    a, b = f[0][e], f[1][e]  # [r, I], [H, r]
-    ha = F.linear(h.to(a.dtype), a)  # [n, r]
-    return y.to(a.dtype) + F.linear(ha, b) * lora.scaling, ha
+    ha = F.linear(h.to(y.dtype), f[0][e])  # [n, r]
+    return y.add_(F.linear(ha, f[1][e]), alpha=scaling), ha
 
 
 def expert_ffn_lora(x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int) -> torch.Tensor:
     """expert_ffn (experts/run/ffn.py) of expert e with `lora`'s terms: x [n, H] -> [n, H]."""
-    gate, up = gate_up(x, w, lora, e)[0].chunk(2, dim=-1)  # [n, I] each
-    return down(F.silu(gate) * up, w, lora, e)[0].to(x.dtype)  # [n, H]
+    dtype, s = w.gate_up.dtype, lora.scaling
+    gate, up = gate_up(x, w, _one(lora, "gate_up", e, dtype), 0, s)[0].chunk(2, dim=-1)
+    return down(F.silu(gate) * up, w, _one(lora, "down", e, dtype), 0, s)[0].to(x.dtype)
+
+
+def _one(lora: ExpertLoRA, matrix: str, e: int, dtype: torch.dtype) -> Factors:
+    """Expert e's factors alone (as a stack of one) in `dtype`."""
+    f = lora.factors(matrix)
+    return None if f is None else (f[0][e : e + 1].to(dtype), f[1][e : e + 1].to(dtype))
 
 
 @dataclass
