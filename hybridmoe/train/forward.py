@@ -80,5 +80,43 @@ def loss_sum(model, batch: Batch, adapter: str | None) -> torch.Tensor:
     rows = RowAdapters.all(adapter, batch.num_tokens) if adapter else None
     with lora.using(rows):
         hidden = model(batch.ids, batch.positions, Sequences(batch.seq_lens))  # [T, H]
-        logits = model.logits(hidden[batch.rows])  # [N, V] fp32
-    return F.cross_entropy(logits, batch.targets, reduction="sum")
+    return head_cross_entropy(hidden[batch.rows], model.head_weight, batch.targets)
+
+
+# Rows of logits made at a time by head_cross_entropy: [CHUNK, V] fp32 (49152 columns: 50 MB).
+CHUNK = 256
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """The summed cross-entropy of the LM head's fp32 logits hidden [N, H] @ weight^T [H, V] at
+    `targets` [N], made CHUNK rows at a time. The head's weight is frozen, so the gradient of the
+    loss is needed for `hidden` alone: it is computed along, [N, H], and the [N, V] logits and
+    probabilities are never kept for the backward."""
+    return _HeadCrossEntropy.apply(hidden, weight, targets)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        total = torch.zeros((), dtype=torch.float32)
+        grad = torch.empty(hidden.shape, dtype=torch.float32)  # [N, H]
+        for start in range(0, len(hidden), CHUNK):
+            h, t = hidden[start : start + CHUNK], targets[start : start + CHUNK]
+            logits = F.linear(h, weight).float()  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            total += (lse - logits.gather(1, t[:, None])[:, 0]).sum()
+            if not ctx.needs_input_grad[0]:  # held-out loss: no backward to come
+                continue
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            probs[torch.arange(len(t)), t] -= 1  # d(loss)/d(logits)
+            grad[start : start + CHUNK] = probs.to(weight.dtype) @ weight
+        ctx.save_for_backward(grad)
+        ctx.dtype = hidden.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total).to(ctx.dtype), None, None
