@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.experts.run.lora import cast_factors
+
 
 class LoRA(nn.Module):
     """One adapter on one projection: x [n, in] -> scaling * (dropout(x) A^T) B^T [n, out].
@@ -50,8 +52,11 @@ class LoRA(nn.Module):
             self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # serving, evaluation: the factors as x's, cached
+            a, b = cast_factors(self, "ab", (self.lora_A, self.lora_B), x.dtype, self.scaling)
+            return F.linear(F.linear(x, a), b)  # [n, out]
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        if self.dropout and torch.is_grad_enabled():
+        if self.dropout:
             x = F.dropout(x, self.dropout)
         return F.linear(F.linear(x, a), b) * self.scaling  # [n, out]
 

@@ -24,6 +24,19 @@ from hybridmoe.experts.run.store import ExpertWeights
 MATRICES = ("gate_up", "down")
 
 
+def cast_factors(owner, slot: str, factors, dtype: torch.dtype, scaling: float = 1.0):
+    """(A, scaling * B) in `dtype`, kept on `owner` under `slot` until a factor changes (its
+    version counter moves when the optimizer updates it): serving converts them once, not at every
+    projection and step."""
+    key = (dtype, scaling, *(f._version for f in factors), *(id(f) for f in factors))
+    cache = owner.__dict__.setdefault("_cast", {})
+    if slot not in cache or cache[slot][0] != key:
+        a, b = factors
+        with torch.no_grad():
+            cache[slot] = (key, a.to(dtype), (b * scaling).to(dtype))
+    return cache[slot][1], cache[slot][2]
+
+
 class ExpertLoRA(nn.Module):
     """One adapter on the routed experts of one layer; a matrix not targeted has no factors."""
 
@@ -67,9 +80,10 @@ class ExpertLoRA(nn.Module):
         return self.scaling * b[expert] @ a[expert]
 
     def cast(self, matrix: str, dtype: torch.dtype) -> Factors:
-        """`matrix`'s factors of every expert in `dtype` (None when it is not targeted)."""
+        """`matrix`'s factors of every expert in `dtype` (None when it is not targeted), converted
+        once until the optimizer changes them."""
         f = self.factors(matrix)
-        return None if f is None else (f[0].to(dtype), f[1].to(dtype))
+        return None if f is None else cast_factors(self, matrix, f, dtype)
 
 
 # (A [E, r, in], B [E, out, r]) of one matrix, in the dtype the expert computes in; or None
@@ -118,8 +132,8 @@ def expert_ffn_lora(x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int)
 
 def _one(lora: ExpertLoRA, matrix: str, e: int, dtype: torch.dtype) -> Factors:
     """Expert e's factors alone (as a stack of one) in `dtype`."""
-    f = lora.factors(matrix)
-    return None if f is None else (f[0][e : e + 1].to(dtype), f[1][e : e + 1].to(dtype))
+    f = lora.cast(matrix, dtype)
+    return None if f is None else (f[0][e : e + 1], f[1][e : e + 1])
 
 
 @dataclass
