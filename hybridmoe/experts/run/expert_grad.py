@@ -16,11 +16,14 @@ model); the outputs and the gradients are summed in fp32.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.experts.run.cpu_pool import CPUExperts
 from hybridmoe.experts.run.ffn import group_by_expert
 from hybridmoe.experts.run.lora import ExpertLoRA, down, gate_up
 from hybridmoe.experts.run.store import ExpertStore, ExpertWeights
@@ -45,6 +48,7 @@ _NONE = _NoLoRA()
 
 
 def expert_layer(
+    cpu: CPUExperts,
     store: ExpertStore,
     layer: int,
     x: torch.Tensor,
@@ -53,59 +57,112 @@ def expert_layer(
     lora: ExpertLoRA | None,
 ) -> torch.Tensor:
     """x [T, H], topk_ids, topk_weights [T, K] -> [T, H]: the weighted sum of the chosen experts'
-    outputs, differentiable in x, topk_weights and lora's factors."""
+    outputs, differentiable in x, topk_weights and lora's factors. The experts run as jobs on the
+    runtime's CPU workers (cpu_pool.py), one torch thread each, as inference runs them."""
     lora = lora or _NONE
     params = [p for m in ("gate_up", "down") for p in (lora.factors(m) or (None, None))]
-    return _ExpertLayer.apply(x, topk_weights, *params, topk_ids, store, layer, lora)
+    return _ExpertLayer.apply(x, topk_weights, *params, topk_ids, cpu, store, layer, lora)
+
+
+@contextmanager
+def _one_thread():
+    """The layer's own small ops (gathers, sums) at one torch thread: on a shared 2-core machine a
+    second OpenMP thread turned a 15 us index_add_ into 10 ms, waiting for a descheduled core
+    (docs/notes/2026-11-24-finetune.md)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _normal(job):
+    """A job whose tensors outlive it in autograd (the pool runs jobs in inference mode), recording
+    nothing (a worker thread records by default; the Function computes its own gradients)."""
+
+    def run():
+        with torch.inference_mode(False), torch.no_grad():
+            return job()
+
+    return run
 
 
 class _ExpertLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, gu_a, gu_b, d_a, d_b, topk_ids, store, layer, lora):
+    def forward(ctx, x, topk_weights, gu_a, gu_b, d_a, d_b, topk_ids, cpu, store, layer, lora):
         groups = group_by_expert(topk_ids)
-        dtype, s = store.dtype, lora.scaling  # the experts compute in the store's dtype
-        f_gu, f_d = lora.cast("gate_up", dtype), lora.cast("down", dtype)
+        dtype = store.dtype  # the experts compute in the store's dtype
+        f = (lora.cast("gate_up", dtype), lora.cast("down", dtype))
+        jobs = [
+            _normal(partial(_expert_forward, x, rows, store.get(layer, e), f, e, lora.scaling))
+            for e, rows, _ in groups
+        ]
+        batch = cpu.start(jobs, 0, heavy=True)
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
-        kept = []
-        for e, rows, cols in groups:
-            w = store.get(layer, e)
-            gu, xa = gate_up(x[rows], w, f_gu, e, s)  # [n, 2I]
-            gate, up = gu.chunk(2, dim=-1)
-            y, ha = down(F.silu(gate) * up, w, f_d, e, s)  # [n, H]
-            out.index_add_(0, rows, y.float().mul_(topk_weights[rows, cols, None]))
-            kept.append((gu, xa, ha))
+        with _one_thread():
+            results, _ = batch.result()
+            for (_, rows, cols), (y, _) in zip(groups, results):
+                out.index_add_(0, rows, y.float().mul_(topk_weights[rows, cols, None]))
         ctx.save_for_backward(x, topk_weights)
-        ctx.store, ctx.layer, ctx.lora, ctx.groups, ctx.kept = store, layer, lora, groups, kept
+        ctx.cpu, ctx.store, ctx.layer, ctx.lora = cpu, store, layer, lora
+        ctx.groups, ctx.kept = groups, [kept for _, kept in results]
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, topk_weights = ctx.saved_tensors
         lora, dtype = ctx.lora, ctx.store.dtype
-        f_gu, f_d = lora.cast("gate_up", dtype), lora.cast("down", dtype)
+        f = (lora.cast("gate_up", dtype), lora.cast("down", dtype))
         grad_out = grad_out.to(dtype)
+        grads = {
+            m: [torch.zeros_like(p) for p in fm] for m in lora.matrices if (fm := lora.factors(m))
+        }  # each job adds into its own expert's rows of these
+        jobs = [
+            _normal(
+                partial(
+                    _expert_backward,
+                    grad_out,
+                    topk_weights[rows, cols, None].to(dtype),
+                    kept,
+                    x,
+                    rows,
+                    ctx.store.get(ctx.layer, e),
+                    f,
+                    e,
+                    lora,
+                    grads,
+                )
+            )
+            for (e, rows, cols), kept in zip(ctx.groups, ctx.kept)
+        ]
+        batch = ctx.cpu.start(jobs, 0, heavy=True)
         dx = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         dw = torch.zeros(topk_weights.shape, dtype=torch.float32)  # [T, K]
-        grads = {
-            m: [torch.zeros_like(p) for p in f] for m in lora.matrices if (f := lora.factors(m))
-        }
-        for (e, rows, cols), kept in zip(ctx.groups, ctx.kept):
-            w = ctx.store.get(ctx.layer, e)
-            wk = topk_weights[rows, cols, None].to(dtype)  # [n, 1]
-            f = (f_gu, f_d)
-            dx_e, dw_e = _expert_backward(grad_out[rows], wk, kept, x, rows, w, f, e, lora, grads)
-            dx.index_add_(0, rows, dx_e.float())
-            dw[rows, cols] = dw_e.float()
+        with _one_thread():
+            results, _ = batch.result()
+            for (_, rows, cols), (dx_e, dw_e) in zip(ctx.groups, results):
+                dx.index_add_(0, rows, dx_e.float())
+                dw[rows, cols] = dw_e.float()
         ctx.kept = None
         flat = [t for m in ("gate_up", "down") for t in grads.get(m, (None, None))]
-        return (dx.to(x.dtype), dw.to(topk_weights.dtype), *flat, None, None, None, None)
+        return (dx.to(x.dtype), dw.to(topk_weights.dtype), *flat, None, None, None, None, None)
 
 
-def _expert_backward(g, wk, kept, x, rows, w: ExpertWeights, f, e, lora: ExpertLoRA, grads):
-    """One expert's rows, in the store's dtype: g = dLoss/d(layer output) [n, H], wk their routing
-    weights [n, 1], what the forward kept, f the LoRA factors (gate_up, down). Returns dx [n, H]
-    and d(routing weight) [n]; adds the LoRA gradients into `grads` (fp32)."""
+def _expert_forward(x, rows, w: ExpertWeights, f, e: int, s: float):
+    """One expert's rows: its output [n, H] and what its backward needs."""
+    gu, xa = gate_up(x[rows], w, f[0], e, s)  # [n, 2I]
+    gate, up = gu.chunk(2, dim=-1)
+    y, ha = down(F.silu(gate) * up, w, f[1], e, s)  # [n, H]
+    return y, (gu, xa, ha)
+
+
+def _expert_backward(grad_out, wk, kept, x, rows, w: ExpertWeights, f, e, lora, grads):
+    """One expert's rows, in the store's dtype: grad_out = dLoss/d(layer output) [T, H], wk their
+    routing weights [n, 1], what the forward kept, f the LoRA factors (gate_up, down). Returns dx
+    [n, H] and d(routing weight) [n]; adds the LoRA gradients into expert e's rows of `grads`."""
     s, (f_gu, f_d) = lora.scaling, f
+    g = grad_out[rows]  # [n, H]
     gu, xa, ha = kept
     gate, up = gu.chunk(2, dim=-1)  # [n, I] each
     sig = torch.sigmoid(gate)

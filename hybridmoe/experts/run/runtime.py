@@ -163,7 +163,7 @@ class BaseRuntime:
     def _train_layer(self, layer, x, topk_ids, topk_weights, lora: TrainLoRA):
         """A training step's layer: every expert on the CPU through expert_grad.expert_layer."""
         t0 = time.perf_counter()
-        out = expert_layer(self.store, layer, x, topk_ids, topk_weights, lora.lora)
+        out = expert_layer(self.cpu, self.store, layer, x, topk_ids, topk_weights, lora.lora)
         n, seconds = len(topk_ids.unique()), time.perf_counter() - t0
         return out, {
             "routed": n,
