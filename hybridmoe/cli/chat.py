@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 from hybridmoe.cli.options import (
+    LORA,
+    add_lora_option,
     add_model_options,
     add_sampling_options,
     loaded_model,
@@ -21,6 +23,7 @@ def add_parser(sub) -> None:
         "forgets.",
     )
     add_model_options(p)
+    add_lora_option(p, named=False)
     p.add_argument("--system", default=None, help="system message")
     add_sampling_options(p, max_tokens=512)
     p.set_defaults(func=run)
@@ -48,7 +51,8 @@ def chat(model, tok, params, args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         stats, reply = GenerationStats(), []
-        for text in generate_text(model, tok, tok.encode_chat(messages), params, stats):
+        adapter = LORA if args.lora else None
+        for text in generate_text(model, tok, tok.encode_chat(messages), params, stats, adapter):
             reply.append(text)
             sys.stdout.write(text)
             sys.stdout.flush()

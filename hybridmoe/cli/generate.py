@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 from hybridmoe.cli.options import (
+    LORA,
+    add_lora_option,
     add_model_options,
     add_sampling_options,
     loaded_model,
@@ -20,6 +22,7 @@ def add_parser(sub) -> None:
         description="Generate text from a prompt and stream it to the terminal.",
     )
     add_model_options(p)
+    add_lora_option(p, named=False)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
@@ -46,7 +49,8 @@ def generate(model, tok, params, args) -> None:
     else:
         prompt_ids = tok.encode(args.prompt)
     stats = GenerationStats()
-    for text in generate_text(model, tok, prompt_ids, params, stats):
+    adapter = LORA if args.lora else None
+    for text in generate_text(model, tok, prompt_ids, params, stats, adapter):
         sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -185,6 +185,56 @@ def attach_observers(model, routing_trace=None, record_trace=None, expert_stats_
         runtime.add_observer(ActivationCounter(expert_stats_out, layers, shape.num_experts))
 
 
+def add_lora_option(p: argparse.ArgumentParser, named: bool) -> None:
+    """--lora: one adapter (generate, chat) or several, each by the name requests use (serve)."""
+    if named:
+        p.add_argument(
+            "--lora",
+            action="append",
+            default=[],
+            metavar="NAME=DIR",
+            help="serve a LoRA adapter (PEFT format) as model NAME beside the base model "
+            "(repeatable)",
+        )
+    else:
+        p.add_argument("--lora", metavar="DIR", help="run with this LoRA adapter (PEFT format)")
+
+
+LORA = "lora"  # the adapter's name when a command runs with one (generate, chat)
+
+
+def lora_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, directory) of each adapter the options ask for."""
+    given = getattr(args, "lora", None)
+    if not given:
+        return []
+    if isinstance(given, str):
+        return [(LORA, given)]
+    specs = []
+    for value in given:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora {value}: give NAME=DIR, the name requests use and the adapter")
+        if name in (n for n, _ in specs):
+            raise UserError(f"--lora {value}: the name {name!r} is given twice; give each its own")
+        specs.append((name, path))
+    return specs
+
+
+def attach_adapters(model, specs: list[tuple[str, str]]) -> None:
+    """Load each adapter onto `model` under its name; expert adapters need the CPU runtime."""
+    from hybridmoe.experts.run.runtime import CPURuntime
+    from hybridmoe.loader.adapter import load_adapter
+
+    for name, path in specs:
+        targets, _ = load_adapter(model, path, name)
+        if any(t.is_experts for t in targets) and not isinstance(model.runtime, CPURuntime):
+            raise UserError(
+                f"--lora {path}: its routed-expert LoRA runs on the CPU expert runtime only; "
+                "leave out --gpu-expert-budget, --policy and --device"
+            )
+
+
 def finish_runtime(model, args: argparse.Namespace) -> None:
     """After a command's run: print the runtime's stats if --stats;
     write its trace and statistics."""
@@ -234,6 +284,7 @@ def load_from_args(args: argparse.Namespace):
         quant=args.quant,
     )
     attach_observers(model, args.routing_trace, args.record_trace, args.expert_stats_out)
+    attach_adapters(model, lora_specs(args))
     return model, tokenizer
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 from hybridmoe.cli.options import (
     add_config_flags,
+    add_lora_option,
     add_model_options,
     available_cores,
     config_values,
     loaded_model,
+    lora_specs,
     model_path,
 )
 from hybridmoe.engine.config import EngineConfig
@@ -27,6 +29,7 @@ def add_parser(sub) -> None:
         "/metrics, batching concurrent requests (default model: the built-in demo model).",
     )
     add_model_options(p)
+    add_lora_option(p, named=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=10002, help="port (default 10002, as KTransformers)")
@@ -105,11 +108,14 @@ def run(args) -> int:
     with loaded_model(args) as (model, tokenizer):
         config.overlap_prefill = overlap_prefill(args, model)
         name = args.served_model_name or Path(model_path(args)).name
+        if name in {n for n, _ in lora_specs(args)}:
+            raise UserError(f"--lora {name}=...: {name!r} is the base model's name; rename it")
         engine = LLMEngine(model, tokenizer, config)
         app = create_app(AsyncEngine(engine), tokenizer, name, args.api_key)
         print(
-            f"hybridmoe: serving '{name}' at http://{args.host}:{args.port}/v1 "
-            f"(context {engine.max_model_len} tokens, batch {config.max_batch_size}"
+            f"hybridmoe: serving '{name}'{_listed(engine.adapters)} at "
+            f"http://{args.host}:{args.port}/v1 (context {engine.max_model_len} tokens, "
+            f"batch {config.max_batch_size}"
             f"{', prefill beside decode' if config.overlap_prefill else ''})",
             file=sys.stderr,
         )
@@ -118,3 +124,7 @@ def run(args) -> int:
         finally:
             engine.close()  # the blocks still queued for the prefix cache's tiers
     return 0
+
+
+def _listed(adapters) -> str:
+    return f" and LoRA adapters {', '.join(map(repr, sorted(adapters)))}" if adapters else ""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from hybridmoe.engine.prefix_cache.identity import chain_keys
+from hybridmoe.engine.prefix_cache.identity import adapter_seed, chain_keys
 from hybridmoe.engine.sequence import Sequence
 
 
@@ -89,13 +89,14 @@ class BlockManager:
 
     # ---- the prefix cache ----
     def block_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Keys of the sequence's first `num_blocks` full blocks (kept on it: tokens only grow)."""
+        """Keys of the sequence's first `num_blocks` full blocks (kept on it: tokens only grow). A
+        LoRA adapter changes the cached keys and values, so the chain of a sequence with an adapter
+        starts from a seed salted by the adapter's name."""
         known = seq.block_keys
         if len(known) < num_blocks:
             prev = known[-1] if known else None
-            known += chain_keys(
-                self.seed, seq.token_ids, self.block_size, len(known), num_blocks, prev
-            )
+            seed = self.seed if seq.adapter is None else adapter_seed(self.seed, seq.adapter)
+            known += chain_keys(seed, seq.token_ids, self.block_size, len(known), num_blocks, prev)
         return known[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> int:

@@ -44,10 +44,14 @@ def single_engine(
 
 
 def _run(
-    engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats
+    engine: LLMEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stats: GenerationStats,
+    adapter: str | None = None,
 ) -> Iterator[RequestOutput]:
     stats.prompt_tokens = len(prompt_ids)
-    engine.add_request(prompt_ids, params, "generate")
+    engine.add_request(prompt_ids, params, "generate", adapter)
     while engine.has_unfinished():
         for out in engine.step():
             stats.completion_tokens, stats.prefill_s, stats.decode_s = (
@@ -65,14 +69,14 @@ def generate_ids(
     params: SamplingParams,
     eos_ids=frozenset(),
     stats: GenerationStats | None = None,
+    adapter: str | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids until EOS (not yielded, but counted) or max_tokens; the engine,
-    batch of one. Stop strings are the caller's, on text."""
+    batch of one, with LoRA adapter `adapter` if given. Stop strings are the caller's, on text."""
     stats = stats if stats is not None else GenerationStats()
     params = replace(params, stop=[])
-    for out in _run(
-        single_engine(model, None, prompt_ids, params, eos_ids), prompt_ids, params, stats
-    ):
+    engine = single_engine(model, None, prompt_ids, params, eos_ids)
+    for out in _run(engine, prompt_ids, params, stats, adapter):
         if not (out.finish_reason == "stop" and not params.ignore_eos):
             yield from out.token_ids
 
@@ -83,9 +87,12 @@ def generate_text(
     prompt_ids: list[int],
     params: SamplingParams,
     stats: GenerationStats | None = None,
+    adapter: str | None = None,
 ) -> Iterator[str]:
-    """Yield text increments, honouring EOS, stop strings and max_tokens."""
+    """Yield text increments, honouring EOS, stop strings and max_tokens; with LoRA adapter
+    `adapter` if given."""
     stats = stats if stats is not None else GenerationStats()
-    for out in _run(single_engine(model, tokenizer, prompt_ids, params), prompt_ids, params, stats):
+    engine = single_engine(model, tokenizer, prompt_ids, params)
+    for out in _run(engine, prompt_ids, params, stats, adapter):
         if out.text:
             yield out.text

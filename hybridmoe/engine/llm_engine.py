@@ -29,6 +29,7 @@ from hybridmoe.engine.scheduler import Batch, Scheduler
 from hybridmoe.engine.sequence import Sequence
 from hybridmoe.engine.stop import StopStrings
 from hybridmoe.loader.tokenizer import Detokenizer
+from hybridmoe.models.lora import adapter_names
 
 
 @dataclass
@@ -115,15 +116,25 @@ class LLMEngine:
             model_len, num_blocks * config.block_size
         )  # one sequence always fits
         self.requests: dict[str, _Request] = {}
+        self.adapters = adapter_names(model)  # the LoRA adapters requests may ask for
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
         self._in_flight: _Pass | None = None
 
     # ---- requests ----
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        adapter: str | None = None,
     ) -> str:
+        """Queue a request; `adapter`: the name of a LoRA adapter attached to the model (see
+        models/lora.py; loader/adapter.py load_adapter) that it runs with."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if adapter is not None and adapter not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"no LoRA adapter {adapter!r} is loaded (loaded: {known})")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
@@ -133,7 +144,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; this engine's context holds "
                 f"{self.max_model_len} (prompt and output together)"
             )
-        seq = Sequence(request_id, prompt_ids, params, self.max_model_len)
+        seq = Sequence(request_id, prompt_ids, params, self.max_model_len, adapter)
         self.scheduler.add(seq)
         detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         gen = None if params.greedy else make_generator(params.seed)

@@ -22,6 +22,8 @@ import torch
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from hybridmoe.engine.scheduler import Batch
+from hybridmoe.layers import lora
+from hybridmoe.layers.lora import RowAdapters
 
 
 def overlap_unsupported(model) -> str | None:
@@ -63,6 +65,7 @@ class PassInputs:
     rows: list[
         int
     ]  # rows whose logits are needed: the last of each sequence then wholly in the cache
+    adapters: RowAdapters | None  # each sequence's LoRA adapter; None when no sequence has one
 
 
 class ModelRunner:
@@ -110,13 +113,16 @@ class ModelRunner:
             if seq.num_uncomputed == n:
                 rows.append(end - 1)
         ctx = PagedKVContext(self.kv, [s.block_table for s in batch.seqs], starts, batch.num_tokens)
-        return PassInputs(torch.tensor(ids), torch.tensor(positions), ctx, rows)
+        names = [s.adapter for s in batch.seqs]
+        adapters = RowAdapters(batch.num_tokens, names) if any(names) else None
+        return PassInputs(torch.tensor(ids), torch.tensor(positions), ctx, rows, adapters)
 
     @torch.inference_mode()
     def _run(self, inputs: PassInputs, decode: list[tuple[int, str]]) -> torch.Tensor:
         """The forward pass itself, on the thread that runs it: logits [len(rows), V]."""
-        hidden = self.model(inputs.ids, inputs.positions, inputs.ctx, decode)  # [T, H]
-        return self.model.logits(hidden[inputs.rows])  # [n, V]
+        with lora.using(inputs.adapters):
+            hidden = self.model(inputs.ids, inputs.positions, inputs.ctx, decode)  # [T, H]
+            return self.model.logits(hidden[inputs.rows])  # [n, V]
 
     @contextmanager
     def _threads(self, num_tokens: int):

@@ -18,9 +18,15 @@ class Status(Enum):
 
 class Sequence:
     def __init__(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_len: int
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_len: int,
+        adapter: str | None = None,
     ):
         self.request_id = request_id
+        self.adapter = adapter  # the LoRA adapter it runs with (None: the base model)
         self.arrival = next(
             _arrival
         )  # FCFS order; preemption keeps it, so a preempted one stays in front

@@ -44,10 +44,11 @@ def causal_attention(
     leading batch dimension matters: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
     fall back to the unfused math path. Chunks of more than one bf16 query on the CPU take the
     native kernel instead when it is available, several times faster
-    (docs/notes/2026-11-24-measurements-in-code.md, "causal_attention").
+    (docs/notes/2026-11-24-measurements-in-code.md, "causal_attention"), unless gradients are being
+    recorded (a training step): the kernel has no backward.
     """
     n, heads, d = q.shape
-    if n > 1 and native.prefill_applies(q, k, v):
+    if n > 1 and not torch.is_grad_enabled() and native.prefill_applies(q, k, v):
         return native.prefill_attention(q, k, v, scale)
     length, kv_heads = k.shape[0], k.shape[1]
     groups = heads // kv_heads

@@ -23,6 +23,7 @@ from torch import nn
 from hybridmoe import native
 from hybridmoe.quant.tensor import QTensor
 from hybridmoe.quant.tensor import linear as qlinear
+from hybridmoe.layers.lora import LoRA, add_lora
 from hybridmoe.tuning import FEW_ROWS, THREADED_NATIVE_ROWS
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -56,11 +57,17 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint names) computed by `linear` above. Its weight may
-    be replaced by a QTensor (models/base.py does, for weights kept in blocks) unless `quantizable`
-    is off (a layer that reads the weight's values itself)."""
+    """nn.Linear (same parameters, same checkpoint names) computed by `linear` above, plus the LoRA
+    adapters attached to it (layers/lora.py), each on the rows that use it. Its weight may be
+    replaced by a QTensor (models/base.py does, for weights kept in blocks) unless `quantizable` is
+    off (a layer that reads the weight's values itself)."""
 
     quantizable = True
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.adapters: dict[str, LoRA] = {}  # name -> adapter; not submodules (layers/lora.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return add_lora(y, x, self.adapters) if self.adapters else y

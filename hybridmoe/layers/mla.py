@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridmoe.layers import lora
 from hybridmoe.layers.attention import KVContext, causal_attention
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import RMSNorm
@@ -109,8 +110,10 @@ class MLAttention(nn.Module):
     def _attend(self, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
         # Expanding costs L * rank * h * (nope + v); absorbing costs about
         # n * L * h * (2 * rank + rope) more than plain attention: absorb for decode and small
-        # chunks, expand for prefill.
-        if q_nope.shape[0] * (2 * self.rank + self.rope) < self.rank * (self.nope + self.v_dim):
+        # chunks, expand for prefill. The absorbed form reads kv_b_proj's weight, without its LoRA
+        # adapters: a sequence with an adapter on kv_b_proj expands.
+        small = q_nope.shape[0] * (2 * self.rank + self.rope) < self.rank * (self.nope + self.v_dim)
+        if small and not lora.active(self.kv_b_proj.adapters):
             return self._attend_absorbed(q_nope, q_pe, c_kv, k_pe)
         k, v = self._expand(c_kv, k_pe)
         return causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, self.scale)
@@ -128,10 +131,16 @@ class MLAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         k_pe = self._rope(k_pe[:, None, :], cos, sin)[:, 0]  # [T, rope]
         history = ctx.update(self.layer, c_kv, k_pe)
-        outs, start = [], 0
-        for n, (c_all, k_pe_all) in zip(ctx.seq_lens, history):
-            outs.append(
-                self._attend(q_nope[start : start + n], q_pe[start : start + n], c_all, k_pe_all)
-            )
+        outs, start, rows = [], 0, lora.current()
+        for i, (n, (c_all, k_pe_all)) in enumerate(zip(ctx.seq_lens, history)):
+            # kv_b_proj runs on the sequence's history, not on the pass's rows: its adapter is the
+            # sequence's
+            seq_rows = rows.sequence(i, len(c_all)) if rows and self.kv_b_proj.adapters else rows
+            with lora.using(seq_rows):
+                outs.append(
+                    self._attend(
+                        q_nope[start : start + n], q_pe[start : start + n], c_all, k_pe_all
+                    )
+                )
             start += n
         return self.o_proj(torch.cat(outs, dim=0).reshape(T, self.heads * self.v_dim))  # [T, H]

@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.experts.run.expert_grad import TrainLoRA
+from hybridmoe.experts.run.lora import ExpertLoRA, RowLoRA
+from hybridmoe.layers import lora
+from hybridmoe.layers.lora import add_lora
+
 
 def softmax_topk(
     logits: torch.Tensor, k: int, renormalize: bool
@@ -103,6 +108,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.layer, self.top_k, self.renormalize = layer, shape.top_k, renormalize
         self.gate = nn.Linear(shape.hidden, shape.num_experts, bias=False)
+        self.gate.adapters = {}  # the router's LoRA adapters (layers/lora.py), frozen unless asked
+        self.adapters: dict[str, ExpertLoRA] = {}  # the routed experts' LoRA, by adapter name
         self.runtime = runtime
         self.replay = None  # an object whose ids(layer) [T, K] replace the router's choice
         self._next: tuple[SparseMoE, ...] = ()  # the next MoE block (in a tuple: not a submodule)
@@ -110,9 +117,13 @@ class SparseMoE(nn.Module):
     def link_next(self, block: SparseMoE) -> None:
         self._next = (block,)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits [T, E] for x [T, H], its LoRA adapters included."""
+        return add_lora(self.gate(x), x, self.gate.adapters)
+
     def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's own choice: ids [T, k], weights [T, k] (fp32)."""
-        return softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        return softmax_topk(self.logits(x), self.top_k, self.renormalize)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts x [T, H] runs on: the router's choice, or the replayed trace's with this
@@ -125,7 +136,7 @@ class SparseMoE(nn.Module):
     def router_probs(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> per-expert routing probability [T, E] (fp32): what ranks experts for
         top-k."""
-        return F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        return F.softmax(self.logits(x), dim=-1, dtype=torch.float32)
 
     def weights_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weights [T, K] (fp32) this router gives experts `ids` [T, K] on x [T, H], whether or
@@ -136,4 +147,22 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)  # [T, k], [T, k]
         hint = partial(self._next[0].router_probs, x) if self._next else None  # computed if asked
-        return self.runtime.forward(self.layer, x, ids, weights, hint)
+        return self.runtime.forward(self.layer, x, ids, weights, hint, self.expert_lora(len(x)))
+
+    def expert_lora(self, num_rows: int) -> RowLoRA | TrainLoRA | None:
+        """What the runtime is told of the pass's expert adapters: a training step's (in training
+        mode, gradients on: the one adapter being trained, or none), which rows use which (serving),
+        or None when no adapter of these experts applies."""
+        rows = lora.current()
+        if self.training and torch.is_grad_enabled():
+            names = [name for name, _ in rows.groups()] if rows else []
+            return TrainLoRA(self.adapters.get(names[0]) if names else None)
+        if not lora.active(self.adapters):
+            return None
+        adapter = torch.full((num_rows,), -1, dtype=torch.long)  # [T]
+        loras: list[ExpertLoRA] = []
+        for name, index in rows.groups():
+            if name in self.adapters:
+                adapter[slice(None) if index is None else index] = len(loras)
+                loras.append(self.adapters[name])
+        return RowLoRA(adapter, loras)

@@ -124,10 +124,14 @@ class CausalLM(nn.Module):
         on two threads (the engine's overlap_prefill)."""
         return self.runtime is None or self.runtime.reentrant
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, H]: the embeddings' when they are tied."""
+        return self.embed_tokens.weight if self.tied else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] -> fp32 logits [n, V]."""
-        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, self.head_weight).float()
 
     # ---- loading ----
     def checkpoint_name(self, name: str) -> str | None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.experts.plan.shape import ExpertShape
+from hybridmoe.layers.lora import add_lora
 from hybridmoe.layers.mla import MLAttention
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe import (
@@ -53,7 +54,8 @@ class DeepseekMoE(SparseMoE):
         )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.gate.weight.float())  # [T, E], fp32 as DeepSeek's reference
+        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E], fp32 as DeepSeek's
+        return add_lora(logits, x, self.gate.adapters)
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Per-expert scores [T, E] that weigh the chosen experts (before renormalising and

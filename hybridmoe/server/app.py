@@ -116,29 +116,33 @@ class _Api:
     async def _body(self, request: Request, cls):
         self._authorize(request)
         req = parse(cls, parse_json(await request.body()))
-        if req.model != self.model_name:
+        if req.model != self.model_name and req.model not in self.engine.adapters:
+            served = ", ".join(f"'{n}'" for n in [self.model_name, *sorted(self.engine.adapters)])
             raise ApiError(
                 404,
-                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'.",
+                f"The model '{req.model}' does not exist; this server serves {served}.",
                 param="model",
                 code="model_not_found",
             )
         return req
 
+    def _adapter(self, req) -> str | None:
+        """The LoRA adapter a request asked for by its `model`; None for the base model."""
+        return None if req.model == self.model_name else req.model
+
     async def models(self, request: Request) -> dict:
         self._authorize(request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "hybridmoe",
-                    "max_model_len": self.engine.max_model_len,
-                }
-            ],
+        base = {
+            "object": "model",
+            "created": self.created,
+            "owned_by": "hybridmoe",
+            "max_model_len": self.engine.max_model_len,
         }
+        adapters = [  # as vLLM lists LoRA adapters: their own id, the base model as parent
+            {"id": name, **base, "root": name, "parent": self.model_name}
+            for name in sorted(self.engine.adapters)
+        ]
+        return {"object": "list", "data": [{"id": self.model_name, **base}, *adapters]}
 
     async def chat(self, request: Request):
         req = await self._body(request, ChatRequest)
@@ -154,9 +158,7 @@ class _Api:
             raise ApiError(
                 400, f"The chat template rejected the messages: {e}", param="messages"
             ) from None
-        return await self._respond(
-            request, req, prompt_ids, ChatShape(self.model_name, self.tokenizer)
-        )
+        return await self._respond(request, req, prompt_ids, ChatShape(req.model, self.tokenizer))
 
     async def completions(self, request: Request):
         req = await self._body(request, CompletionRequest)
@@ -177,12 +179,12 @@ class _Api:
         else:
             prompt_ids = self.tokenizer.encode(prompt)
         return await self._respond(
-            request, req, prompt_ids, CompletionShape(self.model_name, self.tokenizer)
+            request, req, prompt_ids, CompletionShape(req.model, self.tokenizer)
         )
 
     async def _respond(self, request: Request, req, prompt_ids: list[int], shape):
         params = sampling_params(req, len(prompt_ids), self.engine.max_model_len)
-        outputs = self.engine.generate(prompt_ids, params, shape.id)
+        outputs = self.engine.generate(prompt_ids, params, shape.id, self._adapter(req))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(

@@ -43,6 +43,11 @@ class AsyncEngine:
         return self._engine.model.vocab_size
 
     @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters requests may name as their `model`."""
+        return self._engine.adapters
+
+    @property
     def metrics_source(self) -> LLMEngine:
         """The engine, for GET /metrics to read its counters from the HTTP thread: plain numbers,
         read without a lock, so a scrape may see a step half-counted."""
@@ -57,12 +62,16 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes them. Leaving early (a disconnect) aborts
-        it."""
+        """The request's outputs as the engine makes them (with LoRA adapter `adapter`). Leaving
+        early (a disconnect) aborts it."""
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(AddRequest(request_id, prompt_ids, params, sink))
+        self._commands.put(AddRequest(request_id, prompt_ids, params, sink, adapter))
         finished = False
         try:
             while not finished:
@@ -105,10 +114,10 @@ class AsyncEngine:
 
     def _run_command(self, cmd: Command) -> None:
         match cmd:
-            case AddRequest(request_id, prompt_ids, params, sink):
+            case AddRequest(request_id, prompt_ids, params, sink, adapter):
                 self._sinks[request_id] = sink
                 try:
-                    self._engine.add_request(prompt_ids, params, request_id)
+                    self._engine.add_request(prompt_ids, params, request_id, adapter)
                 except (
                     Exception
                 ) as e:  # ValueError: refused (a 400); anything else is a bug (a 500)

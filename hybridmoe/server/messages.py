@@ -31,6 +31,7 @@ class AddRequest:
     prompt_ids: list[int]
     params: SamplingParams
     sink: Sink
+    adapter: str | None = None  # the LoRA adapter it asked for by its `model`
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,11 @@ def chain_keys(
     return keys
 
 
+def adapter_seed(seed: bytes, adapter: str) -> bytes:
+    """The seed of the chains of sequences that run with LoRA adapter `adapter`."""
+    return hashlib.blake2b(seed + b"lora/" + adapter.encode(), digest_size=KEY_BYTES).digest()
+
+
 def namespace(fingerprint: bytes, block_size: int, layout: str) -> bytes:
     """The seed of every chain: model fingerprint, block size, KV format and `layout` (the dtypes
     and entry shapes the model caches, as text)."""

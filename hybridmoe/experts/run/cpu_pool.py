@@ -124,11 +124,12 @@ class CPUExperts:
         self.workers = workers
         self.pool: CPUPool | None = None
 
-    def start(self, jobs: list[Job], nbytes: int) -> CPUBatch | _InlineBatch:
-        """Start `jobs`, which stream `nbytes` of weights in all;
-        `.result()` -> (outputs, busy seconds)."""
+    def start(self, jobs: list[Job], nbytes: int, heavy: bool = False) -> CPUBatch | _InlineBatch:
+        """Start `jobs`, which stream `nbytes` of weights in all (`heavy`: work that dwarfs any
+        hand-off whatever the bytes, a training step's experts); `.result()` -> (outputs, busy
+        seconds)."""
         workers = self.workers or torch.get_num_threads()
-        if min(workers, len(jobs)) <= 1 or nbytes < tuning.WORKERS_MIN_BYTES:
+        if min(workers, len(jobs)) <= 1 or (nbytes < tuning.WORKERS_MIN_BYTES and not heavy):
             return _InlineBatch(jobs)
         if self.pool is None or self.pool.workers != workers:
             self.close()

@@ -186,8 +186,11 @@ class HybridRuntime(BaseRuntime):
         super().begin_step(num_tokens, decode_rows)
 
     # ---- one layer ---------------------------------------------------------------------------
-    def _layer(self, layer, x, topk_ids, topk_weights, hint):
+    def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
         """Plan and run one layer; its output [T, H] and what happened."""
+        if lora is not None:
+            # GPU experts have no LoRA path yet; the CLI refuses expert adapters with this runtime
+            raise ValueError("expert LoRA adapters run on the CPU expert runtime only")
         groups = group_by_expert(topk_ids)
         rows_of = {e: rows for e, rows, _ in groups}
         routed = [

@@ -26,6 +26,7 @@ import torch
 
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.cpu_pool import CPUExperts
+from hybridmoe.experts.run.expert_grad import TrainLoRA, expert_layer
 from hybridmoe.experts.run.ffn import (
     blocks_together,
     combine_grouped,
@@ -34,6 +35,7 @@ from hybridmoe.experts.run.ffn import (
     experts_ffn,
     group_by_expert,
 )
+from hybridmoe.experts.run.lora import RowLoRA, expert_rows
 from hybridmoe.experts.run.runtime_stats import RuntimeStats
 from hybridmoe.experts.run.store import ExpertStore
 
@@ -86,6 +88,7 @@ class ExpertRuntime(Protocol):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         hint: Hint | None = None,
+        lora: RowLoRA | TrainLoRA | None = None,
     ) -> torch.Tensor: ...
     def add_observer(self, observer: Observer) -> None: ...
     def close(self) -> None: ...
@@ -161,24 +164,20 @@ class BaseRuntime:
         for observer in self.observers:
             observer.begin_step(step)
 
-    def forward(self, layer, x, topk_ids, topk_weights, hint=None):
+    def forward(self, layer, x, topk_ids, topk_weights, hint=None, lora=None):
         """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert
-        outputs."""
+        outputs. `lora`: the rows' expert adapters (RowLoRA), or a training step's (TrainLoRA:
+        every expert on the CPU, differentiable, experts/run/expert_grad.py)."""
         step = self._local.step
         if step is None:
             raise RuntimeError(
                 "an MoE layer ran outside a step: the model's forward must call begin_step first"
             )
         o = self.ordinal[layer]
-        ids, weights = topk_ids, topk_weights
-        if self.defer_experts and o < len(self.layers) - 1 and _all_decode(step):
-            ids, weights, later = _split_deferred(topk_ids, topk_weights, self.defer_experts)
-        out, report = self._layer(layer, x, ids, weights, hint)
-        earlier = step.notes.pop(_DEFERRED, None)
-        if earlier is not None:  # the previous layer's deferred experts join the stream here
-            out = out + earlier()
-        if ids is not topk_ids:
-            step.notes[_DEFERRED] = self._defer(layer, x, *later)
+        if isinstance(lora, TrainLoRA):
+            out, report = self._train_layer(layer, x, topk_ids, topk_weights, lora)
+        else:
+            out, report = self._defer_layer(step, o, layer, x, topk_ids, topk_weights, hint, lora)
         for observer in self.observers:
             observer.on_layer(step, o, topk_ids, topk_weights, report)
         if o == len(self.layers) - 1:
@@ -188,10 +187,26 @@ class BaseRuntime:
         return out
 
     def _layer(
-        self, layer, x, topk_ids, topk_weights, hint
+        self, layer, x, topk_ids, topk_weights, hint, lora: RowLoRA | None = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The layer's output [T, H], and what happened (RuntimeStats' fields) for the observers."""
         raise NotImplementedError
+
+    def _defer_layer(self, step, o, layer, x, topk_ids, topk_weights, hint, lora):
+        """`_layer`, with each decode token's `defer_experts` lowest-weight experts started on the
+        CPU to join the next MoE layer's output, and the previous layer's joined to this one's.
+        Rows with LoRA adapters run every expert in their layer."""
+        ids, weights = topk_ids, topk_weights
+        defer = self.defer_experts and lora is None and o < len(self.layers) - 1
+        if defer and _all_decode(step):
+            ids, weights, later = _split_deferred(topk_ids, topk_weights, self.defer_experts)
+        out, report = self._layer(layer, x, ids, weights, hint, lora)
+        earlier = step.notes.pop(_DEFERRED, None)
+        if earlier is not None:  # the previous layer's deferred experts join the stream here
+            out = out + earlier()
+        if ids is not topk_ids:
+            step.notes[_DEFERRED] = self._defer(layer, x, *later)
+        return out, report
 
     def _defer(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """Start the deferred experts ids [T, N] on the CPU; a callable that waits for them and
@@ -200,12 +215,38 @@ class BaseRuntime:
         job = self._run_cpu(layer, [(e, x[rows]) for e, rows, _ in groups])
         return lambda: combine_grouped(x, groups, job.result()[0], weights).to(x.dtype)
 
-    def _run_cpu(self, layer: int, inputs: list[tuple[int, torch.Tensor]]):
-        """Start (expert, rows [n, H]) pairs on the CPU; `.result()` -> (outputs, busy seconds)."""
-        pairs = [(rows, self.store.get(layer, e)) for e, rows in inputs]
-        if blocks_together(pairs):  # the integer kernels take the layer in one call
+    def _train_layer(self, layer, x, topk_ids, topk_weights, lora: TrainLoRA):
+        """A training step's layer: every expert on the CPU through expert_grad.expert_layer."""
+        t0 = time.perf_counter()
+        out = expert_layer(self.cpu, self.store, layer, x, topk_ids, topk_weights, lora.lora)
+        n, seconds = len(topk_ids.unique()), time.perf_counter() - t0
+        return out, {
+            "routed": n,
+            "misses": n,
+            "cpu_runs": n,
+            "cpu_busy_s": seconds,
+            "measured_s": seconds,
+        }
+
+    def _run_cpu(
+        self,
+        layer: int,
+        inputs: list[tuple[int, torch.Tensor]],
+        rows: list[torch.Tensor] | None = None,
+        lora: RowLoRA | None = None,
+    ):
+        """Start (expert, rows [n, H]) pairs on the CPU; `.result()` -> (outputs, busy seconds).
+        With `lora`, the pairs' row indices `rows` say which rows use which adapter."""
+        pairs = [(x, self.store.get(layer, e)) for e, x in inputs]
+        if lora is None and blocks_together(pairs):  # the integer kernels take them in one call
             return self.cpu.start_call(partial(experts_ffn, pairs))
-        jobs = [partial(expert_ffn, rows, w) for rows, w in pairs]
+        jobs = []
+        for i, ((e, _), (x, w)) in enumerate(zip(inputs, pairs)):
+            which = lora.rows(rows[i]) if lora is not None else None
+            if which is None:
+                jobs.append(partial(expert_ffn, x, w))
+            else:
+                jobs.append(partial(expert_rows, x, w, e, which, lora.loras))
         return self.cpu.start(jobs, len(jobs) * self.store.expert_nbytes())
 
     def close(self) -> None:
@@ -228,19 +269,22 @@ class CPURuntime(BaseRuntime):
     ):
         super().__init__(shape, dtype, RuntimeStats("cpu", "cpu", 0), cpu_workers)
 
-    def _layer(self, layer, x, topk_ids, topk_weights, hint):
+    def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
         t0 = time.perf_counter()
         if x.shape[0] == 1:
             # Decode: one token, so no grouping, gathering or scattering; the K outputs are summed
             # by one [1, K] @ [K, H] product, which halves the ops per expert.
             experts = topk_ids[0].tolist()
-            ys, busy = self._run_cpu(layer, [(e, x) for e in experts]).result()  # [1, H] each
+            row = [torch.zeros(1, dtype=torch.long)] * len(experts)
+            ys, busy = self._run_cpu(
+                layer, [(e, x) for e in experts], row, lora
+            ).result()  # [1, H] each
             out = combine_token(x, ys, topk_weights)
         else:
             groups = group_by_expert(topk_ids)
             experts = [e for e, _, _ in groups]
             ys, busy = self._run_cpu(
-                layer, [(e, x[rows]) for e, rows, _ in groups]
+                layer, [(e, x[rows]) for e, rows, _ in groups], [g[1] for g in groups], lora
             ).result()  # [n, H] each
             out = combine_grouped(x, groups, ys, topk_weights)
         n = len(set(experts))
