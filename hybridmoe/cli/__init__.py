@@ -23,6 +23,7 @@ COMMANDS = [
     "simulate",
     "plan",
     "demo-model",
+    "export",
 ]
 
 
