@@ -64,11 +64,16 @@ def check(model: str) -> None:
     from pathlib import Path
 
     path = Path(model)
-    if not path.is_file() or path.open("rb").read(4) != b"GGUF":
+    if not path.is_file() or _magic(path) != b"GGUF":
         raise UserError(
             f"--model {model}: --compare-llama-cpp runs both engines on one GGUF file; "
             "write one with `hybridmoe export` or `hybridmoe bench make-model --format`"
         )
+
+
+def _magic(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
 
 
 def compare(args, prompt: list[int]) -> dict:
