@@ -207,7 +207,7 @@ def test_metadata_and_tensors_are_what_llama_cpp_loads(arch, gguf_arch, tmp_path
     cfg = json.loads((tmp_path / "config.json").read_text())
     path = export_gguf(Checkpoint(tmp_path), tmp_path / "m.gguf", "gguf-q8_0", progress=False)
     reader = gguf_file.Reader(str(path))
-    meta = gguf_file._metadata(reader)
+    meta = gguf_file.metadata(path)
     assert meta["general.architecture"] == gguf_arch
     assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     for key in (*COMMON_KEYS, *REQUIRED[gguf_arch]):
@@ -355,3 +355,15 @@ def test_export_with_an_unknown_pre_tokenizer_leaves_nothing(tiny_chat_model, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     args = ("export", "--model", str(model), "--format", "gguf-bf16", "--no-tokenizer")
     assert run_cli(capsys, *args, "--out", str(out))[0] == 0 and out.exists()
+
+
+def test_smollm_pre_tokenizer_splits_digits_one_by_one_as_llama_cpp():
+    """SmolLM2's own GGUF names the "smollm" pre-tokenizer: llama.cpp splits every digit apart
+    before GPT-2's regex (transformers' GGUF reader alone would merge "2024" into fewer tokens)."""
+    from tests.conftest import smollm2_gguf
+
+    tok = load_tokenizer(smollm2_gguf())
+    ids = tok.encode("In 2024, 3.14159 apples", add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    assert [p for p in pieces if p.strip().isdigit()] == list("2024314159")
+    assert tok.decode(ids) == "In 2024, 3.14159 apples"

@@ -17,7 +17,7 @@ def bytes_per_token(path: str) -> int:
     from hybridmoe.loader import gguf_file
 
     reader = gguf_file.Reader(path)
-    meta = gguf_file._metadata(reader)
+    meta = gguf_file.metadata(path)
     arch = meta["general.architecture"]
     top_k, experts = meta.get(f"{arch}.expert_used_count", 1), meta.get(f"{arch}.expert_count", 1)
     total = 0

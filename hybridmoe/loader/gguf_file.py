@@ -35,6 +35,11 @@ def read_config(path: str | Path) -> HFConfig:
     return HFConfig(hf_config(_metadata(reader), _shapes(reader), str(path)))
 
 
+def metadata(path: str | Path) -> dict:
+    """The file's scalar and string metadata (general.*, {arch}.*, tokenizer.ggml.pre, ...)."""
+    return _metadata(_reader(path))
+
+
 def check(path: str | Path) -> None:
     """Raise ModelFileError unless `path` parses as a GGUF file with all its tensor data present."""
     _reader(path)
