@@ -37,9 +37,11 @@ def pre_tokenizer_name(pre: dict | None, where: str) -> str:
     looked up in _SPLITS."""
     steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
     kinds = [s.get("type") for s in steps]
-    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+    # llama.cpp never adds a prefix space to byte-level text
+    plain = bool(steps) and not steps[-1].get("add_prefix_space", False)
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True) and plain:
         return "gpt-2"
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and plain:
         return "smollm"
     if kinds[:1] == ["Split"] and (regex := steps[0].get("pattern", {}).get("Regex")) in _SPLITS:
         return _SPLITS[regex]
