@@ -367,3 +367,29 @@ def test_smollm_pre_tokenizer_splits_digits_one_by_one_as_llama_cpp():
     pieces = [tok.decode([i]) for i in ids]
     assert [p for p in pieces if p.strip().isdigit()] == list("2024314159")
     assert tok.decode(ids) == "In 2024, 3.14159 apples"
+
+
+def test_zero_shared_expert_gate_is_written_so_llama_cpp_has_no_nan(tmp_path):
+    """llama.cpp computes the qwen2moe shared-expert gate's sigmoid(x) as silu(x)/x (NaN at 0); the
+    demo model's gate is all zeros (sigmoid 1/2). The file holds 2**-24 instead, and still computes
+    the model: logits within 1e-4 of transformers' with the zero gate (weights rounded to bf16)."""
+    from safetensors.torch import load_file
+
+    from hybridmoe.export.gguf_layout import TINY_GATE
+
+    ref = build_tiny("qwen2_moe", tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("shared_expert_gate.weight"):
+                p.zero_()
+            if p.dim() >= 2:
+                p.copy_(p.bfloat16().float())
+    for name in state:
+        if name.endswith("shared_expert_gate.weight"):
+            state[name] = torch.zeros_like(state[name])
+    save_file(state, str(tmp_path / "model.safetensors"))
+    path = export_gguf(Checkpoint(tmp_path), tmp_path / "m.gguf", "gguf-bf16", progress=False)
+    gates = [t for t in gguf.GGUFReader(str(path)).tensors if "ffn_gate_inp_shexp" in t.name]
+    assert gates and all(np.all(np.asarray(t.data) == TINY_GATE) for t in gates)
+    assert rel_err(our_logits(path), hf_logits(ref, IDS)) <= 1e-4

@@ -47,6 +47,8 @@ def export_gguf(
         write_metadata(w, cfg, gguf_types.FILE_TYPES[fmt], source.name)
         if tokenizer and source.tokenizer_dir is not None:
             write_tokenizer(w, source.tokenizer_dir, cfg["vocab_size"])
+        else:  # llama.cpp refuses a file that names no tokenizer; "none" loads without one
+            w.add_tokenizer_model("none")
         for t, qtype in zip(tensors, types):
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes(qtype, t.shape), qtype)
         w.write_header_to_file()

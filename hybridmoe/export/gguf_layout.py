@@ -91,8 +91,19 @@ def _dense(hf: str, shape: tuple, read, cfg: dict, arch, gguf_name) -> list[Plan
         heads = cfg["num_attention_heads"] if ".q_proj." in hf else cfg["num_key_value_heads"]
         return [Planned(gguf_name(hf), shape, [lambda: permute_rows(read(hf), heads)])]
     if hf.endswith("shared_expert_gate.weight"):  # HF [1, H]; llama.cpp declares it [H]
-        return [Planned(gguf_name(hf), shape[-1:], [lambda: read(hf).reshape(-1)])]
+        return [Planned(gguf_name(hf), shape[-1:], [lambda: _defined_gate(read(hf).reshape(-1))])]
     return [Planned(gguf_name(hf), shape, [lambda: read(hf)])]
+
+
+# llama.cpp's qwen2moe computes the shared expert's gate sigmoid(x) as silu(x) / x, which is 0/0 =
+# NaN for an all-zero gate row (the demo model's: its sigmoid is exactly 1/2, so x is always 0).
+# Such a row is written as this constant instead: sigmoid moves by ~TINY * |sum(h)| / 4, under 1e-6
+# for any activation a bf16 model holds, and x is no longer 0.
+TINY_GATE = 2.0**-24
+
+
+def _defined_gate(w: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(w, TINY_GATE) if not w.any() else w
 
 
 def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
