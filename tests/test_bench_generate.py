@@ -99,3 +99,35 @@ def test_bench_generate_rejects_a_zero_token_count(tmp_path, capsys):
     main(["bench", "make-model", "--shape", "tiny", "--layers", "1", "--out", str(model)])
     assert main(["bench", "generate", "--model", str(model), "--max-tokens", "0"]) == 2
     assert "--max-tokens 0" in capsys.readouterr().err
+
+
+def test_engine_worker_process_runs_our_engine_and_reports_its_memory(tmp_path):
+    """--compare-llama-cpp's worker protocol on our engine alone (llama.cpp is a benchmark peer,
+    not a test dependency): the same greedy tokens as in this process, and its own RSS."""
+    from hybridmoe.bench.compare_llama_cpp import Worker
+    from hybridmoe.engine.generate import generate_ids
+    from hybridmoe.engine.sampler import SamplingParams
+    from hybridmoe.loader import load_model
+
+    model = tmp_path / "m.gguf"
+    args = ["bench", "make-model", "--shape", "tiny", "--layers", "1", "--format", "gguf-q8_0"]
+    assert main([*args, "--out", str(model)]) == 0
+    prompt = [5, 9, 40, 7, 100, 3]
+    worker = Worker("hybridmoe", str(model), 1, "float32", 64)
+    try:
+        prefill_s, decode_s, steps = worker(prompt, 6)
+    finally:
+        worker.close()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = list(generate_ids(load_model(model, progress=False), prompt, params))
+    assert worker.last["tokens"] == want and steps == 5 and prefill_s > 0 and decode_s > 0
+    assert worker.last["peak_rss"] >= worker.last["rss"] > 50e6
+
+
+def test_compare_llama_cpp_wants_a_gguf_file(tmp_path, capsys):
+    model = tmp_path / "m"
+    main(["bench", "make-model", "--shape", "tiny", "--layers", "1", "--out", str(model)])
+    capsys.readouterr()
+    assert main(["bench", "generate", "--model", str(model), "--compare-llama-cpp"]) == 2
+    (line,) = [row for row in capsys.readouterr().err.splitlines() if "error" in row]
+    assert "GGUF" in line or "llama-cpp-python" in line  # whichever is missing first

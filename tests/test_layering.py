@@ -44,6 +44,8 @@ FORBIDDEN = {
         "demo",
         "loader",
     },
+    # export writes files from checkpoints: it runs no model
+    "export": {"experts", "layers", "models", "engine", "server", "sim", "cli", "bench", "demo"},
     "native": {"quant", "experts", "layers", "models", "engine", "server", "sim", "cli", "bench"},
 }
 

@@ -4,8 +4,6 @@ same tokens. The exact path is what transformers computes (tests/test_gguf.py ch
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from hybridmoe.native import quant as kernels
 from hybridmoe.quant.tensor import QTensor
 from tests.contiguous_kv import SequenceKV, forward_step
 from tests.gguf_writer import Q, write_gguf
+from tests.held_out import held_out_stats
 from tests.tiny import TINY_COMMON, build_tiny
 
 PROMPT = [5, 17, 42, 8, 30, 2, 64, 11]
@@ -90,36 +89,15 @@ def test_q8_0_demo_model_keeps_the_exact_models_perplexity(
     Q8_0)."""
     path = str(write_gguf(demo_model, tmp_path / "demo-q8_0.gguf", Q.Q8_0))
     (kernel_ppl, kernel_top), (exact_ppl, exact_top) = (
-        held_out_stats(path, monkeypatch, isa) for isa in ("avx512", "off")
+        held_out_stats_with(path, monkeypatch, isa) for isa in ("avx512", "off")
     )
     assert kernel_ppl <= 1.01 * exact_ppl
     assert (kernel_top == exact_top).float().mean() >= 0.9
 
 
-def held_out_stats(
-    path: str, monkeypatch, isa: str, sequences: int = 8
-) -> tuple[float, torch.Tensor]:
-    """Perplexity over the demo corpus's held-out tokens (its first `sequences` rows), and the top
-    tokens."""
-    from hybridmoe.demo.shipped import load_corpus
-    from tests.contiguous_kv import BatchKVContext
-
+def held_out_stats_with(path: str, monkeypatch, isa: str) -> tuple[float, torch.Tensor]:
     monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", isa)
-    model, text = load_model(path, progress=False), load_corpus("evaluation")
-    nll, count, tops = 0.0, 0, []
-    with torch.inference_mode():
-        for row, m, sc in list(zip(text.ids, text.mask, text.scored))[:sequences]:
-            toks = row[m]
-            hidden = model(
-                toks, torch.arange(len(toks)), BatchKVContext([SequenceKV()], [len(toks)])
-            )
-            logits, scored = model.logits(hidden)[:-1], sc[m][1:]
-            nll -= (
-                torch.log_softmax(logits, -1).gather(-1, toks[1:, None])[:, 0][scored].sum().item()
-            )
-            count += int(scored.sum())
-            tops.append(logits.argmax(-1)[scored])
-    return math.exp(nll / count), torch.cat(tops)
+    return held_out_stats(path)
 
 
 def test_both_instruction_set_paths_give_the_same_tokens(tmp_path, monkeypatch, one_torch_thread):
@@ -183,7 +161,7 @@ def test_quant_at_load_keeps_a_hugging_face_checkpoint_in_blocks(tmp_path, monke
 def test_a_gguf_tensor_type_hybridmoe_does_not_read_is_one_line(tiny_chat_model, tmp_path):
     from tests.console import hybridmoe
 
-    path = write_gguf(tiny_chat_model, tmp_path / "q5.gguf", Q.Q5_0)
+    path = write_gguf(tiny_chat_model, tmp_path / "mxfp4.gguf", Q.MXFP4)
     run = hybridmoe(
         "generate",
         "--model",
@@ -199,4 +177,4 @@ def test_a_gguf_tensor_type_hybridmoe_does_not_read_is_one_line(tiny_chat_model,
     assert run.returncode == 2 and "Traceback" not in run.stderr
     (line,) = [row for row in run.stderr.splitlines() if "error" in row]
     # the tensor, its type, what is read
-    assert "tensor " in line and "Q5_0" in line and "Q4_K" in line
+    assert "tensor " in line and "MXFP4" in line and "Q4_K" in line

@@ -53,6 +53,12 @@ def add_parser(sub) -> None:
         action="store_true",
         help="also load the weights into transformers' own model class and measure it in this run",
     )
+    p.add_argument(
+        "--compare-llama-cpp",
+        action="store_true",
+        help="also run llama.cpp (llama-cpp-python, the peers extra) on the same GGUF file, each "
+        "engine in its own process, and report both against this machine's decode roofline",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -141,6 +147,10 @@ def run_benchmark(args) -> dict:
     from hybridmoe.loader import load_model, model_config
 
     _check(args)
+    if args.compare_llama_cpp:
+        from hybridmoe.bench.compare_llama_cpp import check
+
+        check(args.model)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = compute_dtype(args.dtype)
@@ -158,6 +168,11 @@ def run_benchmark(args) -> dict:
         "date": date.today().isoformat(),
         "machine": machine(),
     }
+    if args.compare_llama_cpp:
+        from hybridmoe.bench.compare_llama_cpp import compare
+
+        result.update(compare(args, prompt), load_avg_1min_after=round(os.getloadavg()[0], 2))
+        return result
     engines = {
         "hybridmoe": hybridmoe_engine(load_model(args.model, dtype=dtype, progress=not args.json))
     }
@@ -192,6 +207,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    if args.compare_llama_cpp:
+        print_comparison(result)
+        return 0
     print(
         f"{result['model']}  {result['dtype']}  prompt {result['prompt_len']}  decode "
         f"{result['max_tokens']} tokens  threads {result['threads']}  median of {result['repeats']}"
@@ -205,3 +223,26 @@ def run(args) -> int:
     if result["transformers"] is not None:
         print(f"{'ratio':<14}{result['prefill_ratio']:>14.2f}x{result['decode_ratio']:>14.2f}x")
     return 0
+
+
+def print_comparison(r: dict) -> None:
+    print(
+        f"{r['model']}  prompt {r['prompt_len']}  decode {r['max_tokens']} tokens  threads "
+        f"{r['threads']}  median of {r['repeats']}  load average "
+        f"{r['machine']['load_avg_1min']} -> {r['load_avg_1min_after']}"
+    )
+    print(
+        f"roofline: {r['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token / "
+        f"{r['read_bandwidth_gbs']:.1f} GB/s read = {r['roofline_tps']:.1f} tok/s"
+    )
+    print(
+        f"{'engine':<11}{'prefill tok/s':>15}{'decode tok/s':>14}{'% roofline':>12}{'peak RSS':>10}"
+    )
+    for name in ("hybridmoe", "llama.cpp"):
+        e = r[name]
+        print(
+            f"{name:<11}{e['prefill_tps']:>15.1f}{e['decode_tps']:>14.2f}"
+            f"{e['roofline_pct']:>11.0f}%{e['peak_rss'] / 1e9:>8.2f} GB"
+        )
+    print(f"{'ratio':<11}{r['prefill_ratio']:>14.2f}x{r['decode_ratio']:>13.2f}x")
+    print(f"greedy tokens equal for the first {r['same_tokens']} of {r['max_tokens']}")

@@ -91,6 +91,9 @@ def make_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp)
+        from hybridmoe.bench.tokenizer import write_tokenizer
+
+        write_tokenizer(tmp, model.config.vocab_size)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary model directory
         os.replace(tmp, out)
     except BaseException:

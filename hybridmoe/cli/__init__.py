@@ -24,6 +24,7 @@ COMMANDS = [
     "plan",
     "demo-model",
     "finetune",
+    "export",
 ]
 
 

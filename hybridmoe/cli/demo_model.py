@@ -42,6 +42,13 @@ def add_parser(subparsers) -> None:
         help="fraction of each FFN's neurons in an always-active shared expert "
         f"({DEFAULT_SPEC.shared}; 0: none)",
     )
+    p.add_argument(
+        "--format",
+        choices=("hf", "gguf-bf16", "gguf-q8_0", "gguf-q4_k_m"),
+        default="hf",
+        help="also write it as one GGUF file beside the directory, and print that path "
+        "(default hf: the directory only)",
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     p.add_argument(
         "--evaluate",
@@ -73,9 +80,20 @@ def run(args: argparse.Namespace) -> int:
             f"built the demo model ({spec.active_fraction():.0%} of each FFN active) at {out}",
             file=sys.stderr,
         )
-    print(out)
+    print(out if args.format == "hf" else gguf_file(out, args.format, args.force))
     if args.evaluate:
         from hybridmoe.demo.quality import report
 
         print(report(out))
     return 0
+
+
+def gguf_file(directory: Path, fmt: str, force: bool) -> Path:
+    """The demo model as one GGUF file in `fmt` beside its directory, written once."""
+    from hybridmoe.export.gguf_export import export_gguf
+    from hybridmoe.export.sources import Checkpoint
+
+    path = directory.parent / f"{directory.name}-{fmt.removeprefix('gguf-')}.gguf"
+    if force or not path.exists():
+        export_gguf(Checkpoint(directory), path, fmt)
+    return path

@@ -96,8 +96,11 @@ def moe_config(dense_config: dict, spec: MoESpec):
     )
     common = {k: dense_config[k] for k in keep}
     common.update(num_experts_per_tok=spec.top_k, torch_dtype="float32")
+    # `architectures` names the class, as a saved transformers model's config does: tools that
+    # dispatch on it (llama.cpp's converter among them) need it
     if spec.shared_size() == 0:
         return MixtralConfig(
+            architectures=["MixtralForCausalLM"],
             **common,
             head_dim=dense_config["head_dim"],
             intermediate_size=spec.expert_size(),
@@ -108,6 +111,7 @@ def moe_config(dense_config: dict, spec: MoESpec):
     # Qwen2-MoE derives head_dim as hidden / heads, which is SmolLM2's 576 / 9 = 64
     return Qwen2MoeConfig(
         **common,
+        architectures=["Qwen2MoeForCausalLM"],
         intermediate_size=spec.ffn,
         num_experts=spec.experts,
         moe_intermediate_size=spec.expert_size(),

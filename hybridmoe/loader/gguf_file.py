@@ -35,6 +35,11 @@ def read_config(path: str | Path) -> HFConfig:
     return HFConfig(hf_config(_metadata(reader), _shapes(reader), str(path)))
 
 
+def metadata(path: str | Path) -> dict:
+    """The file's scalar and string metadata (general.*, {arch}.*, tokenizer.ggml.pre, ...)."""
+    return _metadata(_reader(path))
+
+
 def check(path: str | Path) -> None:
     """Raise ModelFileError unless `path` parses as a GGUF file with all its tensor data present."""
     _reader(path)
@@ -128,7 +133,10 @@ def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     return kv.reshape(-1, kv.shape[-1]).contiguous()
 
 
-READABLE = ("F32", "F16", "BF16", *(f.upper() for f in FORMATS))
+# llama.cpp's Q4_K_M falls back to Q5_0 (and Q5_K to Q5_1) for rows that do not fill 256-blocks;
+# no kernel computes on them, so they are read as values
+DEQUANTISED = ("Q5_0", "Q5_1")
+READABLE = ("F32", "F16", "BF16", *(f.upper() for f in FORMATS), *DEQUANTISED)
 
 
 def _tensor(t, f, where: str, index: int | None = None):
@@ -142,6 +150,8 @@ def _tensor(t, f, where: str, index: int | None = None):
             "convert or requantize the model to one of them"
         )
     data = _read(t, f, index)
+    if qtype.name in DEQUANTISED:  # [..., row bytes] -> float32 [..., cols]
+        return torch.from_numpy(gguf.quants.dequantize(data, qtype))
     if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return torch.from_numpy(data)
     if qtype == gguf.GGMLQuantizationType.BF16:  # stored as raw bytes [..., 2*cols]

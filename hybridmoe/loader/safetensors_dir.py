@@ -111,17 +111,18 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         header, start = read_header(path)
         with open(path, "rb", buffering=0) as f:
             for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                begin, end = entry["data_offsets"]
-                out = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
-                f.seek(start + begin)
-                view = (
-                    memoryview(out.view(-1).view(torch.uint8).numpy())
-                    if out.numel()
-                    else memoryview(b"")
-                )
-                if f.readinto(view) != end - begin:
-                    raise _corrupt(path, f"tensor {name!r} is cut short (truncated)")
-                yield name, out
+                yield name, read_tensor(f, path, name, entry, start)
+
+
+def read_tensor(f, path: Path, name: str, entry: dict, start: int) -> torch.Tensor:
+    """One tensor of the open file `f` (`path`), from its header entry, into a buffer of its own."""
+    begin, end = entry["data_offsets"]
+    out = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    f.seek(start + begin)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    if f.readinto(view) != end - begin:
+        raise _corrupt(path, f"tensor {name!r} is cut short (truncated)")
+    return out
 
 
 def _corrupt(path: Path, what: str) -> ModelFileError:

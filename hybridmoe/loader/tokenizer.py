@@ -94,12 +94,29 @@ def load_tokenizer_gguf(path: Path) -> Tokenizer:
     gguf_file.check(path)  # a damaged file gets its own message, not "no tokenizer"
     try:
         with _quiet_transformers():
-            return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        _split_as_llama_cpp(hf, gguf_file.metadata(path).get("tokenizer.ggml.pre"))
+        return Tokenizer(hf)
     except Exception as e:
         raise ModelFileError(
             f"{path}: no usable tokenizer in its metadata ({str(e).splitlines()[0]}); "
             "pass --tokenizer DIR with the model's tokenizer files"
         ) from None
+
+
+def _split_as_llama_cpp(hf, pre: str | None) -> None:
+    """transformers' GGUF reader knows no split for llama.cpp's "smollm" pre-tokenizer (SmolLM's),
+    which splits digits one by one before GPT-2's byte-level regex; without it numbers would
+    tokenize otherwise than in llama.cpp and in SmolLM's own tokenizer."""
+    if pre == "smollm":
+        from tokenizers import pre_tokenizers
+
+        hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
 
 
 class _quiet_transformers:

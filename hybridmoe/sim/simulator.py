@@ -19,8 +19,8 @@ policy's warm start, the predictor); figures are reported on the rest, which nob
 from __future__ import annotations
 
 from collections import Counter
-from itertools import zip_longest
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 
 import numpy as np
 
