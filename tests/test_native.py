@@ -104,6 +104,34 @@ def test_expert_matches_swiglu_with_one_bf16_rounding(m, hidden, inter):
     assert torch.equal(got[-1:], native.expert(x[-1:], gate_up, down))
 
 
+@needs_kernels
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    "rows, cols, m", [(1536, 2048, 1), (1536, 576, 5), (49, 100, 3), (3, 1, 1)]
+)
+def test_gemm_on_threads_gives_one_threads_bits(rows, cols, m, workers):
+    gen = torch.Generator().manual_seed(rows + cols + m)
+    w, x = bf16(rows, cols, gen=gen), bf16(m, cols, gen=gen)
+    assert torch.equal(native.gemm(x, w, workers=workers), native.gemm(x, w, workers=1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("hidden, inter", [(576, 48), (100, 96), (64, 5)])
+def test_a_layers_experts_in_one_call_equal_each_expert_alone(hidden, inter, workers):
+    """native.experts splits every expert's rows over the threads; each expert's output must be
+    expert()'s, bit for bit, whether its tokens are shared with other experts or not."""
+    gen = torch.Generator().manual_seed(hidden + inter)
+    shared = bf16(1, hidden, gen=gen)
+    xs = [shared, shared, bf16(3, hidden, gen=gen), bf16(native.MAX_ROWS, hidden, gen=gen)]
+    weights = [
+        (bf16(2 * inter, hidden, gen=gen) * 0.1, bf16(hidden, inter, gen=gen) * 0.1) for _ in xs
+    ]
+    got = native.experts(xs, weights, workers)
+    for x, (gate_up, down), y in zip(xs, weights, got):
+        assert torch.equal(y, native.expert(x, gate_up, down))
+
+
 @pytest.fixture
 def torch_only(monkeypatch):
     """Within the test, the native path switched off as HYBRIDMOE_NATIVE=0 does (available()

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* [sum a, sum b, sum c, sum d] of four 16-lane vectors. */
@@ -107,6 +109,100 @@ void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const ui
         for (long i = 0; i < I; i++) h[m * I + i] = to_bf16(g[i] / (1.0f + expf(-g[i])) * u[i]);
     }
     gemm(down, h, I, Y, ldy, H, I, M);  /* [M, H] */
+}
+
+/* ---- On the pool's threads: a product split by weight rows, a layer's experts in one call. ----
+
+   Work is handed out in units of weight rows (about UNIT_BYTES of them) from atomic counters
+   (pool.h); each output element is computed whole by one thread, by the same block() as above, so
+   the results are those of one thread, bit for bit, whatever the thread count. */
+
+#define UNIT_BYTES 65536
+
+static long min_l(long a, long b) { return a < b ? a : b; }
+
+/* Rows of a [O, I] bf16 weight in one unit, a multiple of 4 (block()'s width). */
+static long unit_rows(long I) {
+    long rows = UNIT_BYTES / (2 * I) / 4 * 4;
+    return rows > 4 ? rows : 4;
+}
+
+typedef struct {
+    const uint16_t *W, *X;
+    long ldx, ldy, O, I, M, rows;
+    float *Y;
+    atomic_long next;
+} gemm_call;
+
+static void gemm_region(void *arg, int t, int T) {
+    (void)t;
+    (void)T;
+    gemm_call *c = arg;
+    long units = (c->O + c->rows - 1) / c->rows;
+    for (long u; (u = next_unit(&c->next, units)) >= 0;) {
+        long o = u * c->rows, n = min_l(c->rows, c->O - o);
+        gemm(c->W + o * c->I, c->X, c->ldx, c->Y + o, c->ldy, n, c->I, c->M);
+    }
+}
+
+/* hm_gemm_bf16 on up to `threads` threads. */
+void hm_gemm_bf16_mt(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M,
+                     int threads) {
+    gemm_call c = {W, X, ldx, ldy, O, I, M, unit_rows(I), Y};
+    atomic_init(&c.next, 0);
+    long units = (O + c.rows - 1) / c.rows;
+    hm_parallel(gemm_region, &c, (int)min_l(threads, units));
+}
+
+/* One expert's share of hm_experts_bf16; Python passes an int64 table [n, 8] of these fields. */
+typedef struct {
+    const uint16_t *gate_up, *down; /* [2I, H], [H, I] bf16 */
+    const uint16_t *x;              /* [M, H] bf16, rows ldx apart */
+    long ldx, M;
+    float *y;                       /* [M, H] fp32, rows H apart */
+    float *gu;                      /* scratch [M, 2I] fp32 */
+    uint16_t *h;                    /* scratch [M, I] bf16 */
+} bexpert_job;
+
+typedef struct {
+    const bexpert_job *e;
+    long n, H, I, rows1, rows3, units1, units3;
+    atomic_long next[3];
+} bexperts_call;
+
+static void bexperts_region(void *arg, int t, int T) {
+    (void)t;
+    bexperts_call *c = arg;
+    long H = c->H, I = c->I, u;
+    while ((u = next_unit(&c->next[0], c->n * c->units1)) >= 0) {  /* gate and up rows */
+        const bexpert_job *e = &c->e[u / c->units1];
+        long o = (u % c->units1) * c->rows1, n = min_l(c->rows1, 2 * I - o);
+        gemm(e->gate_up + o * H, e->x, e->ldx, e->gu + o, 2 * I, n, H, e->M);
+    }
+    barrier(T);
+    while ((u = next_unit(&c->next[1], c->n)) >= 0) {  /* h = silu(gate) * up, rounded to bf16 */
+        const bexpert_job *e = &c->e[u];
+        for (long m = 0; m < e->M; m++) {
+            const float *g = e->gu + m * 2 * I, *up = g + I;
+            for (long i = 0; i < I; i++) e->h[m * I + i] = to_bf16(g[i] / (1.0f + expf(-g[i])) * up[i]);
+        }
+    }
+    barrier(T);
+    while ((u = next_unit(&c->next[2], c->n * c->units3)) >= 0) {  /* down rows */
+        const bexpert_job *e = &c->e[u / c->units3];
+        long o = (u % c->units3) * c->rows3, n = min_l(c->rows3, H - o);
+        gemm(e->down + o * I, e->h, I, e->y + o, H, n, I, e->M);
+    }
+}
+
+/* The n experts of e (a layer's) in one region of up to `threads` threads: every gate and up row, then
+   each expert's h, then every down row; each expert's y equals hm_expert_rows_bf16's, bit for bit. */
+void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads) {
+    bexperts_call c = {.e = e, .n = n, .H = H, .I = I, .rows1 = unit_rows(H), .rows3 = unit_rows(I)};
+    c.units1 = (2 * I + c.rows1 - 1) / c.rows1;
+    c.units3 = (H + c.rows3 - 1) / c.rows3;
+    for (int s = 0; s < 3; s++) atomic_init(&c.next[s], 0);
+    hm_parallel(bexperts_region, &c, (int)min_l(threads, n * c.units1));
 }
 
 /* ---- Decode attention: one query token per sequence over its paged bf16 K/V history. ----

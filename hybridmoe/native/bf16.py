@@ -20,7 +20,9 @@ import torch
 from hybridmoe.native.build import INT, F, N, P, cpu_flags, load
 
 SOURCE = Path(__file__).with_name("bf16.c")
+HEADERS = (Path(__file__).with_name("pool.h"),)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
+FLAGS += ["-pthread"]
 
 # Rows up to which the kernels take a call: one thread, weights from RAM, they beat oneDNN's bf16
 # linear at every row count up to 32 and are about even at 48, where they turn compute-bound
@@ -36,6 +38,11 @@ SIGNATURES = {
     #                          long ldx, float *Y, long ldy, long M, long H, long I, float *scratch,
     #                          uint16_t *h)
     "hm_expert_rows_bf16": ([P, P, P, N, P, N, N, N, N, P, P], None),
+    # void hm_gemm_bf16_mt(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy,
+    #                      long O, long I, long M, int threads)
+    "hm_gemm_bf16_mt": ([P, P, N, P, N, N, N, N, INT], None),
+    # void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads)
+    "hm_experts_bf16": ([P, N, N, N, INT], None),
     # int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, long ldk,
     #     const uint16_t *V, long ldv, const int32_t *tables, const int32_t *table_starts,
     #     const int32_t *lengths, const int32_t *rows, long n, long block_size, long heads,
@@ -65,7 +72,7 @@ def cpu_has_native_bf16() -> bool:
 @lru_cache(maxsize=1)
 def library():
     """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
-    return load(SOURCE, FLAGS, SIGNATURES) if cpu_has_avx512_bf16() else None
+    return load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
 
 
 def available() -> bool:
@@ -95,15 +102,49 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [..., K] with M rows, weight: [N, K], both bf16 -> [M, N] fp32, accumulated in fp32."""
+def gemm(x: torch.Tensor, weight: torch.Tensor, workers: int | None = None) -> torch.Tensor:
+    """x: [..., K] with M rows, weight: [N, K], both bf16 -> [M, N] fp32, accumulated in fp32, its
+    rows split over `workers` threads (default torch's count; the same bits on any count)."""
     x = _rows(x)  # [M, K]
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [M, N]
-    library().hm_gemm_bf16(
-        weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0]
-    )
+    threads = workers or torch.get_num_threads()
+    args = (weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0])
+    if threads > 1:
+        library().hm_gemm_bf16_mt(*args, threads)
+    else:
+        library().hm_gemm_bf16(*args)
     return y
+
+
+def experts(
+    xs: list[torch.Tensor],
+    weights: list[tuple[torch.Tensor, torch.Tensor]],
+    workers: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
+    """`expert` of each (tokens xs[j] [M_j, H] bf16, weights[j] = (gate_up [2I, H], down [H, I]))
+    in one call over `workers` threads -> [M_j, H] each, the same bits as `expert`, rounded once
+    to `dtype`. Python
+    work is kept to a few calls per expert: a decode layer is small enough for it to show."""
+    hidden, inter = weights[0][1].shape
+    counts = [x.shape[0] for x in xs]
+    tokens = sum(counts)
+    y = torch.empty(tokens, hidden, dtype=torch.float32)  # [sum M_j, H], expert after expert
+    gu = torch.empty(tokens, 2 * inter, dtype=torch.float32)  # gate and up of each token
+    h = torch.empty(tokens, inter, dtype=torch.bfloat16)  # silu(gate) * up of each token
+    yp, gp, hp = y.data_ptr(), gu.data_ptr(), h.data_ptr()
+    table, rows = [], {}  # rows: id(x) -> (pointer, row stride), each distinct x checked once
+    for x, (gate_up, down), m in zip(xs, weights, counts):
+        px = rows.get(id(x))
+        if px is None:
+            r = _rows(x)
+            px = rows[id(x)] = (r.data_ptr(), r.stride(0), r)
+        table += [gate_up.data_ptr(), down.data_ptr(), px[0], px[1], m, yp, gp, hp]
+        yp, gp, hp = yp + 4 * m * hidden, gp + 8 * m * inter, hp + 2 * m * inter
+    jobs = torch.tensor(table, dtype=torch.int64)  # [n, 8]
+    library().hm_experts_bf16(jobs.data_ptr(), len(xs), hidden, inter, workers)
+    return list((y if dtype == torch.float32 else y.to(dtype)).split(counts))
 
 
 def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

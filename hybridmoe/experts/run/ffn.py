@@ -41,25 +41,38 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 
 
 def blocks_together(inputs: list[tuple[torch.Tensor, ExpertWeights]]) -> bool:
-    """Whether experts_ffn takes these (rows, weights) pairs in one native call."""
-    return bool(inputs) and all(
-        isinstance(w.gate_up, QTensor)
-        and isinstance(w.down, QTensor)
-        and native_applies(x, w.gate_up, w.down)
-        and x.dtype == inputs[0][0].dtype
-        for x, w in inputs
-    )
+    """Whether experts_ffn takes these (rows, weights) pairs in one native call: all in blocks on
+    the integer kernels, or all bf16 decode rows on the bf16 kernels. The weights of one store are
+    all of one kind, so the first pair's say which; each distinct row tensor is checked once."""
+    if not inputs:
+        return False
+    w, checked = inputs[0][1], set()
+    kinds = {isinstance(v.gate_up, QTensor) and isinstance(v.down, QTensor) for _, v in inputs}
+    if len(kinds) > 1:
+        return False
+    if kinds.pop():
+        dtype = inputs[0][0].dtype
+        applies = lambda x: x.dtype == dtype and native_applies(x, w.gate_up, w.down)  # noqa: E731
+    else:
+        applies = lambda x: native.applies(x, w.gate_up, w.down)  # noqa: E731
+    for x, _ in inputs:
+        if id(x) not in checked:
+            if not applies(x):
+                return False
+            checked.add(id(x))
+    return True
 
 
 def experts_ffn(
     inputs: list[tuple[torch.Tensor, ExpertWeights]], workers: int
 ) -> list[torch.Tensor]:
-    """expert_ffn of each (rows [n, H], weights) pair, the same bits, for experts in blocks all in
-    one call of the integer kernels over `workers` threads (blocks_together must hold)."""
-    ys = quant_kernels.experts(
-        [x for x, _ in inputs], [(w.gate_up, w.down) for _, w in inputs], workers=workers
-    )
-    return [y.to(x.dtype) for y, (x, _) in zip(ys, inputs)]  # [n, H] each
+    """expert_ffn of each (rows [n, H], weights) pair, the same bits, all in one native call over
+    `workers` threads (blocks_together must hold)."""
+    xs, weights = [x for x, _ in inputs], [(w.gate_up, w.down) for _, w in inputs]
+    if not isinstance(weights[0][0], QTensor):
+        return native.experts(xs, weights, workers, torch.bfloat16)  # [n, H] each
+    ys = quant_kernels.experts(xs, weights, workers=workers)
+    return [y.to(x.dtype) for y, x in zip(ys, xs)]  # [n, H] each
 
 
 def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
