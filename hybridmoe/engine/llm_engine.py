@@ -14,6 +14,7 @@ keeps decoding: a long prompt then no longer stalls the requests already streami
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -24,12 +25,20 @@ from hybridmoe.engine.block_manager import BlockManager
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.prefix_cache.build import chain_seed, make_prefix_cache, wants_tiers
-from hybridmoe.engine.sampler import SamplingParams, make_generator, sample, token_logprobs
+from hybridmoe.engine.sampler import (
+    SamplingParams,
+    check,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from hybridmoe.engine.scheduler import Batch, Scheduler
 from hybridmoe.engine.sequence import Sequence
 from hybridmoe.engine.stop import StopStrings
 from hybridmoe.loader.tokenizer import Detokenizer
 from hybridmoe.models.lora import adapter_names
+
+log = logging.getLogger("hybridmoe.engine")
 
 
 @dataclass
@@ -48,6 +57,7 @@ class RequestOutput:
     text: str
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    error: str | None = None  # set when this request failed (a bug): it ends with no reason
     logprobs: list[TokenLogprob] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -61,6 +71,7 @@ class EngineMetrics:
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0  # ended by an error of the engine's, not by their client
     prompt_tokens: int = 0  # of the requests added
     prefill_tokens: int = (
         0  # computed in prefill: prefix-cache hits excluded, recomputation included
@@ -139,6 +150,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
+        check(params)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; this engine's context holds "
@@ -259,10 +271,28 @@ class LLMEngine:
         for seq in aborted:
             self.scheduler.finish(seq)
         outputs = [
-            self._next_token(seq, row) for seq, row in zip(done, logits) if seq not in aborted
+            self._next_or_fail(seq, row) for seq, row in zip(done, logits) if seq not in aborted
         ]
         self._account(seconds, sum(batch.num_tokens) - decode_tokens, decode_tokens)
         return outputs
+
+    def _next_or_fail(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        """`_next_token`, or, if it raises, the end of this request alone with the error: one
+        sequence's sampling or detokenizing never takes the batch down with it."""
+        try:
+            return self._next_token(seq, logits)
+        except Exception as e:
+            log.exception("request %s failed", seq.request_id)
+            self.fail(seq.request_id)
+            return RequestOutput(seq.request_id, [], "", finished=True, error=f"{e}")
+
+    def fail(self, request_id: str) -> bool:
+        """End a request because the engine failed on it; its blocks go. False if unknown."""
+        if not self.abort(request_id):
+            return False
+        self.metrics.requests_aborted -= 1  # abort() counted a client going away
+        self.metrics.requests_failed += 1
+        return True
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
         """Sample `seq`'s next token from its logits [V];

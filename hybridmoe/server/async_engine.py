@@ -99,7 +99,8 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out)
+                failed = RuntimeError(f"the engine failed on this request: {out.error}")
+                self._deliver(out.request_id, out if out.error is None else failed)
                 if out.finished:
                     self._sinks.pop(out.request_id, None)
 
@@ -138,6 +139,6 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._engine.requests):
-            self._engine.abort(request_id)
+            self._engine.fail(request_id)
             self._deliver(request_id, RuntimeError(f"the engine failed: {error}"))
         self._sinks.clear()

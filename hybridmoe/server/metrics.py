@@ -25,6 +25,12 @@ def engine_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
             m.requests_aborted,
         ),
         (
+            "requests_failed_total",
+            "counter",
+            "requests ended by an engine error (a bug)",
+            m.requests_failed,
+        ),
+        (
             "requests_waiting",
             "gauge",
             "requests queued or preempted (queue length)",

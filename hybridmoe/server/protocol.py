@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.engine.sampler import LIMITS, OutOfRange, SamplingParams, check
 
 
 class ApiError(Exception):
@@ -45,7 +45,7 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -65,14 +65,14 @@ class Message(_Body):
 
 class _Sampling(_Body):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no limit (vLLM uses -1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, **LIMITS["max_tokens"])
+    temperature: float | None = Field(None, **LIMITS["temperature"])
+    top_p: float | None = Field(None, **LIMITS["top_p"])
+    top_k: int | None = Field(None, **LIMITS["top_k"])
+    min_p: float | None = Field(None, **LIMITS["min_p"])
+    presence_penalty: float | None = Field(None, **LIMITS["presence_penalty"])
+    frequency_penalty: float | None = Field(None, **LIMITS["frequency_penalty"])
+    repetition_penalty: float | None = Field(None, **LIMITS["repetition_penalty"])
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool = False
@@ -84,7 +84,7 @@ class _Sampling(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[Message]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, **LIMITS["max_tokens"])
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -112,15 +112,30 @@ UNSUPPORTED = {
 
 
 def parse_json(raw: bytes) -> dict:
+    """The body as a dict of JSON values that can be written back as UTF-8: no NaN or Infinity
+    (not JSON), no lone UTF-16 surrogates (no UTF-8 for them), nesting Python's parser can take."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = json.loads(raw, parse_constant=_not_json)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            400,
+            "The request holds a lone UTF-16 surrogate (an escape such as \\ud800 without its "
+            "pair), which is not text; send valid Unicode.",
+        ) from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, NaN or Infinity
         raise ApiError(
             400, "We could not parse the JSON body of your request: it is not valid JSON."
         ) from None
+    except RecursionError:
+        raise ApiError(400, "The JSON body is nested too deeply; flatten it.") from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     return data
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
 
 
 def parse(cls: type[_Body], data: dict) -> _Body:
@@ -254,7 +269,7 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int) -> Samp
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens or room,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -268,3 +283,8 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int) -> Samp
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
     )
+    try:
+        check(params)
+    except OutOfRange as e:
+        raise ApiError(400, str(e), param=e.name, code="invalid_value") from None
+    return params
