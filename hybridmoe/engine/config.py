@@ -34,6 +34,22 @@ class EngineConfig:
             "help": "longest prompt + output (default: the model's context, at most the KV cache)"
         },
     )
+    max_tokens_default: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens a request without max_tokens may generate (default: the rest of the "
+            "context, as OpenAI does)",
+            "metavar": "N",
+        },
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds a request may take from its arrival; then it ends with "
+            "finish_reason 'length' (default: no limit)",
+            "metavar": "S",
+        },
+    )
     # Torch threads for passes of at least `threads_from_tokens` new tokens (prefill chunks), which
     # are compute-bound and split well; smaller passes (decode) keep the thread count torch has.
     # None: one count for every pass.

@@ -72,6 +72,7 @@ class EngineMetrics:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0  # ended by an error of the engine's, not by their client
+    requests_timed_out: int = 0  # ended by EngineConfig.request_timeout
     prompt_tokens: int = 0  # of the requests added
     prefill_tokens: int = (
         0  # computed in prefill: prefix-cache hits excluded, recomputation included
@@ -197,10 +198,36 @@ class LLMEngine:
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         """Schedule a pass, run the model on it, then sample, detokenize and account its tokens."""
+        expired = self._expire() if self.config.request_timeout is not None else []
         if self.config.overlap_prefill:
-            return self._step_overlapped()
+            return expired + self._step_overlapped()
         batch = self.scheduler.schedule()
-        return self._pass(batch) if batch else []
+        return expired + (self._pass(batch) if batch else [])
+
+    def _expire(self) -> list[RequestOutput]:
+        """End the requests older than the timeout (waiting, prefilling or decoding; not those in
+        a pass in flight, which end after it) with finish_reason "length" and what they have."""
+        limit, now = self.config.request_timeout, time.perf_counter()
+        flying = self._in_flight.pinned if self._in_flight else frozenset()
+        out = []
+        for req in list(self.requests.values()):
+            if now - req.arrived > limit and req.seq not in flying:
+                seq = req.seq
+                out.append(
+                    RequestOutput(
+                        seq.request_id,
+                        [],
+                        req.stops.flush(),
+                        True,
+                        "length",
+                        prompt_tokens=len(seq.prompt_ids),
+                        completion_tokens=len(seq.output_ids),
+                        cached_tokens=seq.num_cached,
+                    )
+                )
+                self._finish(seq)
+                self.metrics.requests_timed_out += 1
+        return out
 
     def _pass(self, batch: Batch) -> list[RequestOutput]:
         """One forward pass over `batch` on this thread: run the model, then sample and account."""

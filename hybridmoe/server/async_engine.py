@@ -39,6 +39,11 @@ class AsyncEngine:
         return self._engine.max_model_len
 
     @property
+    def max_tokens_default(self) -> int | None:
+        """What a request without max_tokens may generate (None: the rest of the context)."""
+        return self._engine.config.max_tokens_default
+
+    @property
     def vocab_size(self) -> int:
         return self._engine.model.vocab_size
 

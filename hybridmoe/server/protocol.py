@@ -8,7 +8,7 @@ so, rather than being silently dropped. Every error is an `ApiError`, rendered a
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -53,7 +53,7 @@ class StreamOptions(_Body):
 
 
 class TextPart(_Body):
-    type: str
+    type: str = Field(json_schema_extra={"const": "text"})  # checked in _check_chat
     text: str | None = None
 
 
@@ -77,23 +77,31 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, json_schema_extra={"const": 1})  # checked in parse(), with a clearer message
     ignore_eos: bool = False  # vLLM's extension: benchmarks decode a fixed number of tokens
     return_speed: bool = False  # KTransformers' extension: prefill and decode seconds in usage
 
 
 class ChatRequest(_Sampling):
-    messages: list[Message]
+    messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, **LIMITS["max_tokens"])
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
+Text = Annotated[str, Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    # one prompt: text, one text in a list, or token ids (each below the vocabulary size)
+    prompt: (
+        Text
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[list[Text], Field(min_length=1, max_length=1)]
+    )
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool = Field(False, json_schema_extra={"const": False})  # unsupported: checked below
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
 
 # fields OpenAI knows that this server does not implement: name -> its harmless value(s)
@@ -115,7 +123,7 @@ def parse_json(raw: bytes) -> dict:
     """The body as a dict of JSON values that can be written back as UTF-8: no NaN or Infinity
     (not JSON), no lone UTF-16 surrogates (no UTF-8 for them), nesting Python's parser can take."""
     try:
-        data = json.loads(raw, parse_constant=_not_json)
+        data = json.loads(raw, parse_constant=_not_json, parse_float=_number)
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(
@@ -132,6 +140,13 @@ def parse_json(raw: bytes) -> dict:
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     return data
+
+
+def _number(text: str) -> int | float:
+    """JSON has one kind of number: 2.0 is the integer 2 (as JSON Schema's "integer" says), so a
+    field of whole numbers takes it; 2.5 stays a float (and 1e400, infinity, is refused later)."""
+    x = float(text)
+    return int(x) if x.is_integer() else x
 
 
 def _not_json(constant: str):
@@ -232,8 +247,11 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     return out
 
 
-def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int) -> SamplingParams:
-    """The engine's parameters; the request's max tokens must fit the context beside the prompt."""
+def sampling_params(
+    req: _Sampling, prompt_len: int, max_model_len: int, default_max_tokens: int | None = None
+) -> SamplingParams:
+    """The engine's parameters; the request's max tokens must fit the context beside the prompt.
+    Without them: `default_max_tokens` (--max-tokens-default), else the rest of the context."""
     room = max_model_len - prompt_len
     if room <= 0:
         raise ApiError(
@@ -270,7 +288,7 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int) -> Samp
     else:
         logprobs = req.logprobs
     params = SamplingParams(
-        max_tokens=max_tokens or room,
+        max_tokens=max_tokens or min(default_max_tokens or room, room),
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),
