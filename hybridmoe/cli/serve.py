@@ -72,6 +72,14 @@ def add_parser(sub) -> None:
         help="prefill prompts on a second core while the first decodes (auto: on with the CPU "
         "expert runtime, one torch thread and at least two cores)",
     )
+    g.add_argument(
+        "--deterministic",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): greedy output does not depend on the batch, prefill chunks or "
+        "prefix-cache hits (each token computed as if alone); off: the fastest kernel for each "
+        "pass, a little faster prefill (docs/serving.md)",
+    )
     p.set_defaults(func=run)
 
 
@@ -85,7 +93,7 @@ def engine_config(args) -> EngineConfig:
             f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); "
             "raise it"
         )
-    config = EngineConfig(**values)
+    config = EngineConfig(**values, deterministic=args.deterministic == "on")
     check_settings(config)
     return config
 

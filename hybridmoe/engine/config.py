@@ -34,6 +34,10 @@ class EngineConfig:
             "help": "longest prompt + output (default: the model's context, at most the KV cache)"
         },
     )
+    # Compute every token as if it were alone (fixed kernels and reduction orders: see
+    # hybridmoe/invariance.py), so greedy output does not depend on the batch, prefill chunks or
+    # prefix-cache hits. Off: the fastest kernel for each pass's size. `serve --deterministic`.
+    deterministic: bool = True
     max_tokens_default: int | None = field(
         default=None,
         metadata={
