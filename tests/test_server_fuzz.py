@@ -118,3 +118,24 @@ def test_the_openapi_document_describes_every_route_and_the_real_limits(served):
         )
         assert r.status_code == status, (value, r.text)
     assert schema["model"]["enum"] == ["tiny"]
+
+
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("stream", "yes", "stream"),
+        ("stream_options", {"include_usage": 3}, "stream_options.include_usage"),
+        ("prompt", [], "prompt"),
+        ("temperature", 1e-400, None),  # 0.0 after parsing: valid
+        ("repetition_penalty", 5e-324, "repetition_penalty"),
+        ("top_k", 2.5, "top_k"),
+    ],
+)
+def test_an_invalid_value_names_its_field(served, field, value, param):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 1, field: value}
+    r = httpx.post(served.url + "/v1/completions", content=json.dumps(body), headers=AUTH)
+    if param is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert f"'{param}'" in r.json()["error"]["message"]

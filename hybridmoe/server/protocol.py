@@ -167,9 +167,7 @@ def parse(cls: type[_Body], data: dict) -> _Body:
         req = cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(
-            str(p) for p in err["loc"] if not str(p).startswith(("str", "list", "function"))
-        )
+        loc = ".".join(str(p) for p in err["loc"] if not _union_tag(p))
         raise ApiError(
             400,
             f"Invalid value for '{loc}': {err['msg']}.",
@@ -189,6 +187,16 @@ def parse(cls: type[_Body], data: dict) -> _Body:
     else:
         _check_completion(req)
     return req
+
+
+def _union_tag(part) -> bool:
+    """Whether a part of pydantic's error location names a member of a union ('str',
+    'list[int]', 'constrained-str', 'function-after[...]') rather than a field or an index."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "list", "dict", "none")
+        or "-" in part
+        or "[" in part
+    )
 
 
 def _check_chat(req: ChatRequest) -> None:
