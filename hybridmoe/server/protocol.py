@@ -116,6 +116,8 @@ UNSUPPORTED = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
+    "response_format": (None, {"type": "text"}),  # json_object / json_schema: not yet
+    "parallel_tool_calls": (None,),
 }
 
 
