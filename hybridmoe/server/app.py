@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException
 from hybridmoe.server import metrics
 from hybridmoe.server.access import Access, require_json
 from hybridmoe.server.async_engine import AsyncEngine
-from hybridmoe.server.openapi import document
+from hybridmoe.server.ollama import OllamaApi
+from hybridmoe.server.openapi import document, ollama_paths
 from hybridmoe.server.protocol import (
     ApiError,
     ChatRequest,
@@ -66,6 +67,10 @@ def create_app(
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.get("/v1/models")(api.models)
+    ollama = OllamaApi(api)  # Ollama's API beside OpenAI's
+    app.post("/api/generate")(ollama.generate)
+    app.post("/api/chat")(ollama.chat)
+    app.get("/api/tags")(ollama.tags)
     app.get("/health")(lambda: {"status": "ok"})
     app.get("/metrics")(
         lambda: PlainTextResponse(
@@ -74,7 +79,9 @@ def create_app(
         )
     )
     models = [model_name, *sorted(engine.adapters)]
-    openapi = document(models, engine.vocab_size, secured=access.api_key is not None)
+    openapi = document(
+        models, engine.vocab_size, ollama_paths(models), secured=access.api_key is not None
+    )
     app.get("/openapi.json")(lambda: openapi)
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(HTTPException)(_http_error)
@@ -219,10 +226,14 @@ class _Api:
             request, req, prompt_ids, CompletionShape(req.model, self.tokenizer)
         )
 
-    async def _respond(self, request: Request, req, prompt_ids: list[int], shape):
-        params = sampling_params(
+    def params(self, req, prompt_ids: list[int]):
+        """The request's SamplingParams (a 400 if they do not fit the context)."""
+        return sampling_params(
             req, len(prompt_ids), self.engine.max_model_len, self.engine.max_tokens_default
         )
+
+    async def _respond(self, request: Request, req, prompt_ids: list[int], shape):
+        params = self.params(req, prompt_ids)
         outputs = self.engine.generate(prompt_ids, params, shape.id, self._adapter(req))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

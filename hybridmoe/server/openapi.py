@@ -70,6 +70,31 @@ def document(
     return doc
 
 
+def ollama_paths(models: list[str]) -> dict:
+    """Ollama's routes (server/ollama.py): their bodies, NDJSON or one object back."""
+    from hybridmoe.server.ollama import ChatBody, GenerateBody
+
+    names = [*models, *(f"{m}:latest" for m in models)]
+    paths = {}
+    for path, cls in (("/api/generate", GenerateBody), ("/api/chat", ChatBody)):
+        schema = cls.model_json_schema()
+        schema["properties"]["model"]["enum"] = names
+        post = _post(cls.__doc__ or path, schema)
+        post["responses"]["200"]["content"] = {
+            "application/json": {"schema": {"type": "object"}},
+            "application/x-ndjson": {"schema": {"type": "object"}},
+        }
+        # {"error": message} from these routes; the middleware's 401 and a 405 are OpenAI's
+        ollama_error = {"type": "object", "properties": {"error": {"type": ["string", "object"]}}}
+        for code in REFUSALS:
+            post["responses"][code]["content"]["application/json"]["schema"] = ollama_error
+        paths[path] = {"post": post}
+    paths["/api/tags"] = {
+        "get": _get("The served models, as Ollama lists them", "application/json")
+    }
+    return paths
+
+
 def _schema(cls: type[BaseModel], schemas: dict) -> dict:
     """Put `cls`'s JSON schema (and the models it uses) in `schemas`; a reference to it."""
     s = cls.model_json_schema(ref_template="#/components/schemas/{model}")

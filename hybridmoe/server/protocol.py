@@ -155,6 +155,21 @@ def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")
 
 
+def validate(cls: type[BaseModel], data: dict) -> BaseModel:
+    """`cls` from `data`; the first problem becomes a 400 naming its field."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not _union_tag(p))
+        raise ApiError(
+            400,
+            f"Invalid value for '{loc}': {err['msg']}.",
+            param=loc or None,
+            code="invalid_value",
+        ) from None
+
+
 def parse(cls: type[_Body], data: dict) -> _Body:
     """Validate a request body; the first problem becomes a 400 naming its field."""
     for name, harmless in UNSUPPORTED.items():
@@ -165,17 +180,7 @@ def parse(cls: type[_Body], data: dict) -> _Body:
                 param=name,
                 code="unsupported_parameter",
             )
-    try:
-        req = cls.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not _union_tag(p))
-        raise ApiError(
-            400,
-            f"Invalid value for '{loc}': {err['msg']}.",
-            param=loc or None,
-            code="invalid_value",
-        ) from None
+    req = validate(cls, data)
     if req.n != 1:
         raise ApiError(
             400,
