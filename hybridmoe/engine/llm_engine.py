@@ -23,6 +23,7 @@ import torch
 
 from hybridmoe.engine.block_manager import BlockManager
 from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.grammar import Constraint, grammar_error
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.prefix_cache.build import chain_seed, make_prefix_cache, wants_tiers
 from hybridmoe.engine.sampler import (
@@ -92,6 +93,7 @@ class _Request:
     detok: Detokenizer | None
     stops: StopStrings
     generator: torch.Generator | None
+    constraint: Constraint | None = None  # the grammar its output follows, if any
     arrived: float = field(default_factory=time.perf_counter)
     scheduled: float | None = None
     first_token: float | None = None
@@ -157,14 +159,23 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; this engine's context holds "
                 f"{self.max_model_len} (prompt and output together)"
             )
+        constraint = self._constraint(params.grammar) if params.grammar else None
         seq = Sequence(request_id, prompt_ids, params, self.max_model_len, adapter)
         self.scheduler.add(seq)
         detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         gen = None if params.greedy else make_generator(params.seed)
-        self.requests[request_id] = _Request(seq, detok, StopStrings(params.stop), gen)
+        self.requests[request_id] = _Request(seq, detok, StopStrings(params.stop), gen, constraint)
         self.metrics.requests_added += 1
         self.metrics.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def _constraint(self, grammar: str) -> Constraint:
+        if self.tokenizer is None:
+            raise ValueError("constrained output needs the model's tokenizer")
+        error = grammar_error(grammar)
+        if error:
+            raise ValueError(f"the schema cannot be followed: {error}")
+        return Constraint(grammar, self.tokenizer.hf, self.model.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks; False if it is unknown or already finished."""
@@ -325,7 +336,9 @@ class LLMEngine:
         """Sample `seq`'s next token from its logits [V];
         detokenize it and see whether it finishes."""
         req, params = self.requests[seq.request_id], seq.params
-        token = sample(logits, params, req.generator, seq.prompt_ids, seq.output_ids)
+        allowed = req.constraint.mask(logits) if req.constraint else logits  # [V]
+        token = sample(allowed, params, req.generator, seq.prompt_ids, seq.output_ids)
+        complete = req.constraint.advance(token) if req.constraint else False
         seq.append(token)
         now = time.perf_counter()
         req.first_token = req.first_token or now
@@ -349,7 +362,7 @@ class LLMEngine:
         else:
             text, hit = req.stops.feed(req.detok.add(token)) if req.detok else ("", False)
             out.text = text
-            if hit:
+            if hit or complete:  # a stop string, or the grammar's end
                 out.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.max_tokens:
                 out.finish_reason = "length"

@@ -49,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = (
         None  # None: none; n >= 0: the chosen token's log-probability and the n most likely
     )
+    grammar: str | None = None  # llguidance's grammar the output must follow (engine/grammar.py)
 
     @property
     def greedy(self) -> bool:

@@ -82,11 +82,24 @@ class _Sampling(_Body):
     return_speed: bool = False  # KTransformers' extension: prefill and decode seconds in usage
 
 
+class JsonSchema(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, **LIMITS["max_tokens"])
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
 
 Text = Annotated[str, Field(min_length=1)]
@@ -116,7 +129,6 @@ UNSUPPORTED = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
-    "response_format": (None, {"type": "text"}),  # json_object / json_schema: not yet
     "parallel_tool_calls": (None,),
 }
 
@@ -220,6 +232,13 @@ def _check_chat(req: ChatRequest) -> None:
                 )
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise ApiError(
+            400,
+            "'response_format' of type 'json_schema' needs its 'json_schema' (name and schema).",
+            param="response_format.json_schema",
+        )
 
 
 def _check_completion(req: CompletionRequest) -> None:
@@ -260,6 +279,31 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         )
         out.append({"role": m.role, "content": content or ""})
     return out
+
+
+def output_grammar(req: _Sampling) -> str | None:
+    """The grammar a chat request's response_format asks for (engine/grammar.py), or None; a
+    schema the grammar library cannot follow is a 400."""
+    fmt = getattr(req, "response_format", None)
+    if fmt is None or fmt.type == "text":
+        return None
+    from hybridmoe.engine.grammar import grammar_error, json_grammar
+
+    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+    try:
+        grammar = json_grammar(
+            schema or ({"type": "object"} if fmt.type == "json_schema" else None)
+        )
+        error = grammar_error(grammar)
+    except Exception as e:  # the library's own refusal of a schema it cannot read
+        grammar, error = None, str(e) or type(e).__name__
+    if error:
+        raise ApiError(
+            400,
+            f"The JSON schema cannot be followed: {error}",
+            param="response_format.json_schema.schema",
+        )
+    return grammar
 
 
 def sampling_params(
@@ -303,6 +347,7 @@ def sampling_params(
     else:
         logprobs = req.logprobs
     params = SamplingParams(
+        grammar=output_grammar(req),
         max_tokens=max_tokens or min(default_max_tokens or room, room),
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
