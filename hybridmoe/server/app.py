@@ -38,6 +38,7 @@ from hybridmoe.server.protocol import (
     parse,
     parse_json,
     sampling_params,
+    uses_tools,
 )
 from hybridmoe.server.responses import ChatShape, CompletionShape, usage
 
@@ -196,13 +197,22 @@ class _Api:
                 "This model's tokenizer has no chat template; use /v1/completions.",
                 param="messages",
             )
+        tools = [t.model_dump() for t in req.tools] if uses_tools(req) else None
+        if tools and not self.tokenizer.supports_tools:
+            raise ApiError(
+                400,
+                "This model's chat template has no tool support, so it cannot be given 'tools'; "
+                "leave them out, or serve a model whose template takes tools.",
+                param="tools",
+            )
         try:
-            prompt_ids = self.tokenizer.encode_chat(chat_messages(req))
+            prompt_ids = self.tokenizer.encode_chat(chat_messages(req), tools)
         except Exception as e:  # the template's own checks (role order, ...) raise from jinja
             raise ApiError(
                 400, f"The chat template rejected the messages: {e}", param="messages"
             ) from None
-        return await self._respond(request, req, prompt_ids, ChatShape(req.model, self.tokenizer))
+        shape = ChatShape(req.model, self.tokenizer, tools=bool(tools))
+        return await self._respond(request, req, prompt_ids, shape)
 
     async def completions(self, request: Request):
         req = await self._body(request, CompletionRequest)
@@ -304,7 +314,8 @@ async def _sse(
             last = out
             if out.text or out.logprobs or out.finished:
                 choices = shape.chunk(out.text, out.logprobs, out.finish_reason, offset=sent)
-                yield _event(shape.envelope(shape.chunk_object, choices, **extra))
+                if choices:  # none while a tool-call answer is held back
+                    yield _event(shape.envelope(shape.chunk_object, choices, **extra))
                 sent += len(out.text)
     except (ValueError, RuntimeError) as e:  # the headers are sent: the error goes in the stream
         yield _event(_engine_error(e).body())

@@ -8,6 +8,7 @@ so, rather than being silently dropped. Every error is an `ApiError`, rendered a
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -61,6 +62,29 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
+
+
+class Function(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _Sampling(_Body):
@@ -100,6 +124,8 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 Text = Annotated[str, Field(min_length=1)]
@@ -119,8 +145,6 @@ class CompletionRequest(_Sampling):
 
 # fields OpenAI knows that this server does not implement: name -> its harmless value(s)
 UNSUPPORTED = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
@@ -232,6 +256,7 @@ def _check_chat(req: ChatRequest) -> None:
                 )
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    _check_tools(req)
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
         raise ApiError(
@@ -239,6 +264,31 @@ def _check_chat(req: ChatRequest) -> None:
             "'response_format' of type 'json_schema' needs its 'json_schema' (name and schema).",
             param="response_format.json_schema",
         )
+
+
+def _check_tools(req: ChatRequest) -> None:
+    choice = req.tool_choice
+    if choice not in (None, "none") and not req.tools:
+        raise ApiError(400, "'tool_choice' needs 'tools'.", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+        t.function.name for t in req.tools
+    }:
+        raise ApiError(
+            400,
+            f"'tool_choice' names '{choice.function.name}', which is not in 'tools'.",
+            param="tool_choice",
+        )
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if forced and req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(
+            400,
+            "A forced tool call and a 'response_format' cannot both hold the output; drop one.",
+            param="response_format",
+        )
+
+
+def uses_tools(req: ChatRequest) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
 
 
 def _check_completion(req: CompletionRequest) -> None:
@@ -269,7 +319,10 @@ def _check_completion(req: CompletionRequest) -> None:
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
-    """The messages as the chat template wants them: role and plain-text content."""
+    """The messages as the chat template wants them: role and plain-text content, and the tool
+    calls and answers of earlier turns."""
+    from hybridmoe.server.tools import template_arguments
+
     out = []
     for m in req.messages:
         content = (
@@ -277,33 +330,45 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             if not isinstance(m.content, list)
             else "".join(p.text or "" for p in m.content)
         )
-        out.append({"role": m.role, "content": content or ""})
-    return out
+        message = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return template_arguments(out)
 
 
 def output_grammar(req: _Sampling) -> str | None:
-    """The grammar a chat request's response_format asks for (engine/grammar.py), or None; a
-    schema the grammar library cannot follow is a 400."""
-    fmt = getattr(req, "response_format", None)
-    if fmt is None or fmt.type == "text":
-        return None
+    """The grammar a chat request's forced tool call or response_format holds its output to
+    (engine/grammar.py), or None; a schema the grammar library cannot follow is a 400."""
     from hybridmoe.engine.grammar import grammar_error, json_grammar
+    from hybridmoe.server.tools import tool_grammar
 
-    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+    choice, fmt = getattr(req, "tool_choice", None), getattr(req, "response_format", None)
+    if req_forces_a_call(choice):
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        param = "tools"
+        make = partial(tool_grammar, [t.model_dump() for t in req.tools], name)
+    elif fmt is not None and fmt.type != "text":
+        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+        schema = schema or ({"type": "object"} if fmt.type == "json_schema" else None)
+        param = "response_format.json_schema.schema"
+        make = partial(json_grammar, schema)
+    else:
+        return None
     try:
-        grammar = json_grammar(
-            schema or ({"type": "object"} if fmt.type == "json_schema" else None)
-        )
+        grammar = make()
         error = grammar_error(grammar)
     except Exception as e:  # the library's own refusal of a schema it cannot read
         grammar, error = None, str(e) or type(e).__name__
     if error:
-        raise ApiError(
-            400,
-            f"The JSON schema cannot be followed: {error}",
-            param="response_format.json_schema.schema",
-        )
+        raise ApiError(400, f"The JSON schema cannot be followed: {error}", param=param)
     return grammar
+
+
+def req_forces_a_call(choice) -> bool:
+    return choice == "required" or isinstance(choice, NamedToolChoice)
 
 
 def sampling_params(

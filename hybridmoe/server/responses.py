@@ -10,6 +10,7 @@ import time
 import uuid
 
 from hybridmoe.engine.llm_engine import RequestOutput, TokenLogprob
+from hybridmoe.server.tools import parse_tool_calls
 
 
 def usage(out: RequestOutput, return_speed: bool) -> dict:
@@ -52,7 +53,14 @@ class _Shape:
 
 
 class ChatShape(_Shape):
+    """`tools`: the answer may hold tool calls (server/tools.py), so a stream holds its text back
+    and sends it, calls parsed, with the last chunk."""
+
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, model: str, tokenizer, tools: bool = False):
+        super().__init__(model, tokenizer)
+        self.tools, self.held, self.held_logprobs = tools, [], []
 
     def first_chunk(self) -> list[dict]:
         return choice(None, None, delta={"role": "assistant", "content": ""})
@@ -64,8 +72,23 @@ class ChatShape(_Shape):
         finish_reason: str | None,
         offset: int = 0,
     ) -> list[dict]:
+        if self.tools:
+            return self._held_chunk(text, logprobs, finish_reason)
         delta = {"content": text} if text else {}
         return choice(self.logprobs(logprobs), finish_reason, delta=delta)
+
+    def _held_chunk(self, text, logprobs, finish_reason) -> list[dict]:
+        self.held.append(text)
+        self.held_logprobs += logprobs or []
+        if finish_reason is None:
+            return []
+        content, calls = parse_tool_calls("".join(self.held))
+        delta = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            finish_reason = "tool_calls"
+        lp = self.logprobs(self.held_logprobs) if logprobs is not None else None
+        return choice(lp, finish_reason, delta=delta)
 
     def whole(
         self,
@@ -75,6 +98,11 @@ class ChatShape(_Shape):
         offset: int = 0,
     ) -> list[dict]:
         message = {"role": "assistant", "content": text}
+        if self.tools:
+            content, calls = parse_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = "tool_calls"
         return choice(self.logprobs(logprobs), finish_reason, message=message)
 
     def logprobs(self, items: list[TokenLogprob] | None) -> dict | None:
