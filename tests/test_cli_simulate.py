@@ -170,3 +170,10 @@ def test_plan_recommends_a_quantisation_that_fits(capsys):
         )
         == 2
     )
+
+
+def test_plan_shows_its_progress_on_stderr():
+    run = hybridmoe("plan", "--model-shape", "olmoe-1b-7b", "--hardware", "rtx4090-ddr5")
+    assert run.returncode == 0, run.stderr
+    assert "simulating" in run.stderr and "9/9" in run.stderr  # 3 quantisations x 3 policies
+    assert "simulating" not in run.stdout
