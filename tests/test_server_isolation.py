@@ -203,3 +203,30 @@ def test_a_request_that_fails_in_the_engine_ends_alone(tiny_chat_model):
     assert [[t for o in outputs if o.request_id == i for t in o.token_ids] for i in ids] == alone
     assert engine.metrics.requests_failed == 1 and engine.metrics.requests_aborted == 0
     assert engine.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one pass", "prefill beside decode"])
+def test_a_request_whose_forward_fails_ends_alone(tiny_chat_model, overlap):
+    """A request with a broken LoRA adapter (one factor of the wrong shape: its rows fail in the
+    forward pass) ends with an error; the rest of its batch decode what they decode without it."""
+    from hybridmoe.models import lora as model_lora
+    from tests.adapters import random_adapter
+
+    tok = load_tokenizer(tiny_chat_model)
+    model = load_model(tiny_chat_model, progress=False)
+    _, modules = random_adapter(model, "broken", "attention")
+    next(iter(model_lora.parameters(modules))).data = torch.zeros(3)
+    config = EngineConfig(overlap_prefill=overlap, max_batch_size=8)
+    engine = LLMEngine(model, tok, config)
+    prompts = [tok.encode(f"Prompt number {i} goes") for i in range(3)]
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    alone = engine.generate(prompts, greedy)
+    ids = [engine.add_request(p, greedy) for p in prompts]
+    bad = engine.add_request(tok.encode("The broken one"), greedy, adapter="broken")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (failed,) = [o for o in outputs if o.request_id == bad]
+    assert failed.finished and failed.error and not failed.token_ids
+    assert [[t for o in outputs if o.request_id == i for t in o.token_ids] for i in ids] == alone
+    assert engine.metrics.requests_failed == 1 and engine.blocks.num_used == 0

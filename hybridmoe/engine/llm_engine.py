@@ -247,8 +247,30 @@ class LLMEngine:
         decode_tokens = sum(
             n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1
         )
-        logits = self.runner.run(batch)  # [n, V]
+        try:
+            logits = self.runner.run(batch)  # [n, V]
+        except Exception:
+            log.exception("a forward pass failed; running its sequences one at a time")
+            return self._one_by_one(batch)
         return self._postprocess(batch, logits, time.perf_counter() - t0, decode_tokens)
+
+    def _one_by_one(self, batch: Batch) -> list[RequestOutput]:
+        """A pass that raised, again a sequence at a time (their tokens are still uncomputed, and
+        rewriting their KV slots is harmless), so that a sequence whose forward fails (its adapter,
+        its length...) ends alone with the error and the others go on."""
+        outputs = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            one, t0 = Batch([seq], [n]), time.perf_counter()
+            try:
+                logits = self.runner.run(one)  # [1 or 0, V]
+            except Exception as e:
+                log.exception("request %s failed in the forward pass", seq.request_id)
+                self.fail(seq.request_id)
+                outputs.append(RequestOutput(seq.request_id, [], "", finished=True, error=f"{e}"))
+                continue
+            decode = n if seq.num_uncomputed == 1 else 0
+            outputs += self._postprocess(one, logits, time.perf_counter() - t0, decode)
+        return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """One decode pass on this thread while a prefill pass runs on the other.
@@ -273,7 +295,18 @@ class LLMEngine:
 
     def _finish_prefill(self) -> list[RequestOutput]:
         flight, self._in_flight = self._in_flight, None
-        logits, seconds = flight.future.result()  # waits; an exception in the pass is raised here
+        try:
+            logits, seconds = flight.future.result()  # waits; the pass's exception is raised here
+        except Exception:
+            log.exception("a prefill pass failed; running its sequences one at a time")
+            alive = [
+                (seq, n)
+                for seq, n in zip(flight.batch.seqs, flight.batch.num_tokens)
+                if (req := self.requests.get(seq.request_id)) is not None and req.seq is seq
+            ]
+            for seq in set(flight.batch.seqs) - {seq for seq, _ in alive}:
+                self.scheduler.finish(seq)  # aborted while in flight: its blocks were left to us
+            return self._one_by_one(Batch([s for s, _ in alive], [n for _, n in alive]))
         aborted = frozenset(
             seq
             for seq in flight.batch.seqs  # while in flight: abort() left their blocks to us
