@@ -164,3 +164,23 @@ def test_calls_are_parsed_out_of_text():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("f", {"x": 1})
     ]
+
+
+def test_a_stream_sends_text_at_once_and_each_call_when_its_block_closes():
+    from hybridmoe.server.tools import CallStream
+
+    stream = CallStream()
+    text = 'I will look.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call> Done <tool'
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    sent, calls, when = [], [], []
+    for i, piece in enumerate(pieces):
+        content, found = stream.feed(piece)
+        sent.append(content)
+        calls += found
+        when += [i] * len(found)
+    assert "".join(sent) + stream.flush() == "I will look. Done <tool"
+    assert [c["function"]["name"] for c in calls] == ["f"]
+    assert when == [
+        next(i for i, p in enumerate(pieces) if "".join(pieces[: i + 1]).count(">") >= 2)
+    ]
+    assert "".join(sent[:4]) == "I will look."  # text before the call is not held back

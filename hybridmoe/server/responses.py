@@ -10,7 +10,7 @@ import time
 import uuid
 
 from hybridmoe.engine.llm_engine import RequestOutput, TokenLogprob
-from hybridmoe.server.tools import parse_tool_calls
+from hybridmoe.server.tools import CallStream, parse_tool_calls
 
 
 def usage(out: RequestOutput, return_speed: bool) -> dict:
@@ -53,14 +53,14 @@ class _Shape:
 
 
 class ChatShape(_Shape):
-    """`tools`: the answer may hold tool calls (server/tools.py), so a stream holds its text back
-    and sends it, calls parsed, with the last chunk."""
+    """`tools`: the answer may hold tool calls (server/tools.py): a stream holds back only what
+    may be a call being written, and sends each call when its block closes."""
 
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def __init__(self, model: str, tokenizer, tools: bool = False):
         super().__init__(model, tokenizer)
-        self.tools, self.held, self.held_logprobs = tools, [], []
+        self.tools, self.calls, self.sent_calls = tools, CallStream(), 0
 
     def first_chunk(self) -> list[dict]:
         return choice(None, None, delta={"role": "assistant", "content": ""})
@@ -78,17 +78,18 @@ class ChatShape(_Shape):
         return choice(self.logprobs(logprobs), finish_reason, delta=delta)
 
     def _held_chunk(self, text, logprobs, finish_reason) -> list[dict]:
-        self.held.append(text)
-        self.held_logprobs += logprobs or []
-        if finish_reason is None:
-            return []
-        content, calls = parse_tool_calls("".join(self.held))
-        delta = {"content": content} if content else {}
+        content, calls = self.calls.feed(text)
+        if finish_reason is not None:
+            content += self.calls.flush()
+        delta = {"content": content} if content.strip() else {}
         if calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            delta["tool_calls"] = [{"index": self.sent_calls + i, **c} for i, c in enumerate(calls)]
+            self.sent_calls += len(calls)
+        if finish_reason is not None and self.sent_calls:
             finish_reason = "tool_calls"
-        lp = self.logprobs(self.held_logprobs) if logprobs is not None else None
-        return choice(lp, finish_reason, delta=delta)
+        if not delta and finish_reason is None and not logprobs:
+            return []
+        return choice(self.logprobs(logprobs), finish_reason, delta=delta)
 
     def whole(
         self,

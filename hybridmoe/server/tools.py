@@ -44,6 +44,45 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return (content or None), calls
 
 
+class CallStream:
+    """Streamed text with tool calls in it: what may be sent now as content (all but a possible
+    start of a call), and each call as soon as its block closes."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.pending += text
+        content, calls = [], []
+        while (start := self.pending.find(self.OPEN)) >= 0:
+            content.append(self.pending[:start])
+            end = self.pending.find(self.CLOSE, start)
+            if end < 0:  # the call is still being written
+                self.pending = self.pending[start:]
+                return "".join(content), calls
+            block, self.pending = (
+                self.pending[start : end + len(self.CLOSE)],
+                self.pending[end + len(self.CLOSE) :],
+            )
+            found = parse_tool_calls(block)[1]
+            calls += found
+            content.append("" if found else block)
+        keep = next(  # the longest end of the text that could open a call
+            (n for n in range(len(self.OPEN) - 1, 0, -1) if self.pending.endswith(self.OPEN[:n])),
+            0,
+        )
+        content.append(self.pending[: len(self.pending) - keep])
+        self.pending = self.pending[len(self.pending) - keep :]
+        return "".join(content), calls
+
+    def flush(self) -> str:
+        """What is left at the end (an unfinished call stays text)."""
+        out, self.pending = self.pending, ""
+        return out
+
+
 def tool_grammar(tools: list[dict], name: str | None) -> str:
     """llguidance's grammar of one call to the function `name` (None: any of `tools`), its
     arguments following the function's parameter schema."""
