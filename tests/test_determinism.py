@@ -13,6 +13,7 @@ from hybridmoe import invariance, native
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.loader import load_model, load_tokenizer
 from hybridmoe.server.app import create_app
 from hybridmoe.server.async_engine import AsyncEngine
@@ -103,7 +104,7 @@ def test_a_tokens_moe_output_is_the_same_bits_alone_and_in_a_batch(loaded):
     """The layer that sums K experts per token: one token (combine_token) and many
     (combine_grouped, both of its branches) add the same terms in the same order."""
     model = loaded[0]
-    moe = next(m for m in model.modules() if type(m).__name__ == "SparseMoE")
+    moe = next(m for m in model.modules() if isinstance(m, SparseMoE))
     torch.manual_seed(0)
     for rows in (2, 9, 40):
         x = torch.randn(rows, moe.gate.in_features).to(torch.bfloat16)  # [rows, H]
@@ -113,3 +114,23 @@ def test_a_tokens_moe_output_is_the_same_bits_alone_and_in_a_batch(loaded):
             model.runtime.begin_step(1, [])
             alone = moe(x[-1:])  # [1, H]
         assert torch.equal(together[-1:], alone), rows
+
+
+def test_a_lone_tokens_experts_are_summed_as_a_batchs_are():
+    """combine_token (one token) and combine_grouped (a batch, both of its branches) add the same
+    fp32 terms in the same order: in fp32 (no rounding to hide it) the sums are equal bits."""
+    from hybridmoe.experts.run.ffn import combine_grouped, combine_token, group_by_expert
+
+    g = torch.Generator().manual_seed(0)
+    for tokens in (3, 40):
+        x = torch.zeros(tokens, 64)  # [T, H]: only its shape and dtype matter
+        ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(tokens)])  # [T, K]
+        weights = torch.rand(tokens, 8, generator=g)  # [T, K]
+        ys = {e: torch.randn(tokens, 64, generator=g) for e in range(16)}  # expert -> [T, H]
+        groups = group_by_expert(ids)
+        batch = combine_grouped(x, groups, [ys[e][rows] for e, rows, _ in groups], weights)
+        t = tokens - 1
+        alone = combine_token(
+            x[t:], [ys[e][t : t + 1] for e in ids[t].tolist()], weights[t:], ids[t:]
+        )
+        assert torch.equal(batch[t:], alone), tokens
