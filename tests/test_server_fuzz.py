@@ -139,3 +139,25 @@ def test_an_invalid_value_names_its_field(served, field, value, param):
     else:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert f"'{param}'" in r.json()["error"]["message"]
+
+
+def test_a_bug_is_one_500_with_one_logged_traceback(tiny_chat_model, caplog, capfd):
+    """A route that raises (a bug, added here for the test) answers OpenAI's 500 body; the
+    traceback is logged once (hybridmoe.server's log) and uvicorn does not print it again."""
+    import logging
+
+    tok = load_tokenizer(tiny_chat_model)
+    engine = LLMEngine(load_model(tiny_chat_model, progress=False), tok, EngineConfig())
+    app = create_app(AsyncEngine(engine), tok, "tiny")
+
+    @app.get("/boom")
+    def boom():
+        raise ZeroDivisionError("a bug")
+
+    capfd.readouterr()
+    with caplog.at_level(logging.ERROR), ServerThread(app) as server:
+        r = httpx.get(server.url + "/boom", timeout=10)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    logged = [rec for rec in caplog.records if rec.exc_info]
+    assert len(logged) == 1 and isinstance(logged[0].exc_info[1], ZeroDivisionError)
+    assert "Traceback" not in capfd.readouterr().err  # uvicorn's own copy
