@@ -4,6 +4,7 @@
 |-------------------|---------------------------------------------------------------------|
 | HYBRIDMOE_NATIVE  | 0 turns the native C kernels off (torch's kernels do the work)      |
 | HYBRIDMOE_QUANT_ISA | the quantised kernels' path: avx512, avx2 or off (default: widest) |
+| HYBRIDMOE_API_KEY | the API key `serve` requires (instead of --api-key, which `ps` shows)   |
 | CC                | the C compiler that builds them (default `cc`)                      |
 | XDG_CACHE_HOME    | where the user cache directory lies (default ~/.cache)              |
 | OMP_WAIT_POLICY   | set to PASSIVE unless given (see `set_defaults`)                     |
@@ -23,6 +24,10 @@ def native_enabled() -> bool:
 
 def quant_isa() -> str | None:
     return os.environ.get("HYBRIDMOE_QUANT_ISA")
+
+
+def api_key() -> str | None:
+    return os.environ.get("HYBRIDMOE_API_KEY") or None
 
 
 def c_compiler() -> str:

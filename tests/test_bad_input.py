@@ -109,6 +109,12 @@ def test_tokenizer_option_not_a_directory(capsys, model_dir, tmp_path):
     assert "no-such-dir" in line
 
 
+def test_a_tokenizer_larger_than_the_vocabulary(capsys, model_dir, smol_tokenizer_dir):
+    """SmolLM2's 49152 tokens for a 96-token model: 'w5' is a token id past the embedding."""
+    line = one_error_line(capsys, generate(model_dir, "--tokenizer", str(smol_tokenizer_dir)))
+    assert "49152 tokens" in line and f"vocabulary has {VOCAB}" in line
+
+
 def test_the_console_command_exits_2_without_a_traceback(tmp_path):
     run = hybridmoe("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", timeout=120)
     assert run.returncode == 2

@@ -115,6 +115,15 @@ def test_mismatched_trace_and_shape_is_exit_code_2(short_trace, capsys):
     assert "16 MoE layers" in err and "--model-shape" in err
 
 
+def test_a_trace_with_more_layers_than_the_shape_is_exit_code_2(capsys):
+    """The demo model's 30-layer trace on OLMoE's 16 layers: the oracle read past the shape's
+    layers (an IndexError) before the trace was checked."""
+    trace = str(ROOT / "docs/traces/demo-smollm2-e16k8_63tok.jsonl")
+    assert main(["simulate", "--trace", trace, "--model-shape", "olmoe-1b-7b"]) == 2
+    err = capsys.readouterr().err
+    assert "30 MoE layers" in err and "olmoe-1b-7b has 16" in err and "Traceback" not in err
+
+
 def test_bad_budget_and_unknown_hardware_are_exit_code_2(short_trace):
     base = ["simulate", "--trace", short_trace, "--model-shape", "olmoe-1b-7b", "--no-oracle"]
     assert main(base + ["--gpu-expert-budget", "lots"]) == 2
@@ -161,3 +170,10 @@ def test_plan_recommends_a_quantisation_that_fits(capsys):
         )
         == 2
     )
+
+
+def test_plan_shows_its_progress_on_stderr():
+    run = hybridmoe("plan", "--model-shape", "olmoe-1b-7b", "--hardware", "rtx4090-ddr5")
+    assert run.returncode == 0, run.stderr
+    assert "simulating" in run.stderr and "9/9" in run.stderr  # 3 quantisations x 3 policies
+    assert "simulating" not in run.stdout

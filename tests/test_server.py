@@ -18,7 +18,7 @@ from hybridmoe.server.async_engine import AsyncEngine
 from tests.served_model import ServerThread, tiny_chat_model
 
 KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 HI = [{"role": "user", "content": "Hello there, who are you?"}]
 
 
@@ -65,7 +65,7 @@ def sse_events(response) -> list:
 
 
 def metric(served, name) -> float:
-    text = httpx.get(served.url + "/metrics", timeout=10).text
+    text = httpx.get(served.url + "/metrics", headers=AUTH, timeout=10).text
     (line,) = [ln for ln in text.splitlines() if ln.startswith(f"hybridmoe_{name}{{")]
     return float(line.rsplit(" ", 1)[1])
 
@@ -259,6 +259,7 @@ BAD = {
     "n=2": ({**GOOD, "n": 2}, 400),
     "seed out of range": ({**GOOD, "seed": 2**70}, 400),
     "stream not a boolean": ({**GOOD, "stream": "yes"}, 400),
+    "repetition_penalty 5e-324": ({**GOOD, "repetition_penalty": 5e-324}, 400),
     "tools": ({**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     "an image part": (
         {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -302,8 +303,9 @@ def test_bad_completions_and_unknown_routes(served):
     ):
         r = post(served, "/v1/completions", body)
         assert r.status_code == 400 and r.json()["error"]["message"], body
-    assert httpx.get(served.url + "/v1/nothing").status_code == 404
-    assert httpx.get(served.url + "/v1/chat/completions").json()["error"]["message"]
+    assert httpx.get(served.url + "/v1/nothing", headers=AUTH).status_code == 404
+    assert httpx.get(served.url + "/v1/nothing").status_code == 401  # no route list without a key
+    assert httpx.get(served.url + "/v1/chat/completions", headers=AUTH).json()["error"]["message"]
 
 
 def test_the_server_keeps_serving_after_bad_requests(served, client):

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "published": "hybridmoe.bench.published",
     "deferral": "hybridmoe.bench.deferral",
     "finetune": "hybridmoe.bench.finetune",
+    "determinism": "hybridmoe.bench.determinism",
 }
 
 

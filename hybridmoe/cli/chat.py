@@ -19,8 +19,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "chat",
         help="chat interactively with a model",
-        description="Chat with a model in the terminal. Empty line or Ctrl-D quits; /reset "
-        "forgets.",
+        description="Chat with a model in the terminal. Empty line or Ctrl-D quits; Ctrl-C stops "
+        "a reply (at the prompt, quits); /reset forgets.",
     )
     add_model_options(p)
     add_lora_option(p, named=False)
@@ -41,7 +41,7 @@ def chat(model, tok, params, args) -> int:
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             print()
             return 0
         if not line.strip():
@@ -50,13 +50,26 @@ def chat(model, tok, params, args) -> int:
             messages = list(start)
             continue
         messages.append({"role": "user", "content": line})
-        stats, reply = GenerationStats(), []
-        adapter = LORA if args.lora else None
-        for text in generate_text(model, tok, tok.encode_chat(messages), params, stats, adapter):
-            reply.append(text)
-            sys.stdout.write(text)
+        messages.append({"role": "assistant", "content": reply(model, tok, messages, params, args)})
+
+
+def reply(model, tok, messages, params, args) -> str:
+    """Stream the model's answer to stdout, ended by a newline there (piped output keeps replies
+    apart); Ctrl-C stops it and keeps what came so far. Returns the answer's text."""
+    stats, text = GenerationStats(), []
+    adapter = LORA if args.lora else None
+    stopped = False
+    try:
+        for piece in generate_text(model, tok, tok.encode_chat(messages), params, stats, adapter):
+            text.append(piece)
+            sys.stdout.write(piece)
             sys.stdout.flush()
-        print(
-            f"\n[{stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s]", file=sys.stderr
-        )
-        messages.append({"role": "assistant", "content": "".join(reply)})
+    except KeyboardInterrupt:
+        stopped = True
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    note = "stopped, " if stopped else ""
+    print(
+        f"[{note}{stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s]", file=sys.stderr
+    )
+    return "".join(text)

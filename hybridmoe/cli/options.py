@@ -283,9 +283,22 @@ def load_from_args(args: argparse.Namespace):
         progress=True,
         quant=args.quant,
     )
+    check_vocabulary(tokenizer, model, args.tokenizer)
     attach_observers(model, args.routing_trace, args.record_trace, args.expert_stats_out)
     attach_adapters(model, lora_specs(args))
     return model, tokenizer
+
+
+def check_vocabulary(tokenizer, model, given: str | None) -> None:
+    """A tokenizer that makes ids the model has no embedding for would fail at the first such
+    token (an IndexError deep in the forward): refuse it now."""
+    size = len(tokenizer.hf)
+    if size > model.vocab_size:
+        where = f"--tokenizer {given}" if given else "the model's tokenizer"
+        raise UserError(
+            f"{where} has {size} tokens but the model's vocabulary has {model.vocab_size}; "
+            "pass the tokenizer the model was trained with"
+        )
 
 
 def compute_dtype(name: str):

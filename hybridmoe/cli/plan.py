@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("vram", "ram", "kv_gb"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative")
-    options = advise(shape, args.hardware, args.vram, args.ram, lines, kv_gb=args.kv_gb)
+    options = advise(
+        shape, args.hardware, args.vram, args.ram, lines, kv_gb=args.kv_gb, progress=True
+    )
     choice = best(options)
     if args.json:
         print(json.dumps({"options": to_json(options), "best": choice and to_json([choice])[0]}))

@@ -6,6 +6,7 @@ import socket
 import sys
 from pathlib import Path
 
+from hybridmoe import env
 from hybridmoe.cli.options import (
     add_config_flags,
     add_lora_option,
@@ -39,7 +40,28 @@ def add_parser(sub) -> None:
         help="the model name clients send (default: the model's directory or file name)",
     )
     g.add_argument(
-        "--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes"
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (visible in the "
+        "process list: prefer --api-key-file or the HYBRIDMOE_API_KEY variable)",
+    )
+    g.add_argument(
+        "--api-key-file", metavar="PATH", type=Path, help="read the API key from this file"
+    )
+    g.add_argument(
+        "--metrics-key-file",
+        metavar="PATH",
+        type=Path,
+        help="a key of its own for /metrics (a scraper's), read from this file; default: the "
+        "API key",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        metavar="ORIGIN",
+        nargs="+",
+        default=(),
+        help="web origins whose pages may call the server (CORS), e.g. http://localhost:3000; "
+        "default: none",
     )
     g = p.add_argument_group("engine")
     add_config_flags(g, EngineConfig)
@@ -49,6 +71,14 @@ def add_parser(sub) -> None:
         default="auto",
         help="prefill prompts on a second core while the first decodes (auto: on with the CPU "
         "expert runtime, one torch thread and at least two cores)",
+    )
+    g.add_argument(
+        "--deterministic",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): greedy output does not depend on the batch, prefill chunks or "
+        "prefix-cache hits (each token computed as if alone); off: the fastest kernel for each "
+        "pass, a little faster prefill (docs/serving.md)",
     )
     p.set_defaults(func=run)
 
@@ -63,7 +93,7 @@ def engine_config(args) -> EngineConfig:
             f"--kv-cache-tokens {args.kv_cache_tokens} is less than one block ({args.block_size}); "
             "raise it"
         )
-    config = EngineConfig(**values)
+    config = EngineConfig(**values, deterministic=args.deterministic == "on")
     check_settings(config)
     return config
 
@@ -81,6 +111,41 @@ def overlap_prefill(args, model) -> bool:
             "at least two cores; leave it at auto"
         )
     return fits
+
+
+def server_access(args):
+    """The server's Access: the keys (from a file, HYBRIDMOE_API_KEY or --api-key) and the CORS
+    origins."""
+    from hybridmoe.server.access import Access
+
+    given = [x for x in (args.api_key_file, env.api_key(), args.api_key) if x]
+    if len(given) > 1:
+        raise UserError(
+            "the API key was given more than once (--api-key-file, HYBRIDMOE_API_KEY, --api-key); "
+            "give it one way"
+        )
+    api_key = _read_key(args.api_key_file, "--api-key-file") if args.api_key_file else None
+    metrics_key = _read_key(args.metrics_key_file, "--metrics-key-file")
+    if metrics_key and not (api_key or env.api_key() or args.api_key):
+        raise UserError("--metrics-key-file without an API key: set one, or drop it")
+    for origin in args.allowed_origins:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise UserError(f"--allowed-origins {origin}: give origins as http(s)://HOST[:PORT]")
+    return Access(
+        api_key or env.api_key() or args.api_key, metrics_key, tuple(args.allowed_origins)
+    )
+
+
+def _read_key(path: Path | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        key = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag} {path}: cannot read it ({e}); give a readable text file") from None
+    if not key:
+        raise UserError(f"{flag} {path}: the file is empty; put the key in it")
+    return key
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -104,6 +169,7 @@ def run(args) -> int:
     from hybridmoe.server.async_engine import AsyncEngine
 
     config = engine_config(args)
+    access = server_access(args)
     sock = listen(args.host, args.port)
     with loaded_model(args) as (model, tokenizer):
         config.overlap_prefill = overlap_prefill(args, model)
@@ -111,7 +177,7 @@ def run(args) -> int:
         if name in {n for n, _ in lora_specs(args)}:
             raise UserError(f"--lora {name}=...: {name!r} is the base model's name; rename it")
         engine = LLMEngine(model, tokenizer, config)
-        app = create_app(AsyncEngine(engine), tokenizer, name, args.api_key)
+        app = create_app(AsyncEngine(engine), tokenizer, name, access=access)
         print(
             f"hybridmoe: serving '{name}'{_listed(engine.adapters)} at "
             f"http://{args.host}:{args.port}/v1 (context {engine.max_model_len} tokens, "

@@ -28,8 +28,44 @@ __all__ = ["MoESpec", "DEFAULT_SPEC", "RECIPE_VERSION", "build", "is_complete"]
 
 
 def is_complete(path: Path) -> bool:
-    """True for a finished build (an interrupted one never appears under its final name)."""
-    return (path / "config.json").is_file() and (path / WEIGHTS).is_file()
+    """True for a finished build (an interrupted one never appears under its final name) whose
+    weights file is whole: its header reads and the file is as long as the header says."""
+    return (path / "config.json").is_file() and weights_whole(path / WEIGHTS)
+
+
+def weights_whole(file: Path) -> bool:
+    """Whether a safetensors file has its header and every byte of data the header places."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if size > file.stat().st_size:
+                return False
+            header = json.loads(f.read(size))
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
+        return file.stat().st_size == 8 + size + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def remove_stale(out: Path) -> None:
+    """Delete what interrupted builds of `out` left (a SIGKILL or SIGTERM skips their cleanup):
+    the temporary folders of processes that are gone."""
+    for left in out.parent.glob(f".{out.name}.*-*"):
+        pid = left.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _expert_tensors(prefix: str, names: tuple[str, str, str], gate, up, down) -> dict:
@@ -186,6 +222,7 @@ def build(
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; give --out a directory path.")
+    remove_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -14,6 +14,10 @@ from hybridmoe.paths import user_cache_dir
 
 log = logging.getLogger("hybridmoe")
 
+# What the notice promises: the build's measured wall time on 2 cores, alone and with the cores
+# shared (docs/benchmarks.md, "Demo model quality"; the cached build's hybridmoe_demo.json).
+BUILD_ESTIMATE = "3 to 6 minutes on 2 cores"
+
 
 def demo_model_path(spec: MoESpec = DEFAULT_SPEC) -> Path:
     """The cache directory of the demo model built with `spec` (it may not exist yet)."""
@@ -24,6 +28,8 @@ def ensure_demo_model(spec: MoESpec = DEFAULT_SPEC) -> Path:
     """The path of the built demo model, building it first (with a one-line notice) if needed."""
     path = demo_model_path(spec)
     if not is_complete(path):
-        log.warning("building the demo model into %s (once; a few minutes)...", path)
+        if path.exists():
+            log.warning("the demo model in %s is incomplete or corrupt; building it again", path)
+        log.warning("building the demo model into %s (once; %s)...", path, BUILD_ESTIMATE)
         build(path, spec)
     return path

@@ -34,6 +34,26 @@ class EngineConfig:
             "help": "longest prompt + output (default: the model's context, at most the KV cache)"
         },
     )
+    # Compute every token as if it were alone (fixed kernels and reduction orders: see
+    # hybridmoe/invariance.py), so greedy output does not depend on the batch, prefill chunks or
+    # prefix-cache hits. Off: the fastest kernel for each pass's size. `serve --deterministic`.
+    deterministic: bool = True
+    max_tokens_default: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens a request without max_tokens may generate (default: the rest of the "
+            "context, as OpenAI does)",
+            "metavar": "N",
+        },
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds a request may take from its arrival; then it ends with "
+            "finish_reason 'length' (default: no limit)",
+            "metavar": "S",
+        },
+    )
     # Torch threads for passes of at least `threads_from_tokens` new tokens (prefill chunks), which
     # are compute-bound and split well; smaller passes (decode) keep the thread count torch has.
     # None: one count for every pass.

@@ -14,6 +14,7 @@ keeps decoding: a long prompt then no longer stalls the requests already streami
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,14 +23,23 @@ import torch
 
 from hybridmoe.engine.block_manager import BlockManager
 from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.grammar import Constraint, grammar_error
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.prefix_cache.build import chain_seed, make_prefix_cache, wants_tiers
-from hybridmoe.engine.sampler import SamplingParams, make_generator, sample, token_logprobs
+from hybridmoe.engine.sampler import (
+    SamplingParams,
+    check,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from hybridmoe.engine.scheduler import Batch, Scheduler
 from hybridmoe.engine.sequence import Sequence
 from hybridmoe.engine.stop import StopStrings
 from hybridmoe.loader.tokenizer import Detokenizer
 from hybridmoe.models.lora import adapter_names
+
+log = logging.getLogger("hybridmoe.engine")
 
 
 @dataclass
@@ -48,6 +58,7 @@ class RequestOutput:
     text: str
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    error: str | None = None  # set when this request failed (a bug): it ends with no reason
     logprobs: list[TokenLogprob] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -61,6 +72,8 @@ class EngineMetrics:
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0  # ended by an error of the engine's, not by their client
+    requests_timed_out: int = 0  # ended by EngineConfig.request_timeout
     prompt_tokens: int = 0  # of the requests added
     prefill_tokens: int = (
         0  # computed in prefill: prefix-cache hits excluded, recomputation included
@@ -80,6 +93,7 @@ class _Request:
     detok: Detokenizer | None
     stops: StopStrings
     generator: torch.Generator | None
+    constraint: Constraint | None = None  # the grammar its output follows, if any
     arrived: float = field(default_factory=time.perf_counter)
     scheduled: float | None = None
     first_token: float | None = None
@@ -139,19 +153,29 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
+        check(params)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; this engine's context holds "
                 f"{self.max_model_len} (prompt and output together)"
             )
+        constraint = self._constraint(params.grammar) if params.grammar else None
         seq = Sequence(request_id, prompt_ids, params, self.max_model_len, adapter)
         self.scheduler.add(seq)
         detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         gen = None if params.greedy else make_generator(params.seed)
-        self.requests[request_id] = _Request(seq, detok, StopStrings(params.stop), gen)
+        self.requests[request_id] = _Request(seq, detok, StopStrings(params.stop), gen, constraint)
         self.metrics.requests_added += 1
         self.metrics.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def _constraint(self, grammar: str) -> Constraint:
+        if self.tokenizer is None:
+            raise ValueError("constrained output needs the model's tokenizer")
+        error = grammar_error(grammar)
+        if error:
+            raise ValueError(f"the schema cannot be followed: {error}")
+        return Constraint(grammar, self.tokenizer.hf, self.model.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks; False if it is unknown or already finished."""
@@ -185,10 +209,36 @@ class LLMEngine:
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         """Schedule a pass, run the model on it, then sample, detokenize and account its tokens."""
+        expired = self._expire() if self.config.request_timeout is not None else []
         if self.config.overlap_prefill:
-            return self._step_overlapped()
+            return expired + self._step_overlapped()
         batch = self.scheduler.schedule()
-        return self._pass(batch) if batch else []
+        return expired + (self._pass(batch) if batch else [])
+
+    def _expire(self) -> list[RequestOutput]:
+        """End the requests older than the timeout (waiting, prefilling or decoding; not those in
+        a pass in flight, which end after it) with finish_reason "length" and what they have."""
+        limit, now = self.config.request_timeout, time.perf_counter()
+        flying = self._in_flight.pinned if self._in_flight else frozenset()
+        out = []
+        for req in list(self.requests.values()):
+            if now - req.arrived > limit and req.seq not in flying:
+                seq = req.seq
+                out.append(
+                    RequestOutput(
+                        seq.request_id,
+                        [],
+                        req.stops.flush(),
+                        True,
+                        "length",
+                        prompt_tokens=len(seq.prompt_ids),
+                        completion_tokens=len(seq.output_ids),
+                        cached_tokens=seq.num_cached,
+                    )
+                )
+                self._finish(seq)
+                self.metrics.requests_timed_out += 1
+        return out
 
     def _pass(self, batch: Batch) -> list[RequestOutput]:
         """One forward pass over `batch` on this thread: run the model, then sample and account."""
@@ -197,8 +247,30 @@ class LLMEngine:
         decode_tokens = sum(
             n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1
         )
-        logits = self.runner.run(batch)  # [n, V]
+        try:
+            logits = self.runner.run(batch)  # [n, V]
+        except Exception:
+            log.exception("a forward pass failed; running its sequences one at a time")
+            return self._one_by_one(batch)
         return self._postprocess(batch, logits, time.perf_counter() - t0, decode_tokens)
+
+    def _one_by_one(self, batch: Batch) -> list[RequestOutput]:
+        """A pass that raised, again a sequence at a time (their tokens are still uncomputed, and
+        rewriting their KV slots is harmless), so that a sequence whose forward fails (its adapter,
+        its length...) ends alone with the error and the others go on."""
+        outputs = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            one, t0 = Batch([seq], [n]), time.perf_counter()
+            try:
+                logits = self.runner.run(one)  # [1 or 0, V]
+            except Exception as e:
+                log.exception("request %s failed in the forward pass", seq.request_id)
+                self.fail(seq.request_id)
+                outputs.append(RequestOutput(seq.request_id, [], "", finished=True, error=f"{e}"))
+                continue
+            decode = n if seq.num_uncomputed == 1 else 0
+            outputs += self._postprocess(one, logits, time.perf_counter() - t0, decode)
+        return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """One decode pass on this thread while a prefill pass runs on the other.
@@ -223,7 +295,18 @@ class LLMEngine:
 
     def _finish_prefill(self) -> list[RequestOutput]:
         flight, self._in_flight = self._in_flight, None
-        logits, seconds = flight.future.result()  # waits; an exception in the pass is raised here
+        try:
+            logits, seconds = flight.future.result()  # waits; the pass's exception is raised here
+        except Exception:
+            log.exception("a prefill pass failed; running its sequences one at a time")
+            alive = [
+                (seq, n)
+                for seq, n in zip(flight.batch.seqs, flight.batch.num_tokens)
+                if (req := self.requests.get(seq.request_id)) is not None and req.seq is seq
+            ]
+            for seq in set(flight.batch.seqs) - {seq for seq, _ in alive}:
+                self.scheduler.finish(seq)  # aborted while in flight: its blocks were left to us
+            return self._one_by_one(Batch([s for s, _ in alive], [n for _, n in alive]))
         aborted = frozenset(
             seq
             for seq in flight.batch.seqs  # while in flight: abort() left their blocks to us
@@ -259,16 +342,36 @@ class LLMEngine:
         for seq in aborted:
             self.scheduler.finish(seq)
         outputs = [
-            self._next_token(seq, row) for seq, row in zip(done, logits) if seq not in aborted
+            self._next_or_fail(seq, row) for seq, row in zip(done, logits) if seq not in aborted
         ]
         self._account(seconds, sum(batch.num_tokens) - decode_tokens, decode_tokens)
         return outputs
+
+    def _next_or_fail(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        """`_next_token`, or, if it raises, the end of this request alone with the error: one
+        sequence's sampling or detokenizing never takes the batch down with it."""
+        try:
+            return self._next_token(seq, logits)
+        except Exception as e:
+            log.exception("request %s failed", seq.request_id)
+            self.fail(seq.request_id)
+            return RequestOutput(seq.request_id, [], "", finished=True, error=f"{e}")
+
+    def fail(self, request_id: str) -> bool:
+        """End a request because the engine failed on it; its blocks go. False if unknown."""
+        if not self.abort(request_id):
+            return False
+        self.metrics.requests_aborted -= 1  # abort() counted a client going away
+        self.metrics.requests_failed += 1
+        return True
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
         """Sample `seq`'s next token from its logits [V];
         detokenize it and see whether it finishes."""
         req, params = self.requests[seq.request_id], seq.params
-        token = sample(logits, params, req.generator, seq.prompt_ids, seq.output_ids)
+        allowed = req.constraint.mask(logits) if req.constraint else logits  # [V]
+        token = sample(allowed, params, req.generator, seq.prompt_ids, seq.output_ids)
+        complete = req.constraint.advance(token) if req.constraint else False
         seq.append(token)
         now = time.perf_counter()
         req.first_token = req.first_token or now
@@ -292,7 +395,7 @@ class LLMEngine:
         else:
             text, hit = req.stops.feed(req.detok.add(token)) if req.detok else ("", False)
             out.text = text
-            if hit:
+            if hit or complete:  # a stop string, or the grammar's end
                 out.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.max_tokens:
                 out.finish_reason = "length"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe import invariance
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from hybridmoe.engine.scheduler import Batch
@@ -112,7 +113,8 @@ class ModelRunner:
             end += n
             if seq.num_uncomputed == n:
                 rows.append(end - 1)
-        ctx = PagedKVContext(self.kv, [s.block_table for s in batch.seqs], starts, batch.num_tokens)
+        tables = [s.block_table for s in batch.seqs]
+        ctx = PagedKVContext(self.kv, tables, starts, batch.num_tokens, self.config.deterministic)
         names = [s.adapter for s in batch.seqs]
         adapters = RowAdapters(batch.num_tokens, names) if any(names) else None
         return PassInputs(torch.tensor(ids), torch.tensor(positions), ctx, rows, adapters)
@@ -120,7 +122,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, inputs: PassInputs, decode: list[tuple[int, str]]) -> torch.Tensor:
         """The forward pass itself, on the thread that runs it: logits [len(rows), V]."""
-        with lora.using(inputs.adapters):
+        with lora.using(inputs.adapters), invariance.rows_alone(self.config.deterministic):
             hidden = self.model(inputs.ids, inputs.positions, inputs.ctx, decode)  # [T, H]
             return self.model.logits(hidden[inputs.rows])  # [n, V]
 

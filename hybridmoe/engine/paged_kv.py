@@ -93,31 +93,35 @@ def history_index(block_table: list[int], length: int, block_size: int) -> torch
 
 @dataclass(frozen=True)
 class DecodeTables:
-    """The sequences of a step that bring one token each, as a kernel reads their histories straight
-    from the pools (native.decode_attention): block tables, not gathered copies. int32 tensors
-    [S]."""
+    """The query rows of a step that a kernel attends one at a time, reading their histories
+    straight from the pools (native.decode_attention): block tables, not gathered copies. Those of
+    the sequences that bring one token each; with `every_token`, every row of every sequence, each
+    over its own positions (batch invariance, hybridmoe/invariance.py). int32 tensors [R]."""
 
-    seqs: list[int]  # their indices in the step
-    rows: torch.Tensor  # their token's row in the step's [T] rows
-    lengths: torch.Tensor  # their history's length, the new token included
-    table_starts: torch.Tensor  # where each one's table begins in `tables`
-    tables: torch.Tensor  # their block tables, one after another
+    seqs: list[int]  # the indices in the step of the sequences whose rows are all here
+    rows: torch.Tensor  # each query's row in the step's [T] rows
+    lengths: torch.Tensor  # its history's length, its own position included
+    table_starts: torch.Tensor  # where its sequence's table begins in `tables`
+    tables: torch.Tensor  # the sequences' block tables, one after another
     block_size: int
 
     @staticmethod
     def of(
-        block_tables: list[list[int]], starts: list[int], seq_lens: list[int], block_size: int
+        block_tables: list[list[int]],
+        starts: list[int],
+        seq_lens: list[int],
+        block_size: int,
+        every_token: bool = False,
     ) -> DecodeTables:
         seqs, rows, lengths, first, tables, row = [], [], [], [], [], 0
         for i, (table, start, n) in enumerate(zip(block_tables, starts, seq_lens)):
-            if n == 1:
+            if n == 1 or every_token:
                 seqs.append(i)
-                rows.append(row)
-                lengths.append(start + 1)
-                first.append(len(tables))
-                tables += table[
-                    : (start + block_size) // block_size
-                ]  # the blocks of positions 0..start
+                rows += range(row, row + n)
+                lengths += range(start + 1, start + n + 1)
+                first += [len(tables)] * n
+                # the blocks of positions 0..start+n-1
+                tables += table[: (start + n - 1 + block_size) // block_size]
             row += n
         int32 = dict(dtype=torch.int32)
         return DecodeTables(
@@ -145,7 +149,9 @@ class PagedKVContext:
         block_tables: list[list[int]],
         starts: list[int],
         seq_lens: list[int],
+        every_token: bool = False,
     ):
+        """`every_token`: attend every row alone (DecodeTables), as batch invariance needs."""
         self.cache, self.seq_lens, self.starts = cache, seq_lens, starts
         bs = cache.block_size
         self.history, writes = [], []
@@ -154,7 +160,7 @@ class PagedKVContext:
             pos = torch.arange(start, start + n)  # [n]
             writes.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
         self.slots = torch.cat(writes)  # [T]: the slot of each new row
-        self.decode = DecodeTables.of(block_tables, starts, seq_lens, bs)
+        self.decode = DecodeTables.of(block_tables, starts, seq_lens, bs, every_token)
 
     def write(self, layer: int, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append this step's entries ([T, ...] each) to `layer`'s cache; its pools [slots, ...]."""

@@ -159,7 +159,8 @@ class Attention(nn.Module):
                     scale,
                     out,
                 )
-                seqs = [i for i in seqs if ctx.seq_lens[i] != 1]
+                done = set(decode.seqs)
+                seqs = [i for i in seqs if i not in done]
             history = ctx.histories(pools, seqs)
         rows = [0]
         for n in ctx.seq_lens:

@@ -11,7 +11,8 @@ prefill chunks (many rows) and other dtypes (bf16 already goes to oneDNN) are un
 
 Up to native.MAX_ROWS bf16 rows (bf16 decode, one row per sequence) go to the native kernel where it
 runs (hybridmoe/native: it streams the weight once for all rows, at about twice oneDNN's speed on
-this CPU), accumulated in fp32 and rounded to bf16 as F.linear does.
+this CPU), accumulated in fp32 and rounded to bf16 as F.linear does. Under
+invariance.rows_alone, every bf16 row count goes there (hybridmoe/invariance.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe import native
+from hybridmoe import invariance, native
 from hybridmoe.layers.lora import LoRA, add_lora
 from hybridmoe.quant.tensor import QTensor
 from hybridmoe.quant.tensor import linear as qlinear
@@ -36,6 +37,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     if isinstance(weight, QTensor):
         return qlinear(x, weight, bias)
     rows = native.MAX_ROWS if torch.get_num_threads() == 1 else THREADED_NATIVE_ROWS
+    if invariance.active():  # one kernel for every row count: a row never depends on the others
+        rows = x.numel()
     if native.applies(x, weight, max_rows=rows) and not torch.is_grad_enabled():
         y = native.gemm(x, weight)  # [M, N] fp32
         if bias is not None:

@@ -11,6 +11,7 @@ from torch import nn
 from hybridmoe.experts.run.expert_grad import TrainLoRA
 from hybridmoe.experts.run.lora import ExpertLoRA, RowLoRA
 from hybridmoe.layers import lora
+from hybridmoe.layers.linear import linear
 from hybridmoe.layers.lora import add_lora
 
 
@@ -119,7 +120,8 @@ class SparseMoE(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's logits [T, E] for x [T, H], its LoRA adapters included."""
-        return add_lora(self.gate(x), x, self.gate.adapters)
+        # layers/linear.py's kernels, not nn.Linear's: the same for a row whatever its neighbours
+        return add_lora(linear(x, self.gate.weight), x, self.gate.adapters)
 
     def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's own choice: ids [T, k], weights [T, k] (fp32)."""

@@ -29,19 +29,26 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template writes a `tools` list into the prompt."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
         if not self.has_chat_template:
             raise ModelFileError(
                 "this model's tokenizer has no chat template; use a plain prompt "
                 "or a tokenizer that has one (--tokenizer DIR)"
             )
         return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
         )
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
         # The template already writes the special tokens (BOS etc.); do not add them twice.
-        return self.encode(self.chat_prompt(messages), add_special_tokens=False)
+        return self.encode(self.chat_prompt(messages, tools=tools), add_special_tokens=False)
 
 
 class Detokenizer:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.linear import linear
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.models.base import CausalLM
@@ -24,9 +25,8 @@ class SharedExpertMoE(SparseMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = super().forward(x)  # [T, H]
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(
-            x
-        )  # [T, 1] * [T, H]
+        gate = linear(x, self.shared_expert_gate.weight)  # [T, 1]
+        shared = torch.sigmoid(gate) * self.shared_expert(x)  # [T, 1] * [T, H]
         return routed + shared
 
 

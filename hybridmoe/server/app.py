@@ -6,14 +6,14 @@
     uvicorn.run(app, host="127.0.0.1", port=10002)
 
 Routes: POST /v1/chat/completions, POST /v1/completions (whole answers, or SSE streams as OpenAI
-sends them), GET /v1/models, GET /health, GET /metrics. Every error is a 4xx (a 500 only for a bug)
-with OpenAI's error body. A client that goes away cancels its request and frees its KV blocks.
+sends them), GET /v1/models, GET /health, GET /metrics, GET /openapi.json. Every error is a 4xx (a
+500 only for a bug) with OpenAI's error body. A client that goes away cancels its request and frees
+its KV blocks. Who may call what: server/access.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -21,11 +21,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from hybridmoe.server import metrics
+from hybridmoe.server.access import Access, require_json
 from hybridmoe.server.async_engine import AsyncEngine
+from hybridmoe.server.ollama import OllamaApi
+from hybridmoe.server.openapi import document, ollama_paths
 from hybridmoe.server.protocol import (
     ApiError,
     ChatRequest,
@@ -34,6 +38,7 @@ from hybridmoe.server.protocol import (
     parse,
     parse_json,
     sampling_params,
+    uses_tools,
 )
 from hybridmoe.server.responses import ChatShape, CompletionShape, usage
 
@@ -41,8 +46,15 @@ log = logging.getLogger("hybridmoe.server")
 
 
 def create_app(
-    engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None
+    engine: AsyncEngine,
+    tokenizer,
+    model_name: str,
+    api_key: str | None = None,
+    access: Access | None = None,
 ) -> FastAPI:
+    """`api_key` alone, or `access` for a metrics key and CORS origins too."""
+    access = access or Access(api_key)
+
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -52,10 +64,14 @@ def create_app(
     app = FastAPI(
         title="hybridmoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    api = _Api(engine, tokenizer, model_name, api_key)
+    api = _Api(engine, tokenizer, model_name)
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.get("/v1/models")(api.models)
+    ollama = OllamaApi(api)  # Ollama's API beside OpenAI's
+    app.post("/api/generate")(ollama.generate)
+    app.post("/api/chat")(ollama.chat)
+    app.get("/api/tags")(ollama.tags)
     app.get("/health")(lambda: {"status": "ok"})
     app.get("/metrics")(
         lambda: PlainTextResponse(
@@ -63,10 +79,54 @@ def create_app(
             media_type="text/plain; version=0.0.4",
         )
     )
+    models = [model_name, *sorted(engine.adapters)]
+    openapi = document(
+        models, engine.vocab_size, ollama_paths(models), secured=access.api_key is not None
+    )
+    app.get("/openapi.json")(lambda: openapi)
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(HTTPException)(_http_error)
-    app.exception_handler(Exception)(_bug)
+    app.add_middleware(_Guard, access=access)
+    if access.allowed_origins:  # outermost: answers preflights before the key is asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(access.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     return app
+
+
+class _Guard:
+    """ASGI middleware around every route: refusals by `access`, and a bug's one 500, logged once
+    (an exception handler for Exception would log it, then re-raise it to uvicorn: a second
+    traceback). Plain ASGI, not BaseHTTPMiddleware, which hides a client's disconnect from the
+    routes that watch for it."""
+
+    def __init__(self, app, access: Access):
+        self.app, self.access = app, access
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        try:
+            self.access.check(request)
+        except ApiError as e:
+            return await (await _api_error(request, e))(scope, receive, send)
+        started = False
+
+        async def send_started(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as e:
+            response = await _bug(request, e)
+            if not started:  # else the answer is under way: the connection just ends
+                await response(scope, receive, send)
 
 
 async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -79,7 +139,9 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
         if e.status_code == 404
         else e.detail
     )
-    return JSONResponse(ApiError(e.status_code, str(message)).body(), status_code=e.status_code)
+    return JSONResponse(  # e.headers: a 405's Allow
+        ApiError(e.status_code, str(message)).body(), status_code=e.status_code, headers=e.headers
+    )
 
 
 async def _bug(request: Request, e: Exception) -> JSONResponse:
@@ -93,28 +155,12 @@ async def _bug(request: Request, e: Exception) -> JSONResponse:
 
 
 class _Api:
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None):
-        self.engine, self.tokenizer, self.model_name, self.api_key = (
-            engine,
-            tokenizer,
-            model_name,
-            api_key,
-        )
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.created = int(time.time())
 
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            what = "No API key was provided" if not given else "Incorrect API key provided"
-            raise ApiError(
-                401, f"{what}; send it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
-            )
-
     async def _body(self, request: Request, cls):
-        self._authorize(request)
+        require_json(request)
         req = parse(cls, parse_json(await request.body()))
         if req.model != self.model_name and req.model not in self.engine.adapters:
             served = ", ".join(f"'{n}'" for n in [self.model_name, *sorted(self.engine.adapters)])
@@ -131,7 +177,6 @@ class _Api:
         return None if req.model == self.model_name else req.model
 
     async def models(self, request: Request) -> dict:
-        self._authorize(request)
         base = {
             "object": "model",
             "created": self.created,
@@ -152,13 +197,22 @@ class _Api:
                 "This model's tokenizer has no chat template; use /v1/completions.",
                 param="messages",
             )
+        tools = [t.model_dump() for t in req.tools] if uses_tools(req) else None
+        if tools and not self.tokenizer.supports_tools:
+            raise ApiError(
+                400,
+                "This model's chat template has no tool support, so it cannot be given 'tools'; "
+                "leave them out, or serve a model whose template takes tools.",
+                param="tools",
+            )
         try:
-            prompt_ids = self.tokenizer.encode_chat(chat_messages(req))
+            prompt_ids = self.tokenizer.encode_chat(chat_messages(req), tools)
         except Exception as e:  # the template's own checks (role order, ...) raise from jinja
             raise ApiError(
                 400, f"The chat template rejected the messages: {e}", param="messages"
             ) from None
-        return await self._respond(request, req, prompt_ids, ChatShape(req.model, self.tokenizer))
+        shape = ChatShape(req.model, self.tokenizer, tools=bool(tools))
+        return await self._respond(request, req, prompt_ids, shape)
 
     async def completions(self, request: Request):
         req = await self._body(request, CompletionRequest)
@@ -182,8 +236,14 @@ class _Api:
             request, req, prompt_ids, CompletionShape(req.model, self.tokenizer)
         )
 
+    def params(self, req, prompt_ids: list[int]):
+        """The request's SamplingParams (a 400 if they do not fit the context)."""
+        return sampling_params(
+            req, len(prompt_ids), self.engine.max_model_len, self.engine.max_tokens_default
+        )
+
     async def _respond(self, request: Request, req, prompt_ids: list[int], shape):
-        params = sampling_params(req, len(prompt_ids), self.engine.max_model_len)
+        params = self.params(req, prompt_ids)
         outputs = self.engine.generate(prompt_ids, params, shape.id, self._adapter(req))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -254,7 +314,8 @@ async def _sse(
             last = out
             if out.text or out.logprobs or out.finished:
                 choices = shape.chunk(out.text, out.logprobs, out.finish_reason, offset=sent)
-                yield _event(shape.envelope(shape.chunk_object, choices, **extra))
+                if choices:  # none while a tool-call answer is held back
+                    yield _event(shape.envelope(shape.chunk_object, choices, **extra))
                 sent += len(out.text)
     except (ValueError, RuntimeError) as e:  # the headers are sent: the error goes in the stream
         yield _event(_engine_error(e).body())

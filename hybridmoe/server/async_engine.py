@@ -39,6 +39,11 @@ class AsyncEngine:
         return self._engine.max_model_len
 
     @property
+    def max_tokens_default(self) -> int | None:
+        """What a request without max_tokens may generate (None: the rest of the context)."""
+        return self._engine.config.max_tokens_default
+
+    @property
     def vocab_size(self) -> int:
         return self._engine.model.vocab_size
 
@@ -99,7 +104,8 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out)
+                failed = RuntimeError(f"the engine failed on this request: {out.error}")
+                self._deliver(out.request_id, out if out.error is None else failed)
                 if out.finished:
                     self._sinks.pop(out.request_id, None)
 
@@ -138,6 +144,6 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._engine.requests):
-            self._engine.abort(request_id)
+            self._engine.fail(request_id)
             self._deliver(request_id, RuntimeError(f"the engine failed: {error}"))
         self._sinks.clear()

@@ -25,6 +25,18 @@ def engine_metrics(engine: LLMEngine) -> list[tuple[str, str, str, float]]:
             m.requests_aborted,
         ),
         (
+            "requests_failed_total",
+            "counter",
+            "requests ended by an engine error (a bug)",
+            m.requests_failed,
+        ),
+        (
+            "requests_timed_out_total",
+            "counter",
+            "requests ended by --request-timeout (finish_reason length)",
+            m.requests_timed_out,
+        ),
+        (
             "requests_waiting",
             "gauge",
             "requests queued or preempted (queue length)",

@@ -10,6 +10,7 @@ import time
 import uuid
 
 from hybridmoe.engine.llm_engine import RequestOutput, TokenLogprob
+from hybridmoe.server.tools import CallStream, parse_tool_calls
 
 
 def usage(out: RequestOutput, return_speed: bool) -> dict:
@@ -52,7 +53,14 @@ class _Shape:
 
 
 class ChatShape(_Shape):
+    """`tools`: the answer may hold tool calls (server/tools.py): a stream holds back only what
+    may be a call being written, and sends each call when its block closes."""
+
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, model: str, tokenizer, tools: bool = False):
+        super().__init__(model, tokenizer)
+        self.tools, self.calls, self.sent_calls = tools, CallStream(), 0
 
     def first_chunk(self) -> list[dict]:
         return choice(None, None, delta={"role": "assistant", "content": ""})
@@ -64,7 +72,23 @@ class ChatShape(_Shape):
         finish_reason: str | None,
         offset: int = 0,
     ) -> list[dict]:
+        if self.tools:
+            return self._held_chunk(text, logprobs, finish_reason)
         delta = {"content": text} if text else {}
+        return choice(self.logprobs(logprobs), finish_reason, delta=delta)
+
+    def _held_chunk(self, text, logprobs, finish_reason) -> list[dict]:
+        content, calls = self.calls.feed(text)
+        if finish_reason is not None:
+            content += self.calls.flush()
+        delta = {"content": content} if content.strip() else {}
+        if calls:
+            delta["tool_calls"] = [{"index": self.sent_calls + i, **c} for i, c in enumerate(calls)]
+            self.sent_calls += len(calls)
+        if finish_reason is not None and self.sent_calls:
+            finish_reason = "tool_calls"
+        if not delta and finish_reason is None and not logprobs:
+            return []
         return choice(self.logprobs(logprobs), finish_reason, delta=delta)
 
     def whole(
@@ -75,6 +99,11 @@ class ChatShape(_Shape):
         offset: int = 0,
     ) -> list[dict]:
         message = {"role": "assistant", "content": text}
+        if self.tools:
+            content, calls = parse_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = "tool_calls"
         return choice(self.logprobs(logprobs), finish_reason, message=message)
 
     def logprobs(self, items: list[TokenLogprob] | None) -> dict | None:

@@ -53,7 +53,12 @@ def advise(
     quants=("bf16", "q8", "q4"),
     policies=("static", "hybrimoe", "value"),
     kv_gb: float | None = None,
+    progress: bool = False,
 ) -> list[Option]:
+    """Each quantisation's option, its policy the fastest of `policies` in simulation (a bar on
+    stderr with `progress`: a large shape takes minutes)."""
+    from tqdm import tqdm
+
     base = get_profile(hardware)
     default_vram, default_ram = MEMORY_GB.get(hardware, (0.0, 64.0))
     vram = default_vram if vram_gb is None else vram_gb
@@ -61,6 +66,9 @@ def advise(
     kv = max(1.0, 0.1 * vram) if kv_gb is None else kv_gb
     lines = lines or synthetic_for(shape)
     options = []
+    bar = tqdm(
+        total=len(quants) * len(policies), desc="simulating", unit="run", disable=not progress
+    )
     for quant in quants:
         qb = quant_bytes(quant)
         need = (
@@ -75,7 +83,9 @@ def advise(
             r = simulate(lines, shape, cost, SimConfig(policy=policy, budget=str(frac)))
             if r.tokens_per_s > opt.tokens_per_s:
                 opt.policy, opt.tokens_per_s, opt.hit_rate = policy, r.tokens_per_s, r.hit_rate
+        bar.update(len(policies))
         options.append(opt)
+    bar.close()
     return options
 
 

@@ -253,6 +253,7 @@ def run(planner: Planner, steps, start: int, machine: Machine, dense: DenseCost,
 
 def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None) -> SimResult:
     """`cost` must already be costed for the shape's expert (CostModel.for_expert)."""
+    check_trace(lines, shape)  # before the oracles read the trace with the shape's layers
     if policy is None and cfg.policy in ("belady", "oracle"):
         from hybridmoe.sim.oracle import future_policy
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from hybridmoe import tuning
+from hybridmoe import invariance, tuning
 
 Job = Callable[[], torch.Tensor]
 
@@ -88,10 +88,10 @@ class CPUPool:
         torch.set_num_threads(1)
         ready.wait()
         while (job := inbox.get()) is not None:
-            jobs, outs, start, done = job
+            jobs, outs, start, done, alone = job
             t0, error = time.perf_counter(), None
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), invariance.rows_alone(alone):  # as the caller
                     for i in range(start, len(jobs), self.workers):
                         outs[i] = jobs[i]()
             except BaseException as e:  # handed to the caller, who raises it
@@ -103,7 +103,7 @@ class CPUPool:
         used = min(self.workers, len(jobs))
         done: queue.SimpleQueue = queue.SimpleQueue()
         for j in range(used):
-            self._inbox[j].put((jobs, outs, j, done))
+            self._inbox[j].put((jobs, outs, j, done, invariance.active()))
         return CPUBatch(len(jobs), used, done, outs)
 
     def map(self, fn: Callable, items: list) -> list:

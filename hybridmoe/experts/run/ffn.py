@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmoe import native, tuning
+from hybridmoe import invariance, native, tuning
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.native import quant as quant_kernels
 from hybridmoe.quant.tensor import QTensor, native_applies
@@ -32,7 +32,8 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     if isinstance(w.gate_up, QTensor) or isinstance(w.down, QTensor):
         gate, up = qlinear(x, w.gate_up).chunk(2, dim=-1)  # [n, I] each
         return qlinear(F.silu(gate) * up, w.down)  # [n, H]
-    if native.applies(x, w.gate_up, w.down):
+    rows = x.numel() if invariance.active() else native.MAX_ROWS  # hybridmoe/invariance.py
+    if native.applies(x, w.gate_up, w.down, max_rows=rows):
         return native.expert(x, w.gate_up, w.down).to(torch.bfloat16)  # [n, H]
     gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(
         2, dim=-1
@@ -117,17 +118,22 @@ def combine_grouped(
 
 
 def combine_token(
-    x: torch.Tensor, ys: list[torch.Tensor], topk_weights: torch.Tensor
+    x: torch.Tensor, ys: list[torch.Tensor], topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """One token's weighted sum [1, H] of its K experts' outputs ys ([1, H] each, in top-k order),
-    as one [1, K] @ [K, H] product accumulated in fp32."""
-    return (topk_weights.float() @ torch.cat(ys).float()).to(x.dtype)
+    """One token's weighted sum [1, H] of its K experts' outputs ys ([1, H] each, in top-k order,
+    ids topk_ids [1, K]): each term y * w in fp32, added in increasing expert id, as
+    combine_grouped adds them, so that a token decoded alone sums as it would in a batch."""
+    out = torch.zeros(x.shape, dtype=torch.float32)  # [1, H]
+    weights = topk_weights.float()  # [1, K]
+    for k in sorted(range(len(ys)), key=lambda k: int(topk_ids[0, k])):
+        out += ys[k].float() * weights[0, k, None]  # [1, H]
+    return out.to(x.dtype)
 
 
 def combine(outputs: dict[int, torch.Tensor], groups, x, topk_ids, topk_weights) -> torch.Tensor:
-    """The weighted sum [T, H] of expert outputs (expert id -> [n, H]): one token as a
-    [1, K] @ [K, H] product in top-k order, more tokens added in expert order (combine_token,
-    combine_grouped)."""
+    """The weighted sum [T, H] of expert outputs (expert id -> [n, H]), each token's terms added
+    in increasing expert id (combine_token, combine_grouped)."""
     if x.shape[0] == 1:
-        return combine_token(x, [outputs[e] for e in topk_ids[0].tolist()], topk_weights)
+        ys = [outputs[e] for e in topk_ids[0].tolist()]
+        return combine_token(x, ys, topk_weights, topk_ids)
     return combine_grouped(x, groups, [outputs[expert] for expert, _, _ in groups], topk_weights)

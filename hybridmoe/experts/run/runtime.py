@@ -272,14 +272,13 @@ class CPURuntime(BaseRuntime):
     def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
         t0 = time.perf_counter()
         if x.shape[0] == 1:
-            # Decode: one token, so no grouping, gathering or scattering; the K outputs are summed
-            # by one [1, K] @ [K, H] product, which halves the ops per expert.
+            # Decode: one token, so no grouping, gathering or scattering.
             experts = topk_ids[0].tolist()
             row = [torch.zeros(1, dtype=torch.long)] * len(experts)
             ys, busy = self._run_cpu(
                 layer, [(e, x) for e in experts], row, lora
             ).result()  # [1, H] each
-            out = combine_token(x, ys, topk_weights)
+            out = combine_token(x, ys, topk_weights, topk_ids)
         else:
             groups = group_by_expert(topk_ids)
             experts = [e for e, _, _ in groups]
