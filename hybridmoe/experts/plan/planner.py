@@ -215,10 +215,8 @@ class Planner:
         if not self.uses_gpu:  # nothing to predict for: everything runs on the CPU
             plan.cpu, plan.gpu_hits = hits + late + misses, []
         else:
-            # Learn this layer's routing before splitting it, so that a copy's worth (and a
-            # victim's) is judged by the layer's *next* visit.
-            if self.policy.uses_predictor:
-                self.predictor.count_use(layer, [r.expert for r in routed])
+            # The predictor counts this visit in prepare(); a policy that judges a copy's worth
+            # (and a victim's) by the layer's *next* visit reads Predictor.after_visit.
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
         self._count(plan, routed)
@@ -235,6 +233,8 @@ class Planner:
             raise RuntimeError("prepare(plan) takes the plan of the last plan() call, once")
         routed = self._unprepared[1]
         self._unprepared = None
+        if self.uses_gpu and self.policy.uses_predictor:
+            self.predictor.count_use(plan.layer, [r.expert for r in routed])
         self.policy.on_use(plan.layer, routed, plan.now)
         self.epoch += 1
         if self.uses_gpu:
@@ -351,12 +351,16 @@ class Planner:
         experts = [r.expert for r in misses]
         favourite = dict(zip(experts, (-x for x in policy.copy_priorities(layer, experts))))
         by_cpu = sorted(misses, key=lambda r: (-tm.cpu(r.n_tokens), favourite[r.expert]))
-        by_ratio = sorted(
-            misses,
-            key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
-        )
+        orders = [by_cpu]
+        if len({r.n_tokens for r in misses}) > 1:  # else (decode at batch 1) the same order
+            by_ratio = sorted(
+                misses,
+                key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
+            )
+            if by_ratio != by_cpu:
+                orders.append(by_ratio)
         best = None
-        for order in (by_cpu, by_ratio) if by_ratio != by_cpu else (by_cpu,):
+        for order in orders:
             options, stranded = self._copy_options(layer, order, now, plan)
             cost, chosen_late, b = self._best_split(plan, late, options, stranded, now)
             if best is None or cost < best[0] - 1e-12:
