@@ -79,6 +79,17 @@ class _Times:
     def __init__(self, cost: CostModel):
         self.cost, self._cpu, self._gpu, self._act = cost, {}, {}, {}
         self.copy = cost.t_copy()
+        self.slowdown = cost.copy_slowdown()
+
+    def cpu_beside_copies(self, work: float, copying: float) -> float:
+        """Seconds `work` seconds of CPU experts take when copies stream for the first
+        `copying` seconds (DRAM shared with their DMA)."""
+        slow = self.slowdown
+        if copying <= 0 or slow == 1.0:
+            return work
+        if work * slow <= copying:
+            return work * slow
+        return work + copying * (1.0 - 1.0 / slow)
 
     def cpu(self, n: int) -> float:
         t = self._cpu.get(n)
@@ -415,7 +426,8 @@ class Planner:
                     cpu -= opt_cpu[b - 1]
                     gain += o.gain
                 n_max = max(max_a, opt_max[b], stranded_max)
-                cpu_end = now + cpu + tm.act(n_max) if n_max else now
+                copying = copy_start + b * t_copy - now
+                cpu_end = now + tm.cpu_beside_copies(cpu, copying) + tm.act(n_max) if n_max else now
                 cost = max(cpu_end, gpu) - gain
                 if cost < best_cost - 1e-12:
                     best, best_cost = (list(chosen), b), cost
@@ -466,7 +478,8 @@ class Planner:
     def _schedule(self, plan: Plan) -> None:
         """Predicted finish times of the chosen split (the same arithmetic as _best_split)."""
         tm, now = self.times, plan.now
-        plan.cpu_finish = now + sum(tm.cpu(r.n_tokens) for r in plan.cpu)
+        work = sum(tm.cpu(r.n_tokens) for r in plan.cpu)
+        plan.cpu_finish = now + tm.cpu_beside_copies(work, self.copy_free - now)
         if plan.cpu:
             plan.cpu_finish += tm.act(max(r.n_tokens for r in plan.cpu))
         t = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
