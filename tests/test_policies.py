@@ -214,7 +214,7 @@ def test_values_view_ranks_victims_as_a_fresh_ranking_after_the_visit_does():
     cost = get_profile("rtx4090-ddr5").for_expert(e, "q4")
     policy = make_policy("value")
     planner = make_planner(cost, list(e.moe_layers), 64, 8, 100, policy, profile=steps[:40])
-    clock, checked = 0.0, 0
+    checked = 0
     for step in steps[40:]:
         planner.begin_step()
         for layer, routed in zip(e.moe_layers, step):

@@ -411,27 +411,30 @@ class Planner:
         chosen."""
         tm = self.times
         opt_cpu = [tm.cpu(o.routed.n_tokens) for o in options]
+        opt_gpu = [tm.gpu(o.routed.n_tokens) for o in options]
         base_cpu = sum(opt_cpu) + sum(tm.cpu(r.n_tokens) for r in stranded)
         # The most tokens a CPU expert has (its activation transfer), left after b options.
         opt_max = _suffix_max([o.routed.n_tokens for o in options])
         stranded_max = max((r.n_tokens for r in stranded), default=0)
         copy_start, t_copy = max(now, self.copy_free), tm.copy
+        # How long the copy stream is busy from now with b copies queued, b = 0..len(options).
+        copying = [copy_start + b * t_copy - now for b in range(len(options) + 1)]
         best, best_cost = ([], 0), math.inf
         for gpu_a, cpu_a, max_a, chosen in self._late_choices(plan, late, now):
             gpu, cpu, gain = gpu_a, base_cpu + cpu_a, 0.0
             for b in range(len(options) + 1):
                 if b:
-                    o = options[b - 1]
-                    gpu = max(gpu, copy_start + b * t_copy) + tm.gpu(o.routed.n_tokens)
+                    gpu = max(gpu, now + copying[b]) + opt_gpu[b - 1]
                     cpu -= opt_cpu[b - 1]
-                    gain += o.gain
+                    gain += options[b - 1].gain
                 n_max = max(max_a, opt_max[b], stranded_max)
-                copying = copy_start + b * t_copy - now
-                cpu_end = now + tm.cpu_beside_copies(cpu, copying) + tm.act(n_max) if n_max else now
+                cpu_end = now
+                if n_max:
+                    cpu_end += tm.cpu_beside_copies(cpu, copying[b]) + tm.act(n_max)
                 cost = max(cpu_end, gpu) - gain
                 if cost < best_cost - 1e-12:
-                    best, best_cost = (list(chosen), b), cost
-        return best_cost, *best
+                    best, best_cost = (chosen, b), cost
+        return best_cost, list(best[0]), best[1]
 
     def _late_choices(self, plan: Plan, late, now) -> list[tuple]:
         """The undominated ways to split the late experts (in flight, soonest first) between GPU

@@ -357,15 +357,20 @@ class ValuePolicy(Policy):
         self._ranked_at = None
 
     def prepare_next(self) -> None:
-        """Make the next plan's view now, while this layer's experts run."""
+        """Make the next plan's view now, while this layer's experts run (its first victims
+        too: reading one ranks the head)."""
         self._preview = self._make_view(self.planner.position + 1)
+        next(iter(self._preview.victims()), None)
 
     def _view(self) -> _View:
         """The view of the layer being planned: the one prepare_next made, unless something it
         depends on has changed since (then made afresh)."""
         view = getattr(self, "_preview", None)
+        if view is not None and view.checked == self.planner.epoch:
+            return view
         if view is None or view.stamp != self._stamp(self.planner.position):
             view = self._preview = self._make_view(self.planner.position)
+        view.checked = self.planner.epoch  # the epoch changes with every plan and prepare
         return view
 
     def _stamp(self, position: int) -> tuple:
@@ -493,6 +498,7 @@ class _View:
     def __init__(self, stamp, here, p_used, p_not, P, ordinal, saving, victims):
         self.stamp, self.here, self.p_used, self.p_not, self.P = stamp, here, p_used, p_not, P
         self.ordinal, self.saving, self._victims = ordinal, saving, victims
+        self.checked = None  # the planner epoch at which the stamp was last checked
 
     def p_after(self, key: Key, used: bool) -> float:
         """p_next of `key` once the planned visit is counted (`used`: whether it is used at that
