@@ -230,7 +230,6 @@ class Planner:
             # (and a victim's) by the layer's *next* visit reads Predictor.after_visit.
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
-        self._count(plan, routed)
         self._unprepared = (plan, routed)
         if not defer:
             self.prepare(plan, predicted)
@@ -244,6 +243,7 @@ class Planner:
             raise RuntimeError("prepare(plan) takes the plan of the last plan() call, once")
         routed = self._unprepared[1]
         self._unprepared = None
+        self._count(plan, routed)
         if self.uses_gpu and self.policy.uses_predictor:
             self.predictor.count_use(plan.layer, [r.expert for r in routed])
         self.policy.on_use(plan.layer, routed, plan.now)
@@ -308,17 +308,19 @@ class Planner:
 
     def _classify(self, layer, routed, now, plan):
         hits, late, misses = [], [], []
+        ready_at, prefetched = self.cache.ready_at, self._prefetched  # ready_at: every resident
         for r in routed:
             key = (layer, r.expert)
-            if key in self._prefetched:
-                self._prefetched.discard(key)
+            if key in prefetched:
+                prefetched.discard(key)
                 self.stats.prefetches_used += 1
-            if self.cache.is_ready(key, now):
-                hits.append(r)
-            elif key in self.cache:
-                late.append(r)
-            else:
+            ready = ready_at.get(key)
+            if ready is None:
                 misses.append(r)
+            elif ready <= now:
+                hits.append(r)
+            else:
+                late.append(r)
         plan.gpu_hits = hits
         self._late = len(late)
         return hits, late, misses
