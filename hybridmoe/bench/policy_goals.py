@@ -42,6 +42,12 @@ def add_parser(sub) -> None:
     p.add_argument("--hardware", default="rtx4090-ddr5", help="hardware profile")
     p.add_argument("--quant", default="q4", help="expert weight format")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies (value required)")
+    p.add_argument(
+        "--plan-us",
+        type=float,
+        default=None,
+        help="planning time per layer for every policy (default: each policy's measured cost)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per trace and budget")
     p.set_defaults(func=run)
 
@@ -103,7 +109,13 @@ def demo_layout(geometry: str):
 
 
 def measure(
-    trace: str, budgets, hardware: str, quant: str, policies, geometry: str = "olmoe-1b-7b"
+    trace: str,
+    budgets,
+    hardware: str,
+    quant: str,
+    policies,
+    geometry: str = "olmoe-1b-7b",
+    plan_us: float | None = None,
 ) -> list[Outcome]:
     from hybridmoe.experts.plan.profiles import get_profile
     from hybridmoe.experts.plan.trace_format import read_trace
@@ -118,7 +130,8 @@ def measure(
     for budget in budgets:
         tok_s, hit = {}, {}
         for policy in policies:
-            r = simulate(lines, shape, cost, SimConfig(policy=policy, budget=budget))
+            cfg = SimConfig(policy=policy, budget=budget, plan_us=plan_us)
+            r = simulate(lines, shape, cost, cfg)
             tok_s[policy], hit[policy] = r.tokens_per_s, r.hit_rate
         out.append(Outcome(path, budget, tok_s, hit))
     return out
@@ -149,9 +162,21 @@ def _row(o: Outcome) -> str:
 
 
 def run(args) -> int:
-    policies = args.policies.split(",")
+    from hybridmoe.errors import UserError
+    from hybridmoe.experts.plan.policies import POLICIES as KNOWN
+
+    policies = [p for p in args.policies.split(",") if p]
+    for name in policies:
+        if name not in KNOWN and name != "oracle":
+            raise UserError(
+                f"--policies: unknown policy {name!r}; use some of {', '.join(POLICIES)}"
+            )
+    if "value" not in policies:
+        raise UserError("--policies must include value: the goals are value's ratios")
     traces = args.traces.split(",") if args.traces else default_traces()
-    budgets = args.budgets.split(",")
+    if not traces:
+        raise UserError("no traces: pass --traces FILE=SHAPE,... or run from the repository root")
+    budgets = [b for b in args.budgets.split(",") if b]
     if not args.json:
         print(
             "| trace | budget | "
@@ -161,7 +186,9 @@ def run(args) -> int:
         )
         print("|---|---:|" + "---:|" * (len(policies) + 5))
     for trace in traces:
-        for o in measure(trace, budgets, args.hardware, args.quant, policies, args.geometry):
+        for o in measure(
+            trace, budgets, args.hardware, args.quant, policies, args.geometry, args.plan_us
+        ):
             if args.json:
                 print(json.dumps({**o.__dict__, "ratios": o.ratios(), "met": o.met()}), flush=True)
             else:
