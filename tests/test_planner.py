@@ -135,6 +135,19 @@ def gpu_finish(cost, now, copy_free, hits, late, copied) -> float:
     return t
 
 
+def slowed(cost, work: float, copying: float) -> float:
+    """Seconds `work` seconds of CPU experts take if copies stream for the first `copying`:
+    stepped through in small slices, at 1/copy_slowdown() of full speed while copying."""
+    slow, t, left, dt = cost.copy_slowdown(), 0.0, work, max(work, copying, 1e-9) / 4096
+    while left > 1e-15:
+        rate = 1.0 / slow if t < copying else 1.0
+        step = min(dt, left / rate)
+        if t < copying:
+            step = min(step, copying - t) or dt
+        t, left = t + step, left - step * rate
+    return t
+
+
 def brute_force_makespan(cost, now, copy_free, hits, late, misses, room=None) -> float:
     """Every subset of late experts (pairs (Routed, ready)) and of misses (at most `room` of them:
     the cache's room when nothing may be staged) on the GPU, copies in Johnson's order."""
@@ -147,7 +160,9 @@ def brute_force_makespan(cost, now, copy_free, hits, late, misses, room=None) ->
             copied = [r for r, bit in zip(misses, miss_mask) if bit]
             cpu = [m[0] for m, bit in zip(late, late_mask) if not bit]
             cpu += [r for r, bit in zip(misses, miss_mask) if not bit]
-            cpu_end = now + sum(cost.t_cpu(r.n_tokens) for r in cpu)
+            # CPU experts run slower while copies stream (their DMA takes DRAM bandwidth).
+            copying = max(now, copy_free) + len(copied) * cost.t_copy() if copied else copy_free
+            cpu_end = now + slowed(cost, sum(cost.t_cpu(r.n_tokens) for r in cpu), copying - now)
             if cpu:
                 cpu_end += cost.t_act(max(r.n_tokens for r in cpu))
             gpu_end = gpu_finish(cost, now, copy_free, hits, gpu_late, johnson_order(cost, copied))

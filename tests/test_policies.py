@@ -198,3 +198,49 @@ def test_only_our_policy_learns_cross_layer_routing():
     # HybriMoE predicts from the next router (or, without it, recency and frequency); giving it our
     # co-occurrence predictor would no longer be HybriMoE.
     assert [name for name, cls in POLICIES.items() if cls.cross_layer] == ["value"]
+
+
+def test_values_view_ranks_victims_as_a_fresh_ranking_after_the_visit_does():
+    """The view value's plan reads (made while the previous layer ran) against the distances
+    computed afresh once the planned layer's visit is counted: the same victims, in order."""
+    from hybridmoe.sim.shapes import get_shape
+    from hybridmoe.sim.simulator import steps_of
+    from hybridmoe.sim.synthetic import SynthConfig, generate
+
+    shape = get_shape("olmoe-1b-7b")
+    e = shape.experts
+    lines = generate(SynthConfig(layers=16, experts=64, top_k=8, tokens=80, seed=4))
+    steps = steps_of(lines, 1)
+    cost = get_profile("rtx4090-ddr5").for_expert(e, "q4")
+    policy = make_policy("value")
+    planner = make_planner(cost, list(e.moe_layers), 64, 8, 100, policy, profile=steps[:40])
+    checked = 0
+    for step in steps[40:]:
+        planner.begin_step()
+        for layer, routed in zip(e.moe_layers, step):
+            planner._locate(layer)
+            view = policy._view()
+            used = {r.expert for r in routed}
+            pred = planner.predictor
+            tables = [t.copy() for t in (pred.hits, pred.trials, pred.band_hits, pred.band_trials)]
+            pred.count_use(layer, sorted(used))
+            # the view reads the calibration tables as they stood before the visit
+            counted = [t.copy() for t in (pred.hits, pred.trials, pred.band_hits, pred.band_trials)]
+            pred.hits[:], pred.trials[:], pred.band_hits[:], pred.band_trials[:] = tables
+            pred._rows.clear()
+            pred.changes += 1
+            fresh = list(policy._every_key(0.0))
+            mine = [k for k in view.victims() if not (k[0] == layer and k[1] in used)]
+            dist = {k: policy.distance(k, 0.0) for k in fresh}
+            # ties may fall either way; the distances read in the view's order never increase
+            assert [round(dist[k], 9) for k in mine] == sorted(
+                (round(dist[k], 9) for k in mine), reverse=True
+            )
+            assert set(mine) == {k for k in fresh if not (k[0] == layer and k[1] in used)}
+            checked += 1
+            pred.hits[:], pred.trials[:], pred.band_hits[:], pred.band_trials[:] = counted
+            pred._rows.clear()
+            planner.predictor.look_ahead(layer)
+            planner.predictor.matrices()
+            policy.prepare_next()
+    assert checked == 40 * 16

@@ -131,3 +131,28 @@ def test_vectorised_predictor_equals_the_per_expert_reference():
                 )
             assert fast.predict(i) == slow.predict(i)
     assert vars(fast.stats) == vars(slow.stats)
+
+
+def test_after_visit_is_what_counting_the_visit_gives():
+    """after_visit, made before a visit, against the probabilities count_use leaves after it:
+    equal but for the one trial the visit adds to each calibration cell it touched."""
+    rng = np.random.default_rng(3)
+    L, E, k = 4, 16, 4
+    predictor = Predictor(list(range(L)), E, k, cross_layer=True)
+    for t in range(150):
+        predictor.begin_step()
+        for layer in range(L):
+            if t % 3 == 0:
+                predictor.set_router_scores(layer, rng.random(E))
+            predictor.observe(layer, rng.choice(E, k, replace=False))
+    for _ in range(40):
+        predictor.begin_step()
+        for layer in range(L):
+            used = rng.choice(E, k, replace=False)
+            p_used, p_not = predictor.after_visit(layer)
+            predictor.count_use(layer, used)
+            trials = predictor.trials.min()
+            mask = np.isin(np.arange(E), used)
+            after = predictor.p_layer(layer)
+            assert np.abs(np.where(mask, p_used, p_not) - after).max() <= 1.0 / (trials + 4.0)
+            predictor.look_ahead(layer)

@@ -135,3 +135,17 @@ def test_a_batch_takes_one_token_from_each_sequence():
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r.model} on {r.hardware}" for r in ROWS])
 def test_the_simulator_predicts_published_machines_within_20_percent(row):
     assert abs(check(row).error) <= 0.20
+
+
+@pytest.mark.parametrize("copying_us", [0.0, 30.0, 100.0, 400.0])
+def test_the_planner_charges_the_cpu_the_contention_the_machine_does(copying_us):
+    # The planner's estimate of CPU experts beside copies (its split weighs it) against the
+    # simulator's machine, which steps through the copy intervals: one-token experts.
+    from hybridmoe.experts.plan.planner import _Times
+
+    cost = machine_cost(bw_dram=25e9, c_cpu=20 * US)
+    copies = [(0.0, copying_us * US)] if copying_us else []
+    for n in (1, 2, 5):
+        machine = Machine(cost).layer(cpu_plan(0.0, n, copies), 0.0, last=False)
+        planner = _Times(cost).cpu_beside_copies(n * cost.t_cpu(1), copying_us * US)
+        assert planner == pytest.approx(machine)

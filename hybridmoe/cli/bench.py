@@ -14,6 +14,7 @@ BENCHMARKS = {
     "planner": "hybridmoe.bench.planner",
     "published": "hybridmoe.bench.published",
     "deferral": "hybridmoe.bench.deferral",
+    "policy-goals": "hybridmoe.bench.policy_goals",
     "finetune": "hybridmoe.bench.finetune",
     "determinism": "hybridmoe.bench.determinism",
 }

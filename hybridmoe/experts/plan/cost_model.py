@@ -164,6 +164,16 @@ class CostModel:
             return 0.0
         return 2.0 * (self.hidden * n * self.act_bytes / self.bw_pcie + self.c_act)
 
+    def copy_slowdown(self) -> float:
+        """Seconds a second of one-token CPU expert work takes while a copy streams: the copy's
+        DMA takes `bw_pcie` of the DRAM bandwidth the CPU streams its weights from (1.0 where
+        that is not modelled: no GPU, or no `bw_dram`)."""
+        if not (self.bw_dram and self.has_gpu) or self.expert_bytes <= 0:
+            return 1.0
+        stream = min(1.0, self.expert_bytes / self.bw_cpu / self.t_cpu(1))  # share streaming
+        share = min(1.0, max(self.bw_dram - self.bw_pcie, 0.0) / self.bw_cpu)
+        return stream / max(share, 1e-9) + (1.0 - stream)
+
     def hit_saving(self, n: int = 1) -> float:
         """Seconds a GPU hit saves over running the expert on the CPU."""
         return max(0.0, self.t_cpu(n) - self.t_gpu(n)) if self.has_gpu else 0.0

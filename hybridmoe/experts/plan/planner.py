@@ -79,6 +79,17 @@ class _Times:
     def __init__(self, cost: CostModel):
         self.cost, self._cpu, self._gpu, self._act = cost, {}, {}, {}
         self.copy = cost.t_copy()
+        self.slowdown = cost.copy_slowdown()
+
+    def cpu_beside_copies(self, work: float, copying: float) -> float:
+        """Seconds `work` seconds of CPU experts take when copies stream for the first
+        `copying` seconds (DRAM shared with their DMA)."""
+        slow = self.slowdown
+        if copying <= 0 or slow == 1.0:
+            return work
+        if work * slow <= copying:
+            return work * slow
+        return work + copying * (1.0 - 1.0 / slow)
 
     def cpu(self, n: int) -> float:
         t = self._cpu.get(n)
@@ -215,13 +226,10 @@ class Planner:
         if not self.uses_gpu:  # nothing to predict for: everything runs on the CPU
             plan.cpu, plan.gpu_hits = hits + late + misses, []
         else:
-            # Learn this layer's routing before splitting it, so that a copy's worth (and a
-            # victim's) is judged by the layer's *next* visit.
-            if self.policy.uses_predictor:
-                self.predictor.count_use(layer, [r.expert for r in routed])
+            # The predictor counts this visit in prepare(); a policy that judges a copy's worth
+            # (and a victim's) by the layer's *next* visit reads Predictor.after_visit.
             self._split(layer, late, misses, now, plan)
         self._schedule(plan)
-        self._count(plan, routed)
         self._unprepared = (plan, routed)
         if not defer:
             self.prepare(plan, predicted)
@@ -235,6 +243,9 @@ class Planner:
             raise RuntimeError("prepare(plan) takes the plan of the last plan() call, once")
         routed = self._unprepared[1]
         self._unprepared = None
+        self._count(plan, routed)
+        if self.uses_gpu and self.policy.uses_predictor:
+            self.predictor.count_use(plan.layer, [r.expert for r in routed])
         self.policy.on_use(plan.layer, routed, plan.now)
         self.epoch += 1
         if self.uses_gpu:
@@ -297,17 +308,19 @@ class Planner:
 
     def _classify(self, layer, routed, now, plan):
         hits, late, misses = [], [], []
+        ready_at, prefetched = self.cache.ready_at, self._prefetched  # ready_at: every resident
         for r in routed:
             key = (layer, r.expert)
-            if key in self._prefetched:
-                self._prefetched.discard(key)
+            if key in prefetched:
+                prefetched.discard(key)
                 self.stats.prefetches_used += 1
-            if self.cache.is_ready(key, now):
-                hits.append(r)
-            elif key in self.cache:
-                late.append(r)
-            else:
+            ready = ready_at.get(key)
+            if ready is None:
                 misses.append(r)
+            elif ready <= now:
+                hits.append(r)
+            else:
+                late.append(r)
         plan.gpu_hits = hits
         self._late = len(late)
         return hits, late, misses
@@ -351,12 +364,16 @@ class Planner:
         experts = [r.expert for r in misses]
         favourite = dict(zip(experts, (-x for x in policy.copy_priorities(layer, experts))))
         by_cpu = sorted(misses, key=lambda r: (-tm.cpu(r.n_tokens), favourite[r.expert]))
-        by_ratio = sorted(
-            misses,
-            key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
-        )
+        orders = [by_cpu]
+        if len({r.n_tokens for r in misses}) > 1:  # else (decode at batch 1) the same order
+            by_ratio = sorted(
+                misses,
+                key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
+            )
+            if by_ratio != by_cpu:
+                orders.append(by_ratio)
         best = None
-        for order in (by_cpu, by_ratio) if by_ratio != by_cpu else (by_cpu,):
+        for order in orders:
             options, stranded = self._copy_options(layer, order, now, plan)
             cost, chosen_late, b = self._best_split(plan, late, options, stranded, now)
             if best is None or cost < best[0] - 1e-12:
@@ -396,26 +413,30 @@ class Planner:
         chosen."""
         tm = self.times
         opt_cpu = [tm.cpu(o.routed.n_tokens) for o in options]
+        opt_gpu = [tm.gpu(o.routed.n_tokens) for o in options]
         base_cpu = sum(opt_cpu) + sum(tm.cpu(r.n_tokens) for r in stranded)
         # The most tokens a CPU expert has (its activation transfer), left after b options.
         opt_max = _suffix_max([o.routed.n_tokens for o in options])
         stranded_max = max((r.n_tokens for r in stranded), default=0)
         copy_start, t_copy = max(now, self.copy_free), tm.copy
+        # How long the copy stream is busy from now with b copies queued, b = 0..len(options).
+        copying = [copy_start + b * t_copy - now for b in range(len(options) + 1)]
         best, best_cost = ([], 0), math.inf
         for gpu_a, cpu_a, max_a, chosen in self._late_choices(plan, late, now):
             gpu, cpu, gain = gpu_a, base_cpu + cpu_a, 0.0
             for b in range(len(options) + 1):
                 if b:
-                    o = options[b - 1]
-                    gpu = max(gpu, copy_start + b * t_copy) + tm.gpu(o.routed.n_tokens)
+                    gpu = max(gpu, now + copying[b]) + opt_gpu[b - 1]
                     cpu -= opt_cpu[b - 1]
-                    gain += o.gain
+                    gain += options[b - 1].gain
                 n_max = max(max_a, opt_max[b], stranded_max)
-                cpu_end = now + cpu + tm.act(n_max) if n_max else now
+                cpu_end = now
+                if n_max:
+                    cpu_end += tm.cpu_beside_copies(cpu, copying[b]) + tm.act(n_max)
                 cost = max(cpu_end, gpu) - gain
                 if cost < best_cost - 1e-12:
-                    best, best_cost = (list(chosen), b), cost
-        return best_cost, *best
+                    best, best_cost = (chosen, b), cost
+        return best_cost, list(best[0]), best[1]
 
     def _late_choices(self, plan: Plan, late, now) -> list[tuple]:
         """The undominated ways to split the late experts (in flight, soonest first) between GPU
@@ -462,7 +483,8 @@ class Planner:
     def _schedule(self, plan: Plan) -> None:
         """Predicted finish times of the chosen split (the same arithmetic as _best_split)."""
         tm, now = self.times, plan.now
-        plan.cpu_finish = now + sum(tm.cpu(r.n_tokens) for r in plan.cpu)
+        work = sum(tm.cpu(r.n_tokens) for r in plan.cpu)
+        plan.cpu_finish = now + tm.cpu_beside_copies(work, self.copy_free - now)
         if plan.cpu:
             plan.cpu_finish += tm.act(max(r.n_tokens for r in plan.cpu))
         t = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)

@@ -26,8 +26,6 @@ leaves behind is worth (`admit_gain`, seconds), which keys to copy in the backgr
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
 from hybridmoe import tuning
@@ -332,12 +330,14 @@ class ValuePolicy(Policy):
         return self.predictor.p_next(key)
 
     def copy_priorities(self, layer, experts):
-        return self.predictor.p_layer(layer)[experts].tolist()
+        return self._view().p_used[experts].tolist()
 
     def admit_gain(self, key, victim, now):
-        saving = self.cost.hit_saving(1)
-        lost = self.predictor.p_next(victim) if victim is not None else 0.0
-        return saving * (self.predictor.p_next(key) - lost)
+        view = self._view()
+        # The copied key is routed at this visit; a victim is not (a routed resident is a hit, or
+        # in flight: protected either way).
+        lost = view.p_after(victim, used=False) if victim is not None else 0.0
+        return view.saving * (view.p_after(key, used=True) - lost)
 
     def worth(self, key, victim, now):
         if victim is None:
@@ -357,21 +357,65 @@ class ValuePolicy(Policy):
         self._ranked_at = None
 
     def prepare_next(self) -> None:
-        """Rank the residents for the next plan now, while this layer's experts run: all but the
-        next layer's, whose probabilities that plan changes first (it patches them in)."""
-        position = self.planner.position + 1
-        nxt = position % self.L
-        dyn = self.cache.mask & ~self.cache.pinned_mask
-        dyn[nxt] = False
-        rows, cols = np.nonzero(dyn)
-        keys = self._sorted(rows, cols, self._distances(rows, cols, 0.0, position=position))
-        self._pre = (position, self.predictor.row_version.copy(), keys)
+        """Make the next plan's view now, while this layer's experts run (its first victims
+        too: reading one ranks the head)."""
+        self._preview = self._make_view(self.planner.position + 1)
+        next(iter(self._preview.victims()), None)
 
-    def _distances(self, rows, cols, now, arrive=None, position=None) -> np.ndarray:
-        """`distance` of the keys (layer ordinal rows[j], expert cols[j]) [n], at the planner's
-        position (or `position`)."""
+    def _view(self) -> _View:
+        """The view of the layer being planned: the one prepare_next made, unless something it
+        depends on has changed since (then made afresh)."""
+        view = getattr(self, "_preview", None)
+        if view is not None and view.checked == self.planner.epoch:
+            return view
+        if view is None or view.stamp != self._stamp(self.planner.position):
+            view = self._preview = self._make_view(self.planner.position)
+        view.checked = self.planner.epoch  # the epoch changes with every plan and prepare
+        return view
+
+    def _stamp(self, position: int) -> tuple:
+        return position, self.predictor.changes, self.cache.changes
+
+    def _make_view(self, position: int) -> _View:
+        """What a plan at `position` asks: its layer's probabilities after the visit, and the
+        evictable residents by distance, largest first. The plan's layer's residents are scored as
+        not used at this visit: the used ones are hits, protected from eviction."""
+        here = position % self.L
+        p_used, p_not = self.predictor.after_visit(self.planner.layers[here])
         P, Q = self.predictor.matrices()
+        rows, cols = np.nonzero(self.cache.mask & ~self.cache.pinned_mask)
+        p, q = P[rows, cols], Q[rows, cols]  # [n] each
+        mine = rows == here
+        p[mine] = q[mine] = p_not[cols[mine]]
         d = self.planner.distances(position)[rows]
+        distance = d + self.L * (1.0 - np.maximum(p, 1e-3)) / np.maximum(q, 1e-3)
+        return _View(
+            self._stamp(position),
+            here,
+            p_used,
+            p_not,
+            P,
+            self.planner.ordinal,
+            self.cost.hit_saving(1),
+            _Lazy(self._in_order(rows, cols, -distance, first=16)),
+        )
+
+    def _ranking(self, now):
+        """Dynamic residents, largest distance first (the lowest keep_score): the plan's view,
+        or, once the plan has changed the predictor or the cache, made afresh."""
+        view = getattr(self, "_preview", None)
+        if view is not None and view.stamp == self._stamp(self.planner.position):
+            return view.victims()
+        at = (self.planner.position, self.predictor.changes)
+        if self._ranked_at != at:
+            self._ranked = _Lazy(self._every_key(now))
+            self._ranked_at = at
+        return self._ranked
+
+    def _distances(self, rows, cols, now, arrive=None) -> np.ndarray:
+        """`distance` of the keys (layer ordinal rows[j], expert cols[j]) [n]."""
+        P, Q = self.predictor.matrices()
+        d = self.planner.distances()[rows]
         t = self.planner.layer_time
         if arrive is not None and t > 0:
             d = d + self.L * (arrive > now + d * t)  # the copy would miss this visit
@@ -388,34 +432,6 @@ class ValuePolicy(Policy):
         return list(
             zip((-distance[head]).tolist(), zip(ids[rows[head]].tolist(), cols[head].tolist()))
         )
-
-    def _ranking(self, now):
-        """Dynamic residents, largest distance first (the lowest keep_score). The ranking that
-        prepare_next made is patched with the layer being planned; else made afresh."""
-        at = (self.planner.position, self.predictor.changes)
-        if self._ranked_at != at:
-            self._ranked = _Lazy(self._ranked_keys(now))
-            self._ranked_at = at
-        return self._ranked
-
-    def _ranked_keys(self, now):
-        pre, position = getattr(self, "_pre", None), self.planner.position
-        if pre is not None and pre[0] == position:
-            changed = np.flatnonzero(self.predictor.row_version != pre[1])
-            here = position % self.L
-            if all(r == here for r in changed.tolist()):
-                cols = np.flatnonzero(self.cache.mask[here] & ~self.cache.pinned_mask[here])
-                rows = np.full(len(cols), here)
-                mine = self._sorted(rows, cols, self._distances(rows, cols, now), len(cols))
-                seen = set()
-                for _, key in heapq.merge(pre[2], mine):
-                    seen.add(key)
-                    yield key
-                if len(pre[2]) < 32:  # that was every resident
-                    return
-                yield from (k for k in self._every_key(now) if k not in seen)
-                return
-        yield from self._every_key(now)
 
     def _every_key(self, now):
         rows, cols = np.nonzero(self.cache.mask & ~self.cache.pinned_mask)
@@ -472,6 +488,28 @@ class _Lazy:
 
 
 _END = object()
+
+
+class _View:
+    """What the value policy's plan of one layer reads, made before the plan: `p_used` and
+    `p_not` [E], the layer's probabilities after its visit for an expert used there or not; the
+    seconds a hit saves; the dynamic residents by distance, largest first (`victims`)."""
+
+    def __init__(self, stamp, here, p_used, p_not, P, ordinal, saving, victims):
+        self.stamp, self.here, self.p_used, self.p_not, self.P = stamp, here, p_used, p_not, P
+        self.ordinal, self.saving, self._victims = ordinal, saving, victims
+        self.checked = None  # the planner epoch at which the stamp was last checked
+
+    def p_after(self, key: Key, used: bool) -> float:
+        """p_next of `key` once the planned visit is counted (`used`: whether it is used at that
+        visit, for a key of the planned layer)."""
+        i = self.ordinal[key[0]]
+        if i != self.here:
+            return float(self.P[i, key[1]])
+        return float((self.p_used if used else self.p_not)[key[1]])
+
+    def victims(self) -> _Lazy:
+        return self._victims
 
 
 class BeladyPolicy(Policy):

@@ -261,6 +261,25 @@ class Predictor:
         self._row(i)
         return float(self.Q[i, key[1]])
 
+    def after_visit(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """p_next of every expert of `layer` [E] as it will be once the layer's coming visit is
+        counted (`count_use`), if the expert is used there and if it is not: what a plan of that
+        visit needs to judge keeping an expert for the visit after, before the visit is counted.
+        The calibration tables are read as they stand (the visit adds one trial to a cell)."""
+        i = self.ordinal[layer]
+        keep = 1.0 - 1.0 / self.window if self.window else 1.0
+        weight = max(1.0, self.weight[i] * keep + 1.0)
+        count = self.count[i] * keep  # [E]
+        age_not = self.visits[i] + 2 - self.last_use[i]  # [E]
+        rows = []
+        for rate, age in ((count + 1.0) / weight, 1), (count / weight, age_not):
+            a = np.searchsorted(_AGE, age, "left")
+            f = np.searchsorted(_FREQ, rate * self.num_experts / self.top_k, "left")
+            base = a * _NF + f  # router bucket 0: the visit clears the router's scores
+            prior = PREDICTOR_PRIOR_WEIGHT * np.minimum(rate, 1.0)
+            rows.append((self.hits[base] + prior) / (self.trials[base] + PREDICTOR_PRIOR_WEIGHT))
+        return rows[0], rows[1]
+
     def matrices(self) -> tuple[np.ndarray, np.ndarray]:
         """(P, Q): p_next and p_base of every (layer ordinal, expert), [L, E] each, up to date."""
         if len(self._rows) < len(self.layers):
