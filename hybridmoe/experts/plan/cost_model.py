@@ -5,7 +5,8 @@ The formulas (docs/architecture.md):
     t_cpu(n) = max(bytes / bw_cpu, flops(n) / f_cpu) + c_cpu
     t_gpu(n) = max(bytes / bw_gpu, flops(n) / f_gpu) + c_gpu
     t_copy   = bytes / bw_pcie + c_copy
-    t_act(n) = 2 * (hidden * n * act_bytes / bw_pcie + c_act)   # activations GPU->CPU and back
+    t_act(s, T) = (min(s, T) + s) * hidden * act_bytes / bw_pcie + 2 * c_act
+                                # a layer's CPU experts' rows GPU->CPU, their outputs back
 
 The CPU's kernels refine t_cpu (measured, fitted by `fit()`; named profiles keep the plain form):
 below `cpu_gemm_from` tokens the weights are streamed once per token, the first pass from RAM and
@@ -158,11 +159,23 @@ class CostModel:
             return math.inf
         return self.expert_bytes / self.bw_pcie + self.c_copy
 
-    def t_act(self, n: int) -> float:
-        """Round trip of n tokens' activations between GPU and CPU (0 without a GPU)."""
-        if not self.has_gpu or n == 0:
+    def t_act(self, rows: int, tokens: int | None = None) -> float:
+        """The activation round trip of a layer whose CPU experts take `rows` token rows in all
+        (the sum of their token counts) out of the layer's `tokens` (default `rows`): what the
+        hybrid runtime moves (experts/run/hybrid_runtime.py `_run_cpu_side`). Up, one batched copy
+        of min(rows, tokens) hidden rows: each CPU expert's rows one after another, or the whole
+        layer input when that is smaller; back, one copy of every CPU expert's output rows, which
+        the GPU adds in the CPU runtime's order. 0 without a GPU or without CPU experts."""
+        if not self.has_gpu or rows == 0:
             return 0.0
-        return 2.0 * (self.hidden * n * self.act_bytes / self.bw_pcie + self.c_act)
+        up, back = self.act_rows(rows, tokens)
+        return (up + back) * self.hidden * self.act_bytes / self.bw_pcie + 2.0 * self.c_act
+
+    def act_rows(self, rows: int, tokens: int | None = None) -> tuple[int, int]:
+        """(rows up, rows back) of that round trip, as t_act counts them."""
+        if rows == 0:
+            return 0, 0
+        return (rows if tokens is None else min(rows, tokens)), rows
 
     def hit_saving(self, n: int = 1) -> float:
         """Seconds a GPU hit saves over running the expert on the CPU."""
