@@ -145,7 +145,11 @@ class HybridRuntime(BaseRuntime):
         )
         self.config = config
         self.quant = DTYPE_QUANT.get(dtype, "bf16")
-        self.cost = device_cost(cost, config.device).for_expert(shape, self.quant)
+        # Activations cross the bus in the model's dtype (t_act charges what _cpu_inputs moves).
+        self.cost = replace(
+            device_cost(cost, config.device).for_expert(shape, self.quant),
+            act_bytes=dtype.itemsize,
+        )
         self.planner = self.acc = None  # built in finish_loading, once the store is full
 
     def finish_loading(self) -> None:
@@ -159,6 +163,9 @@ class HybridRuntime(BaseRuntime):
                 f"{cfg.expert_stats} holds statistics of another model (layers or experts differ); "
                 "write them for this model with --expert-stats-out"
             )
+        # An expert costs its bytes as stored (a GGUF or --quant store keeps blocks): what a copy
+        # moves and a slot holds.
+        self.cost = replace(self.cost, expert_bytes=float(self.store.expert_nbytes()))
         policy = make_policy(cfg.policy)
         slots = 0
         if policy.uses_gpu and self.cost.has_gpu:
