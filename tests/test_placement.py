@@ -13,11 +13,11 @@ from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.experts.plan.host_memory import staging_bytes
 from hybridmoe.experts.plan.profiles import PROFILES
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.accelerators import EmulatedAccelerator
 from hybridmoe.experts.run.expert_bytes import layout
-from hybridmoe.experts.run.host_staging import staging_bytes
 from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.experts.run.store import ExpertStore
 from hybridmoe.loader import load_model

@@ -18,17 +18,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe import tuning
-
-
-def pinned_bytes(nbytes: int, pin: bool) -> int:
-    """What `nbytes` of page-locked memory takes: torch's caching host allocator hands out blocks
-    of a power of two."""
-    return 1 << max(nbytes - 1, 0).bit_length() if pin else nbytes
-
-
-def staging_bytes(largest_expert: int, pin: bool = True) -> int:
-    """Host memory the staging ring takes for experts of at most `largest_expert` bytes."""
-    return tuning.STAGING_DEPTH * pinned_bytes(largest_expert, pin)
+from hybridmoe.experts.plan.host_memory import pinned_bytes
 
 
 class HostAllocator:
