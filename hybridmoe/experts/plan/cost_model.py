@@ -70,6 +70,14 @@ class CostModel:
     bw_pcie: float = 0.0
     c_copy: float = 0.0
     c_act: float = 0.0  # fixed seconds per activation transfer (one direction)
+    # What bw_pcie and c_copy were measured from: "pinned" (what the runtime's copies read: its
+    # staging ring, experts/run/host_staging.py), "" for a named profile. The same copies from
+    # pageable memory, measured beside them (0 = not measured), for reference.
+    copy_source: str = ""
+    bw_pcie_pageable: float = 0.0
+    c_copy_pageable: float = 0.0
+    # Bytes the GPU expert timings rotated through, beyond the GPU's L2 (0 = not measured).
+    gpu_rotate_bytes: float = 0.0
     name: str = ""
     # Effective CPU bandwidth per quantisation when it differs from bw_cpu (dequantisation costs).
     bw_cpu_by_quant: dict[str, float] = field(default_factory=dict)
@@ -186,7 +194,19 @@ class CostModel:
         return replace(self, expert_bytes=expert_bytes, flops_per_token=flops / max(n_tokens, 1))
 
     def without_gpu(self) -> CostModel:
-        return replace(self, bw_gpu=0.0, f_gpu=0.0, c_gpu=0.0, bw_pcie=0.0, c_copy=0.0, c_act=0.0)
+        return replace(
+            self,
+            bw_gpu=0.0,
+            f_gpu=0.0,
+            c_gpu=0.0,
+            bw_pcie=0.0,
+            c_copy=0.0,
+            c_act=0.0,
+            copy_source="",
+            bw_pcie_pageable=0.0,
+            c_copy_pageable=0.0,
+            gpu_rotate_bytes=0.0,
+        )
 
     # ---- persistence -------------------------------------------------------------------------
     def to_json(self) -> dict:
