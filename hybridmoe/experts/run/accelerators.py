@@ -1,9 +1,15 @@
 """Accelerators carry out the GPU side of a plan: expert slots, a copy stream, a compute stream.
 
-An accelerator owns `slots` expert-sized buffers (the GPU expert cache's memory), a copy stream
-that fills them from the store, and a compute stream that runs experts from them. A copy records
-an event; a GPU expert waits for the event of the copy that filled its buffer, and a copy into a
-buffer waits for the last GPU use of what it overwrites. Three implementations:
+An accelerator owns `slots` expert-sized buffers (the GPU expert cache's memory: uint8 of the
+largest expert's stored size, holding an expert's bytes as stored, so experts in blocks cross the
+bus and sit in the cache quantised; expert_bytes.py), a copy stream that fills them from the store
+through a small ring of pinned staging buffers (host_staging.py), and a compute stream that runs
+experts from them. A copy records an event; a GPU expert waits for the event of the copy that
+filled its buffer, and a copy into a buffer waits for the last GPU use of what it overwrites.
+
+It is also where the rest of the model lives (`device`, `place`: the dense weights and KV pools),
+and the bus the CPU experts' activations cross (`to_host`, `to_device`: one copy each way a layer,
+through pinned buffers). Three implementations:
 
 - `CUDAAccelerator`: real CUDA streams and events, slots in GPU memory;
 - `EmulatedAccelerator`: the same slots, copies and events over CPU tensors, for machines without
