@@ -78,9 +78,12 @@ class _Times:
     counts thousands of times a step)."""
 
     def __init__(self, cost: CostModel):
-        self.cost, self._cpu, self._gpu, self._act = cost, {}, {}, {}
+        self.cost, self._cpu, self._gpu = cost, {}, {}
         self.copy = cost.t_copy()
         self.tokens = 1  # the layer being planned's token rows (for the activation round trip)
+        # CostModel.t_act's terms: seconds per row crossing the bus, and per layer (two copies).
+        self._row = cost.hidden * cost.act_bytes / cost.bw_pcie if cost.has_gpu else 0.0
+        self._fixed = 2.0 * cost.c_act if cost.has_gpu else 0.0
 
     def cpu(self, n: int) -> float:
         t = self._cpu.get(n)
@@ -95,11 +98,11 @@ class _Times:
         return t
 
     def act(self, rows: int) -> float:
-        """The activation round trip of CPU experts taking `rows` token rows in all."""
-        t = self._act.get((rows, self.tokens))
-        if t is None:
-            t = self._act[(rows, self.tokens)] = self.cost.t_act(rows, self.tokens)
-        return t
+        """The activation round trip of CPU experts taking `rows` token rows in all
+        (CostModel.t_act, without a call or a memo: sums of rows take too many values to keep)."""
+        if not rows:
+            return 0.0
+        return (min(rows, self.tokens) + rows) * self._row + self._fixed
 
 
 @dataclass(frozen=True)
