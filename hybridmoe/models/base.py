@@ -133,8 +133,9 @@ class CausalLM(nn.Module):
                 for name, t in table.items():
                     if t is None:
                         continue
-                    moved = put(t.data)
-                    if moved is not t.data:
+                    data = t.data  # a new tensor object on each access: taken once
+                    moved = put(data)
+                    if moved is not data:
                         table[name] = (
                             nn.Parameter(moved, t.requires_grad)
                             if isinstance(t, nn.Parameter)
