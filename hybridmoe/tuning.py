@@ -39,6 +39,18 @@ ROWS_UP_TO = 16
 # The GPU an emulated accelerator pretends to be when the calibration measured none.
 EMULATED_GPU = "rtx4090-ddr5"
 
+# Bytes of experts a GPU calibration rotates through: beyond any GPU's L2 (96 MB on an RTX 4090,
+# 50 MB on an H100, 126 MB on a B200), so that every timed expert streams from GPU memory as a
+# cache miss does.
+GPU_ROTATE_BYTES = 256e6
+
+# ---- the bus -----------------------------------------------------------------------------------
+
+# Pinned staging buffers (each the size of the largest expert) experts cross to the GPU by: one
+# being filled from pageable memory while the one before it is copied, and one more so that the
+# filling never waits for a DMA still in flight (experts/run/host_staging.py).
+STAGING_DEPTH = 3
+
 # ---- the planner -------------------------------------------------------------------------------
 
 # Experts still being copied (late hits) up to which the planner weighs every GPU/CPU split of them

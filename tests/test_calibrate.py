@@ -95,6 +95,50 @@ def test_fit_recovers_the_constants_that_made_the_samples(seed):
         assert got[name] == pytest.approx(value, rel=0.01), name
 
 
+def test_gpu_and_copies_fit_from_pinned_and_pageable_sources_and_the_profile_says_which():
+    samples = [
+        Sample("cpu", n, 1e-4 * b / 1e6 + 1e-5, bytes=b, flops=1.0)
+        for b in (1e6, 9e6)
+        for n in (1, 8)
+    ]
+    for b in (1e6, 4e6, 16e6):
+        samples.append(Sample("gpu", 1, b / 900e9 + 5e-6, bytes=b, flops=2.0 * b / 2))
+        samples.append(Sample("copy", 0, b / 24e9 + 1e-5, bytes=b, flops=0.0))
+        samples.append(Sample("copy_pageable", 0, b / 13e9 + 3e-5, bytes=b, flops=0.0))
+    p = fit(samples)
+    assert p.has_gpu and p.copy_source == "pinned"
+    assert p.bw_pcie == pytest.approx(24e9, rel=1e-6) and p.c_copy == pytest.approx(1e-5)
+    assert p.bw_pcie_pageable == pytest.approx(13e9, rel=1e-6)
+    assert p.c_copy_pageable == pytest.approx(3e-5)
+    assert CostModel.from_json(json.loads(json.dumps(p.to_json()))) == p
+    assert not p.without_gpu().copy_source and not p.without_gpu().bw_pcie_pageable
+
+
+def test_a_cuda_calibration_times_copies_from_both_sources():
+    jobs = cal._jobs(quick=True, cuda=True)
+    kinds = {(k, r) for k, r, *_ in jobs}
+    assert {("copy", "fit"), ("copy_pageable", "fit"), ("gpu", "fit")} <= kinds
+    # GPU experts rotate over more bytes than any GPU's L2 (an H100's 50 MB, a 4090's 96 MB)
+    assert cal.GPU_ROTATE_BYTES >= 2 * 96e6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_calibration_measures_cold_and_records_the_copy_source(small_shapes, tmp_path):
+    result = cal.calibrate(torch.bfloat16, quick=True, progress=False, cuda=True)
+    p = result.profile
+    assert p.has_gpu and p.copy_source == "pinned" and p.bw_pcie_pageable > 0
+    assert p.gpu_rotate_bytes == cal.GPU_ROTATE_BYTES
+    experts = cal.gpu_experts(512, 256, torch.bfloat16, cal.GPU_ROTATE_BYTES)
+    assert sum(w.gate_up.numel() + w.down.numel() for w in experts) * 2 >= cal.GPU_ROTATE_BYTES
+    assert len({w.gate_up.data_ptr() for w in experts}) == len(experts)  # distinct memory
+    assert (
+        cal.time_copy(1 << 22, 3, pinned=True) > 0 and cal.time_copy(1 << 22, 3, pinned=False) > 0
+    )
+    result.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json").copy_source == "pinned"
+    assert {c.kind for c in result.checks} >= {"gpu", "copy", "copy_pageable"}
+
+
 def test_fit_shapes_span_small_experts_to_beyond_the_last_level_cache():
     """The per-call constant shows only on small experts, bandwidth only on large ones (a fit on
     large ones alone once put c_cpu at 0.40 ms, 10x a 576x48 expert's whole call)."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from hybridmoe.cli import main
 from hybridmoe.experts.plan.trace_format import read_trace, write_trace
+from hybridmoe.sim.shapes import SHAPES
 from tests.console import hybridmoe
 from tests.traces import shared_trace
 
@@ -151,6 +153,16 @@ def test_plan_recommends_a_quantisation_that_fits(capsys):
     q4 = next(o for o in out["options"] if o["quant"] == "q4")
     bf16 = next(o for o in out["options"] if o["quant"] == "bf16")
     assert q4["expert_budget"] > bf16["expert_budget"]  # smaller experts, more of them fit in 8 GB
+    # host RAM counts the pinned staging ring (3 buffers of the largest expert, each rounded up to
+    # a power of two) and the activation buffers (512 tokens up, 512 x top-k rows back), no more
+    e = SHAPES["olmoe-1b-7b"].experts
+    for o, qb in ((bf16, 2.0), (q4, 144 / 256)):
+        ring = 3 * 2 ** math.ceil(math.log2(e.params_per_expert() * qb))
+        rows = 2 ** math.ceil(math.log2(512 * e.hidden * 2))
+        back = 2 ** math.ceil(math.log2(512 * e.top_k * e.hidden * 2))
+        assert o["pinned_gb"] == pytest.approx((ring + rows + back) / 1e9)
+        experts = SHAPES["olmoe-1b-7b"].routed_params() * qb / 1e9
+        assert o["ram_needed_gb"] == pytest.approx(experts + o["pinned_gb"] + 4.0)
     assert out["best"]["fits_ram"] and out["best"]["tokens_per_s"] == max(
         o["tokens_per_s"] for o in out["options"]
     )

@@ -46,8 +46,11 @@ def test_times_follow_the_roofline_formulas():
     assert m.t_cpu(1000) == pytest.approx(1000 * 2e7 / 1e12 + 1e-5)  # compute-bound: 20 ms
     assert m.t_gpu(1) == pytest.approx(1e-5 + 5e-6)
     assert m.t_copy() == pytest.approx(1e7 / 25e9 + 1e-5)
-    # 2 directions x (1000 hidden x 3 tokens x 2 bytes / 25 GB/s + 2 us)
+    # 3 rows up and 3 back, 1000 hidden x 2 bytes each at 25 GB/s, + 2 us each way
     assert m.t_act(3) == pytest.approx(2 * (6000 / 25e9 + 2e-6))
+    # CPU experts taking 8 rows of a 1-token layer: the token's row goes up once, 8 rows back
+    assert m.t_act(8, tokens=1) == pytest.approx((1 + 8) * 2000 / 25e9 + 2 * 2e-6)
+    assert m.act_rows(8, 1) == (1, 8) and m.act_rows(3, 512) == (3, 3) and m.t_act(0, 4) == 0
     assert m.hit_saving(1) == pytest.approx(m.t_cpu(1) - m.t_gpu(1))
 
 

@@ -18,7 +18,7 @@ COST = PROFILES["rtx4090-ddr5"].for_expert(SHAPE, "fp32")
 
 def random_store(seed: int = 0) -> ExpertStore:
     g = torch.Generator().manual_seed(seed)
-    store = ExpertStore(SHAPE, torch.float32, pin=False)
+    store = ExpertStore(SHAPE, torch.float32)
     for layer in SHAPE.moe_layers:
         for e in range(SHAPE.num_experts):
             store.put(

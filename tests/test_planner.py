@@ -148,9 +148,10 @@ def slowed(cost, work: float, copying: float) -> float:
     return t
 
 
-def brute_force_makespan(cost, now, copy_free, hits, late, misses, room=None) -> float:
+def brute_force_makespan(cost, now, copy_free, hits, late, misses, room=None, tokens=None) -> float:
     """Every subset of late experts (pairs (Routed, ready)) and of misses (at most `room` of them:
-    the cache's room when nothing may be staged) on the GPU, copies in Johnson's order."""
+    the cache's room when nothing may be staged) on the GPU, copies in Johnson's order; the CPU
+    side pays the round trip of its experts' rows out of the layer's `tokens`."""
     best = float("inf")
     for late_mask in itertools.product([0, 1], repeat=len(late)):
         for miss_mask in itertools.product([0, 1], repeat=len(misses)):
@@ -164,7 +165,7 @@ def brute_force_makespan(cost, now, copy_free, hits, late, misses, room=None) ->
             copying = max(now, copy_free) + len(copied) * cost.t_copy() if copied else copy_free
             cpu_end = now + slowed(cost, sum(cost.t_cpu(r.n_tokens) for r in cpu), copying - now)
             if cpu:
-                cpu_end += cost.t_act(max(r.n_tokens for r in cpu))
+                cpu_end += cost.t_act(sum(r.n_tokens for r in cpu), tokens)
             gpu_end = gpu_finish(cost, now, copy_free, hits, gpu_late, johnson_order(cost, copied))
             best = min(best, max(cpu_end, gpu_end))
     return best
@@ -278,8 +279,9 @@ def split_ratio(instance, policy, stage=True) -> float:
     late = [(r, ready[(0, r.expert)]) for r in routed if now < ready.get((0, r.expert), 0.0)]
     misses = [r for r in routed if (0, r.expert) not in ready]
     room = None if stage else layer_room(planner, 0, hits, now)
-    optimum = brute_force_makespan(cost, now, planner.copy_free, hits, late, misses, room)
-    plan = planner.plan(0, routed, now=now)
+    tokens = max(r.n_tokens for r in routed)  # the layer's tokens: every expert's are among them
+    optimum = brute_force_makespan(cost, now, planner.copy_free, hits, late, misses, room, tokens)
+    plan = planner.plan(0, routed, now=now, tokens=tokens)
     return (plan.makespan - now) / (optimum - now)
 
 

@@ -107,8 +107,9 @@ def test_cpu_policy_time_is_the_sum_of_cpu_expert_times():
     lines = small_trace()
     cost = get_profile("rtx4090-ddr5").for_expert(OLMOE.experts, "q4")
     r = simulate(lines, OLMOE, cost, SimConfig(policy="cpu", budget="0.1"))
-    # 8 experts in turn, the activation round trip, and the GPU waiting for the result
-    per_layer = 8 * cost.t_cpu(1) + cost.t_act(1) + cost.c_sync
+    # 8 experts in turn, the activation round trip (the token's row up, 8 outputs back), and the
+    # GPU waiting for the result
+    per_layer = 8 * cost.t_cpu(1) + cost.t_act(8, tokens=1) + cost.c_sync
     assert r.expert_ms_per_token == pytest.approx(16 * per_layer * 1e3, rel=1e-9)
     assert r.hit_rate == 0 and r.tokens == 20  # the first half only built statistics
 

@@ -99,7 +99,8 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
         "--device",
         choices=("auto", "cuda", "emulated"),
         default="auto",
-        help="the accelerator: CUDA, or an emulated GPU over CPU memory (auto: CUDA when present)",
+        help="the accelerator: CUDA, or an emulated GPU over CPU memory (auto: CUDA when present "
+        "and checked once to give the CPU's tokens)",
     )
     g.add_argument(
         "--calibration",
@@ -123,8 +124,10 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
 
 
 def _device(args: argparse.Namespace) -> str:
-    """Where GPU experts run: an explicit --device, else CUDA when it is there and a budget or a
-    policy asks for GPU experts, else nowhere ("cpu": every expert on the CPU)."""
+    """Where GPU experts run: an explicit --device, else CUDA when it is there, a budget or a
+    policy asks for GPU experts and the CUDA path has been checked to give the CPU's tokens on
+    this machine (once, cached: cli/device_check.py), else nowhere ("cpu": every expert on the
+    CPU)."""
     if args.device == "emulated":
         return "emulated"
     import torch
@@ -133,9 +136,19 @@ def _device(args: argparse.Namespace) -> str:
         raise UserError(
             "--device cuda: no CUDA GPU is visible to torch; use --device emulated or leave it out"
         )
-    if args.device == "cuda" or (torch.cuda.is_available() and (args.budget or args.policy)):
+    if args.device == "cuda":
         return "cuda"
-    if args.budget:
+    if torch.cuda.is_available() and (args.budget or args.policy):
+        from hybridmoe.cli.device_check import check_path, verified
+
+        if verified("cuda"):
+            return "cuda"
+        print(
+            f"hybridmoe: the CUDA path did not give the CPU's tokens here ({check_path('cuda')}); "
+            "every expert runs on the CPU (--device cuda uses it anyway)",
+            file=sys.stderr,
+        )
+    elif args.budget:
         print(
             "hybridmoe: no CUDA GPU, every expert runs on the CPU (--device emulated emulates one)",
             file=sys.stderr,

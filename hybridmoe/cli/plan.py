@@ -74,14 +74,14 @@ def run(args: argparse.Namespace) -> int:
         + ("" if args.trace else " (synthetic routing: skew 1.0, locality 0.4)")
     )
     print(
-        f"{'quant':6s} {'fits RAM':>8s} {'RAM GB':>7s} {'budget':>7s} {'GPU GB':>7s} {'KV GB':>6s} "
-        f"{'policy':9s} {'tok/s':>7s}"
+        f"{'quant':6s} {'fits RAM':>8s} {'RAM GB':>7s} {'pinned':>7s} {'budget':>7s} "
+        f"{'GPU GB':>7s} {'KV GB':>6s} {'policy':9s} {'tok/s':>7s}"
     )
     for o in options:
         print(
             f"{o.quant:6s} {'yes' if o.fits_ram else 'no':>8s} {o.ram_needed_gb:7.1f} "
-            f"{100 * o.expert_budget:6.1f}% {o.expert_gb_on_gpu:7.1f} {o.kv_gb:6.1f} {o.policy:9s} "
-            f"{o.tokens_per_s:7.1f}"
+            f"{o.pinned_gb:7.2f} {100 * o.expert_budget:6.1f}% {o.expert_gb_on_gpu:7.1f} "
+            f"{o.kv_gb:6.1f} {o.policy:9s} {o.tokens_per_s:7.1f}"
         )
     if choice is None:
         print("the model does not fit in RAM in any quantisation: add RAM or pick a smaller model")

@@ -72,7 +72,7 @@ class PassInputs:
 class ModelRunner:
     def __init__(self, model, config: EngineConfig, num_blocks: int):
         self.model, self.config = model, config
-        self.kv = PagedKVCache(num_blocks, config.block_size)
+        self.kv = PagedKVCache(num_blocks, config.block_size, getattr(model, "place_tensor", None))
         self._prefill_pool: ThreadPoolExecutor | None = None
         if config.overlap_prefill:
             why_not = overlap_unsupported(model)
@@ -124,7 +124,7 @@ class ModelRunner:
         """The forward pass itself, on the thread that runs it: logits [len(rows), V]."""
         with lora.using(inputs.adapters), invariance.rows_alone(self.config.deterministic):
             hidden = self.model(inputs.ids, inputs.positions, inputs.ctx, decode)  # [T, H]
-            return self.model.logits(hidden[inputs.rows])  # [n, V]
+            return self.model.logits(hidden[inputs.rows]).cpu()  # [n, V], sampled on the host
 
     @contextmanager
     def _threads(self, num_tokens: int):

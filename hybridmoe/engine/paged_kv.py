@@ -13,8 +13,12 @@ import torch
 
 
 class PagedKVCache:
-    def __init__(self, num_blocks: int, block_size: int):
+    """`place` puts a new pool where the model lives (CausalLM.place_tensor: the accelerator's
+    memory with the hybrid runtime); pools are made on the device of the entries they hold."""
+
+    def __init__(self, num_blocks: int, block_size: int, place=None):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.place = place or (lambda t: t)
         self.pools: dict[
             int, tuple[torch.Tensor, ...]
         ] = {}  # layer -> flat views [num_blocks * block_size, ...]
@@ -32,12 +36,12 @@ class PagedKVCache:
             pools = self.pools.get(layer)
             if pools is None:
                 pools = tuple(
-                    torch.zeros(
-                        (self.num_blocks, self.block_size, *e.shape[1:]),
-                        dtype=e.dtype,
-                        device=e.device,
-                    ).view(
-                        self.num_blocks * self.block_size, *e.shape[1:]
+                    self.place(
+                        torch.zeros(
+                            (self.num_blocks, self.block_size, *e.shape[1:]),
+                            dtype=e.dtype,
+                            device=e.device,
+                        ).view(self.num_blocks * self.block_size, *e.shape[1:])
                     )  # [num_blocks * block_size, ...]
                     for e in entries
                 )
@@ -165,6 +169,8 @@ class PagedKVContext:
     def write(self, layer: int, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append this step's entries ([T, ...] each) to `layer`'s cache; its pools [slots, ...]."""
         pools = self.cache.layer_pools(layer, entries)
+        if self.slots.device != pools[0].device:  # the pools live on an accelerator: once a step
+            self.slots = self.slots.to(pools[0].device)
         for pool, e in zip(pools, entries):
             pool.index_copy_(0, self.slots, e.to(pool.dtype))
         return pools

@@ -59,8 +59,10 @@ def causal_attention(
     )  # [1, kvh, g*n, d]
     mask = None
     if n > 1:
-        rows = torch.arange(n)[:, None] + (length - n)
-        mask = (torch.arange(length)[None, :] <= rows).repeat(groups, 1)  # [g*n, L]
+        rows = torch.arange(n, device=q.device)[:, None] + (length - n)
+        mask = (torch.arange(length, device=q.device)[None, :] <= rows).repeat(
+            groups, 1
+        )  # [g*n, L]
     out = F.scaled_dot_product_attention(
         qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale
     )  # [1, kvh, g*n, dv]

@@ -100,7 +100,9 @@ class MLAttention(nn.Module):
             torch.einsum("nhr,lr->nhl", q_lat, c_kv) + torch.einsum("nhd,ld->nhl", q_pe, k_pe)
         ) * self.scale
         if n > 1:  # query i sits at position L - n + i
-            visible = torch.arange(L)[None, :] <= torch.arange(n)[:, None] + (L - n)  # [n, L]
+            visible = torch.arange(L, device=scores.device)[None, :] <= torch.arange(
+                n, device=scores.device
+            )[:, None] + (L - n)  # [n, L]
             scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(c_kv.dtype)  # [n, h, L]
         return torch.einsum(

@@ -132,7 +132,7 @@ class SparseMoE(nn.Module):
         router's weights for them."""
         if self.replay is None:
             return self.choose(x)
-        ids = self.replay.ids(self.layer)  # [T, K]
+        ids = self.replay.ids(self.layer).to(x.device)  # [T, K]
         return ids, self.weights_at(x, ids)
 
     def router_probs(self, x: torch.Tensor) -> torch.Tensor:

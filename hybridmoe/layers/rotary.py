@@ -96,6 +96,8 @@ class Rotary:
         if self.inv_freq is None:
             with torch.device("cpu"):
                 self.inv_freq, self.attention_scaling = inv_frequencies(self.dim, self.params)
+        if self.inv_freq.device != positions.device:  # the model was placed on an accelerator
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, dim]
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling

@@ -108,6 +108,7 @@ def load_model(
         if str(p) in str(e):
             raise
         raise ModelFileError(f"{p}: {e}") from None
+    model.place()  # the dense model where the runtime keeps it (an accelerator, or the host)
     model.eval()
     return model
 

@@ -55,6 +55,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.runtime = runtime
         self.shape = expert_shape(cfg)
+        self.device = torch.device("cpu")  # where the dense model lives (`place`)
         hidden, eps = cfg.get("hidden_size"), cfg.get("rms_norm_eps", default=1e-6)
         self.vocab_size = cfg.get("vocab_size")
         self.embed_tokens = Embedding(self.vocab_size, hidden)
@@ -112,11 +113,42 @@ class CausalLM(nn.Module):
         record each request's tokens under its id)."""
         if self.runtime is not None:
             self.runtime.begin_step(len(input_ids), list(decode_rows))
+        input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         x = self.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, cos_sin, ctx)
         return self.norm(x)
+
+    def place(self) -> None:
+        """Put every dense weight and buffer where the expert runtime keeps the rest of the model:
+        embeddings, attention, norms, routers, shared experts and the head on the accelerator
+        with the hybrid runtime (the routed experts stay in its store, in host RAM); where they
+        are otherwise. Weights in blocks (QTensor attributes) go as their blocks."""
+        if self.runtime is None:
+            return
+        put = self.runtime.place
+        for module in self.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    data = t.data  # a new tensor object on each access: taken once
+                    moved = put(data)
+                    if moved is not data:
+                        table[name] = (
+                            nn.Parameter(moved, t.requires_grad)
+                            if isinstance(t, nn.Parameter)
+                            else moved
+                        )
+            for name, value in list(vars(module).items()):
+                if isinstance(value, QTensor):
+                    setattr(module, name, QTensor(put(value.data), value.fmt, value.cols))
+        self.device = self.runtime.device
+
+    def place_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor made for the model (a KV pool) put where the model lives."""
+        return t if self.runtime is None else self.runtime.place(t)
 
     @property
     def reentrant(self) -> bool:

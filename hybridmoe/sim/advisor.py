@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hybridmoe.experts.plan.cost_model import quant_bytes
+from hybridmoe.experts.plan.host_memory import runtime_pinned_bytes
 from hybridmoe.experts.plan.profiles import MEMORY_GB, get_profile
 from hybridmoe.sim.shapes import ModelShape
 from hybridmoe.sim.simulator import SimConfig, simulate
@@ -19,13 +20,15 @@ from hybridmoe.sim.synthetic import SynthConfig, generate
 GB = 1e9
 RUNTIME_OVERHEAD_GB = 1.0  # CUDA context, activations, staging buffers (est.)
 RAM_OVERHEAD_GB = 4.0  # OS and the Python process (est.)
+STEP_TOKENS = 512  # the largest step the pinned activation buffers are sized for (a prefill chunk)
 
 
 @dataclass
 class Option:
     quant: str
     fits_ram: bool
-    ram_needed_gb: float
+    ram_needed_gb: float  # experts (and the dense model without a GPU), pinned buffers, overhead
+    pinned_gb: float  # of it, page-locked: the staging ring and the activation buffers
     expert_budget: float  # fraction of routed-expert bytes on the GPU
     expert_gb_on_gpu: float
     kv_gb: float  # VRAM left for the KV cache (at least the reserve, more when all experts fit)
@@ -71,13 +74,16 @@ def advise(
     )
     for quant in quants:
         qb = quant_bytes(quant)
+        pinned = pinned_gb(shape, qb) if base.has_gpu and vram else 0.0
         need = (
-            shape.routed_params() + (0 if vram else shape.dense_params)
-        ) * qb / GB + RAM_OVERHEAD_GB
+            (shape.routed_params() + (0 if vram else shape.dense_params)) * qb / GB
+            + pinned
+            + RAM_OVERHEAD_GB
+        )
         frac, on_gpu = budget_for(shape, quant, vram, kv) if base.has_gpu and vram else (0.0, 0.0)
         dense_gb = shape.dense_params * qb / GB
         kv_left = max(0.0, vram - dense_gb - on_gpu - RUNTIME_OVERHEAD_GB) if vram else 0.0
-        opt = Option(quant, need <= ram, need, round(frac, 4), on_gpu, kv_left)
+        opt = Option(quant, need <= ram, need, pinned, round(frac, 4), on_gpu, kv_left)
         cost = base.for_expert(shape.experts, quant)
         for policy in policies if frac > 0 else ("cpu",):
             r = simulate(lines, shape, cost, SimConfig(policy=policy, budget=str(frac)))
@@ -87,6 +93,12 @@ def advise(
         options.append(opt)
     bar.close()
     return options
+
+
+def pinned_gb(shape: ModelShape, qb: float) -> float:
+    """GB of page-locked host memory the hybrid runtime takes for this shape (host_memory.py)."""
+    e = shape.experts
+    return runtime_pinned_bytes(e.params_per_expert() * qb, e.hidden, STEP_TOKENS, e.top_k) / GB
 
 
 def synthetic_for(shape: ModelShape, tokens: int = 120):

@@ -39,7 +39,7 @@ class Machine:
         start = max(now, self.cpu_free)
         if now_cpu:
             done = self._run(start, now_cpu)
-            end = max(end, done + c.t_act(max(r.n_tokens for r in now_cpu)))
+            end = max(end, done + c.t_act(sum(r.n_tokens for r in now_cpu), plan.tokens))
         else:
             done = start
             end = max(end, self.cpu_free)  # the previous layer's deferred work lands here

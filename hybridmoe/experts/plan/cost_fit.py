@@ -20,7 +20,8 @@ from hybridmoe.tuning import ROWS_UP_TO
 
 @dataclass(frozen=True)
 class Sample:
-    """One measurement: `kind` is "cpu", "gpu" or "copy"; bytes/flops are of the expert measured."""
+    """One measurement: `kind` is "cpu", "gpu", "copy" (host->device from pinned memory) or
+    "copy_pageable" (from pageable memory); bytes/flops are of the expert measured."""
 
     kind: str
     n_tokens: int
@@ -274,4 +275,8 @@ def fit(
             )
         model.bw_gpu, model.f_gpu, model.c_gpu = g["bw_cpu"], g["f_cpu"], g["c_cpu"]
         model.bw_pcie, model.c_copy = _fit_linear(copy[0], copy[3])
+        model.copy_source = "pinned"
+        pageable = arrays("copy_pageable")
+        if pageable is not None:
+            model.bw_pcie_pageable, model.c_copy_pageable = _fit_linear(pageable[0], pageable[3])
     return model.for_expert(shape, quant) if shape else model

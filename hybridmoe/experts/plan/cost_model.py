@@ -5,7 +5,8 @@ The formulas (docs/architecture.md):
     t_cpu(n) = max(bytes / bw_cpu, flops(n) / f_cpu) + c_cpu
     t_gpu(n) = max(bytes / bw_gpu, flops(n) / f_gpu) + c_gpu
     t_copy   = bytes / bw_pcie + c_copy
-    t_act(n) = 2 * (hidden * n * act_bytes / bw_pcie + c_act)   # activations GPU->CPU and back
+    t_act(s, T) = (min(s, T) + s) * hidden * act_bytes / bw_pcie + 2 * c_act
+                                # a layer's CPU experts' rows GPU->CPU, their outputs back
 
 The CPU's kernels refine t_cpu (measured, fitted by `fit()`; named profiles keep the plain form):
 below `cpu_gemm_from` tokens the weights are streamed once per token, the first pass from RAM and
@@ -69,6 +70,14 @@ class CostModel:
     bw_pcie: float = 0.0
     c_copy: float = 0.0
     c_act: float = 0.0  # fixed seconds per activation transfer (one direction)
+    # What bw_pcie and c_copy were measured from: "pinned" (what the runtime's copies read: its
+    # staging ring, experts/run/host_staging.py), "" for a named profile. The same copies from
+    # pageable memory, measured beside them (0 = not measured), for reference.
+    copy_source: str = ""
+    bw_pcie_pageable: float = 0.0
+    c_copy_pageable: float = 0.0
+    # Bytes the GPU expert timings rotated through, beyond the GPU's L2 (0 = not measured).
+    gpu_rotate_bytes: float = 0.0
     name: str = ""
     # Effective CPU bandwidth per quantisation when it differs from bw_cpu (dequantisation costs).
     bw_cpu_by_quant: dict[str, float] = field(default_factory=dict)
@@ -158,11 +167,23 @@ class CostModel:
             return math.inf
         return self.expert_bytes / self.bw_pcie + self.c_copy
 
-    def t_act(self, n: int) -> float:
-        """Round trip of n tokens' activations between GPU and CPU (0 without a GPU)."""
-        if not self.has_gpu or n == 0:
+    def t_act(self, rows: int, tokens: int | None = None) -> float:
+        """The activation round trip of a layer whose CPU experts take `rows` token rows in all
+        (the sum of their token counts) out of the layer's `tokens` (default `rows`): what the
+        hybrid runtime moves (experts/run/hybrid_runtime.py `_run_cpu_side`). Up, one batched copy
+        of min(rows, tokens) hidden rows: each CPU expert's rows one after another, or the whole
+        layer input when that is smaller; back, one copy of every CPU expert's output rows, which
+        the GPU adds in the CPU runtime's order. 0 without a GPU or without CPU experts."""
+        if not self.has_gpu or rows == 0:
             return 0.0
-        return 2.0 * (self.hidden * n * self.act_bytes / self.bw_pcie + self.c_act)
+        up, back = self.act_rows(rows, tokens)
+        return (up + back) * self.hidden * self.act_bytes / self.bw_pcie + 2.0 * self.c_act
+
+    def act_rows(self, rows: int, tokens: int | None = None) -> tuple[int, int]:
+        """(rows up, rows back) of that round trip, as t_act counts them."""
+        if rows == 0:
+            return 0, 0
+        return (rows if tokens is None else min(rows, tokens)), rows
 
     def copy_slowdown(self) -> float:
         """Seconds a second of one-token CPU expert work takes while a copy streams: the copy's
@@ -183,7 +204,19 @@ class CostModel:
         return replace(self, expert_bytes=expert_bytes, flops_per_token=flops / max(n_tokens, 1))
 
     def without_gpu(self) -> CostModel:
-        return replace(self, bw_gpu=0.0, f_gpu=0.0, c_gpu=0.0, bw_pcie=0.0, c_copy=0.0, c_act=0.0)
+        return replace(
+            self,
+            bw_gpu=0.0,
+            f_gpu=0.0,
+            c_gpu=0.0,
+            bw_pcie=0.0,
+            c_copy=0.0,
+            c_act=0.0,
+            copy_source="",
+            bw_pcie_pageable=0.0,
+            c_copy_pageable=0.0,
+            gpu_rotate_bytes=0.0,
+        )
 
     # ---- persistence -------------------------------------------------------------------------
     def to_json(self) -> dict:

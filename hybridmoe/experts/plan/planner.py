@@ -35,7 +35,8 @@ copies leave in the cache. Experts whose copy is in flight are ordered by readin
 CPU time saved; every pair of prefixes (a of the first, b of the second go to the GPU) is tried
 and the best kept (list scheduling on two resources; within 5% of a brute force over every subset
 on the named hardware profiles, tests/test_planner.py). Misses the cache has no room for stay on
-the CPU, and are charged there.
+the CPU, and are charged there, with the activation round trip of the CPU experts' rows
+(CostModel.t_act: what the hybrid runtime moves).
 Then the policy's background candidates (admissions, prefetches) are queued on the copy stream
 while it is idle, or its backlog ends `policy.background_slack` copies before this layer does.
 """
@@ -77,9 +78,13 @@ class _Times:
     counts thousands of times a step)."""
 
     def __init__(self, cost: CostModel):
-        self.cost, self._cpu, self._gpu, self._act = cost, {}, {}, {}
+        self.cost, self._cpu, self._gpu = cost, {}, {}
         self.copy = cost.t_copy()
         self.slowdown = cost.copy_slowdown()
+        self.tokens = 1  # the layer being planned's token rows (for the activation round trip)
+        # CostModel.t_act's terms: seconds per row crossing the bus, and per layer (two copies).
+        self._row = cost.hidden * cost.act_bytes / cost.bw_pcie if cost.has_gpu else 0.0
+        self._fixed = 2.0 * cost.c_act if cost.has_gpu else 0.0
 
     def cpu_beside_copies(self, work: float, copying: float) -> float:
         """Seconds `work` seconds of CPU experts take when copies stream for the first
@@ -103,11 +108,12 @@ class _Times:
             t = self._gpu[n] = self.cost.t_gpu(n)
         return t
 
-    def act(self, n: int) -> float:
-        t = self._act.get(n)
-        if t is None:
-            t = self._act[n] = self.cost.t_act(n)
-        return t
+    def act(self, rows: int) -> float:
+        """The activation round trip of CPU experts taking `rows` token rows in all
+        (CostModel.t_act, without a call or a memo: sums of rows take too many values to keep)."""
+        if not rows:
+            return 0.0
+        return (min(rows, self.tokens) + rows) * self._row + self._fixed
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ class _Option:
 class Plan:
     layer: int
     now: float
+    tokens: int = 1  # the layer's token rows
     cpu: list[Routed] = field(default_factory=list)
     gpu_hits: list[Routed] = field(default_factory=list)
     gpu_copied: list[Routed] = field(default_factory=list)  # run on the GPU once their copy is done
@@ -211,17 +218,28 @@ class Planner:
         self.predictor.begin_step()
 
     def plan(
-        self, layer: int, routed: list[Routed], now: float, predicted=None, defer: bool = False
+        self,
+        layer: int,
+        routed: list[Routed],
+        now: float,
+        predicted=None,
+        defer: bool = False,
+        tokens: int | None = None,
     ) -> Plan:
         """Where each of `routed` runs, and the copies that takes. With `defer`, only what the
         layer's experts wait for is done here, and the caller calls `prepare(plan, predicted)`
         once it has started them (and before the next plan): the planner's bookkeeping for the
-        layers to come then overlaps this layer's work."""
+        layers to come then overlaps this layer's work. `tokens`: the layer's token rows (default:
+        the routed assignments over top_k, exact when every token takes top_k experts), which
+        bound the activations sent to the CPU (CostModel.t_act)."""
         if self._unprepared is not None:
             raise RuntimeError("plan(defer=True) must be followed by prepare(plan)")
+        if tokens is None:
+            tokens = -(-sum(r.n_tokens for r in routed) // self.predictor.top_k)
+        self.times.tokens = tokens = max(tokens, 1)
         self.epoch += 1
         self._locate(layer)
-        plan = Plan(layer=layer, now=now)
+        plan = Plan(layer=layer, now=now, tokens=tokens)
         hits, late, misses = self._classify(layer, routed, now, plan)
         if not self.uses_gpu:  # nothing to predict for: everything runs on the CPU
             plan.cpu, plan.gpu_hits = hits + late + misses, []
@@ -415,24 +433,24 @@ class Planner:
         opt_cpu = [tm.cpu(o.routed.n_tokens) for o in options]
         opt_gpu = [tm.gpu(o.routed.n_tokens) for o in options]
         base_cpu = sum(opt_cpu) + sum(tm.cpu(r.n_tokens) for r in stranded)
-        # The most tokens a CPU expert has (its activation transfer), left after b options.
-        opt_max = _suffix_max([o.routed.n_tokens for o in options])
-        stranded_max = max((r.n_tokens for r in stranded), default=0)
+        # The token rows of the CPU experts (their activation transfer), left after b options.
+        opt_rows = _suffix_sum([o.routed.n_tokens for o in options])
+        stranded_rows = sum(r.n_tokens for r in stranded)
         copy_start, t_copy = max(now, self.copy_free), tm.copy
         # How long the copy stream is busy from now with b copies queued, b = 0..len(options).
         copying = [copy_start + b * t_copy - now for b in range(len(options) + 1)]
         best, best_cost = ([], 0), math.inf
-        for gpu_a, cpu_a, max_a, chosen in self._late_choices(plan, late, now):
+        for gpu_a, cpu_a, rows_a, chosen in self._late_choices(plan, late, now):
             gpu, cpu, gain = gpu_a, base_cpu + cpu_a, 0.0
             for b in range(len(options) + 1):
                 if b:
                     gpu = max(gpu, now + copying[b]) + opt_gpu[b - 1]
                     cpu -= opt_cpu[b - 1]
                     gain += options[b - 1].gain
-                n_max = max(max_a, opt_max[b], stranded_max)
+                rows = rows_a + opt_rows[b] + stranded_rows
                 cpu_end = now
-                if n_max:
-                    cpu_end += tm.cpu_beside_copies(cpu, copying[b]) + tm.act(n_max)
+                if rows:
+                    cpu_end += tm.cpu_beside_copies(cpu, copying[b]) + tm.act(rows)
                 cost = max(cpu_end, gpu) - gain
                 if cost < best_cost - 1e-12:
                     best, best_cost = (chosen, b), cost
@@ -440,7 +458,7 @@ class Planner:
 
     def _late_choices(self, plan: Plan, late, now) -> list[tuple]:
         """The undominated ways to split the late experts (in flight, soonest first) between GPU
-        and CPU: (GPU end, CPU seconds, most tokens on the CPU, the GPU's share). The GPU takes
+        and CPU: (GPU end, CPU seconds, token rows on the CPU, the GPU's share). The GPU takes
         them as they land (the best order for one machine with release times), so an exact
         Pareto front over the three figures; beyond `tuning.LATE_SUBSETS` experts, prefixes."""
         tm = self.times
@@ -450,16 +468,16 @@ class Planner:
         for r in late:
             ready = self.cache.ready_at[(plan.layer, r.expert)]
             g, t, n = tm.gpu(r.n_tokens), tm.cpu(r.n_tokens), r.n_tokens
-            grown = [(max(gpu, ready) + g, cpu, most, on + (r,)) for gpu, cpu, most, on in front]
+            grown = [(max(gpu, ready) + g, cpu, rows, on + (r,)) for gpu, cpu, rows, on in front]
             if exact:
-                grown += [(gpu, cpu + t, max(most, n), on) for gpu, cpu, most, on in front]
+                grown += [(gpu, cpu + t, rows + n, on) for gpu, cpu, rows, on in front]
                 front = _undominated(grown)
             else:  # prefixes: the first a on the GPU, the rest on the CPU
                 front.append(grown[-1])
         if not exact:
             cpu_left = [sum(tm.cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
-            most = _suffix_max([r.n_tokens for r in late])
-            front = [(g, cpu_left[a], most[a], on) for a, (g, _, _, on) in enumerate(front)]
+            rows = _suffix_sum([r.n_tokens for r in late])
+            front = [(g, cpu_left[a], rows[a], on) for a, (g, _, _, on) in enumerate(front)]
         return front
 
     def _issue(self, layer: int, expert: int, how, now: float, out: list[Copy]) -> Copy:
@@ -486,7 +504,7 @@ class Planner:
         work = sum(tm.cpu(r.n_tokens) for r in plan.cpu)
         plan.cpu_finish = now + tm.cpu_beside_copies(work, self.copy_free - now)
         if plan.cpu:
-            plan.cpu_finish += tm.act(max(r.n_tokens for r in plan.cpu))
+            plan.cpu_finish += tm.act(sum(r.n_tokens for r in plan.cpu))
         t = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
         for r in sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert]):
             t = max(t, plan.ready[r.expert]) + tm.gpu(r.n_tokens)
@@ -541,11 +559,11 @@ def _undominated(points: list[tuple]) -> list[tuple]:
     return kept
 
 
-def _suffix_max(values: list[int]) -> list[int]:
-    """out[i] = max(values[i:]), with out[len(values)] = 0."""
+def _suffix_sum(values: list[int]) -> list[int]:
+    """out[i] = sum(values[i:]), with out[len(values)] = 0."""
     out = [0] * (len(values) + 1)
     for i in range(len(values) - 1, -1, -1):
-        out[i] = max(values[i], out[i + 1])
+        out[i] = values[i] + out[i + 1]
     return out
 
 

@@ -1,9 +1,15 @@
 """Accelerators carry out the GPU side of a plan: expert slots, a copy stream, a compute stream.
 
-An accelerator owns `slots` expert-sized buffers (the GPU expert cache's memory), a copy stream
-that fills them from the store, and a compute stream that runs experts from them. A copy records
-an event; a GPU expert waits for the event of the copy that filled its buffer, and a copy into a
-buffer waits for the last GPU use of what it overwrites. Three implementations:
+An accelerator owns `slots` expert-sized buffers (the GPU expert cache's memory: uint8 of the
+largest expert's stored size, holding an expert's bytes as stored, so experts in blocks cross the
+bus and sit in the cache quantised; expert_bytes.py), a copy stream that fills them from the store
+through a small ring of pinned staging buffers (host_staging.py), and a compute stream that runs
+experts from them. A copy records an event; a GPU expert waits for the event of the copy that
+filled its buffer, and a copy into a buffer waits for the last GPU use of what it overwrites.
+
+It is also where the rest of the model lives (`device`, `place`: the dense weights and KV pools),
+and the bus the CPU experts' activations cross (`to_host`, `to_device`: one copy each way a layer,
+through pinned buffers). Three implementations:
 
 - `CUDAAccelerator`: real CUDA streams and events, slots in GPU memory;
 - `EmulatedAccelerator`: the same slots, copies and events over CPU tensors, for machines without
@@ -15,6 +21,7 @@ buffer waits for the last GPU use of what it overwrites. Three implementations:
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,7 +29,9 @@ import torch
 
 from hybridmoe.experts.plan.cost_model import CostModel
 from hybridmoe.experts.plan.shape import Key
+from hybridmoe.experts.run.expert_bytes import Layout, layout, pack, view
 from hybridmoe.experts.run.ffn import expert_ffn
+from hybridmoe.experts.run.host_staging import GrowingBuffer, HostAllocator, StagingRing
 from hybridmoe.experts.run.store import ExpertStore, ExpertWeights
 
 
@@ -41,16 +50,25 @@ class Accelerator(Protocol):
 
     start = acc.begin_layer()
     buf = acc.copy(layer, expert, slot)       # slot None: a staging buffer, valid this layer only
+    xh = acc.to_host(x[cpu_rows])             # the CPU experts' rows, one batched copy
     h = acc.run(x_rows, layer, expert, buf)   # buf: a slot number or what copy() returned
-    ys = acc.gather([h, ...])                 # host tensors [n, H]
+    ys = acc.gather([h, ...])                 # device tensors [n, H]
+    y_cpu = acc.to_device(cpu_outputs)        # the CPU experts' outputs, one batched copy
     finish = acc.end_layer(cpu_seconds)
+
+    and, once, `place(tensor)` for each dense weight and KV pool: device memory.
     """
 
     kind: str
+    device: torch.device  # where the dense model, its KV cache and its activations live
     slots: int
     gpu_busy_s: float  # seconds the compute stream worked, in total
     copy_busy_s: float  # seconds the copy stream worked, in total
 
+    def place(self, t: torch.Tensor) -> torch.Tensor: ...
+    def on_device(self, t: torch.Tensor) -> bool: ...
+    def to_host(self, x: torch.Tensor) -> torch.Tensor: ...
+    def to_device(self, ys: list[torch.Tensor]) -> torch.Tensor: ...
     def now(self) -> float: ...
     def begin_layer(self) -> float: ...
     def preload(self, layer: int, expert: int, slot: int) -> None: ...
@@ -61,43 +79,44 @@ class Accelerator(Protocol):
     def check(self) -> None: ...
 
 
-def _slabs(store: ExpertStore, count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers for `count` experts: gate_up [count, 2I, H],
-    down [count, H, I] in the store's dtype."""
-    s = store.shape
-    gate_up = torch.empty((count, 2 * s.intermediate, s.hidden), dtype=store.dtype, device=device)
-    down = torch.empty((count, s.hidden, s.intermediate), dtype=store.dtype, device=device)
-    return gate_up, down
+def slot_bytes(store: ExpertStore) -> int:
+    """Bytes of one slot: the largest expert as packed (expert_bytes.py), whatever its format."""
+    return max(layout(w).nbytes for w in store.records.values())
 
 
 class _Buffers:
-    """Slot and staging buffers, numbered together (slots first, then staging buffers as they are
-    first needed), and which expert each one holds. Per-buffer state elsewhere is a list indexed
-    by `index(buf)` and grown with `grow(list, fill)`."""
+    """Slot and staging buffers on the device, numbered together (slots first, then staging
+    buffers as they are first needed): uint8 [slot_bytes] each, an expert's bytes as they are
+    stored (blocks stay blocks), and which expert each holds with its layout. Per-buffer state
+    elsewhere is a list indexed by `index(buf)` and grown with `grow(list, fill)`."""
 
     def __init__(self, store: ExpertStore, slots: int, device):
         self.store, self.slots, self.device = store, slots, device
-        self.gate_up, self.down = _slabs(store, slots, device)
-        self.staging: list[ExpertWeights] = []
+        self.size = slot_bytes(store)
+        self.memory = torch.empty(
+            (slots, self.size), dtype=torch.uint8, device=device
+        )  # [slots, size]: the GPU expert cache
+        self.staging: list[torch.Tensor] = []  # [size] each
         self.holds: list[Key | None] = [None] * slots
+        self.layouts: list[Layout | None] = [None] * slots
 
     def index(self, buf: Buffer) -> int:
         return self.slots + buf.index if isinstance(buf, Staging) else buf
 
-    def weights(self, buf: Buffer) -> ExpertWeights:
+    def bytes_of(self, buf: Buffer) -> torch.Tensor:
         i = self.index(buf)
-        return (
-            ExpertWeights(self.gate_up[i], self.down[i])
-            if i < self.slots
-            else self.staging[i - self.slots]
-        )
+        return self.memory[i] if i < self.slots else self.staging[i - self.slots]
+
+    def weights(self, buf: Buffer) -> ExpertWeights:
+        """The expert `buf` holds, as views of its bytes."""
+        return view(self.bytes_of(buf), self.layouts[self.index(buf)])
 
     def staging_buffer(self, used: int) -> Staging:
         """The `used`-th staging buffer of this layer, allocated the first time it is needed."""
         if used == len(self.staging):
-            gu, dn = _slabs(self.store, 1, self.device)
-            self.staging.append(ExpertWeights(gu[0], dn[0]))
+            self.staging.append(torch.empty(self.size, dtype=torch.uint8, device=self.device))
             self.holds.append(None)
+            self.layouts.append(None)
         return Staging(used)
 
     def grow(self, values: list, fill) -> list:
@@ -105,12 +124,9 @@ class _Buffers:
         values.extend([fill] * (len(self.holds) - len(values)))
         return values
 
-    def fill(self, key: Key, buf: Buffer) -> None:
-        """A synchronous copy of the store's weights for `key` into `buf`."""
-        src, dst = self.store.get(*key), self.weights(buf)
-        dst.gate_up.copy_(src.gate_up)
-        dst.down.copy_(src.down)
-        self.holds[self.index(buf)] = key
+    def mark(self, key: Key, buf: Buffer, lay: Layout) -> None:
+        i = self.index(buf)
+        self.holds[i], self.layouts[i] = key, lay
 
     def check_holder(self, buf: Buffer, key: Key) -> None:
         held = self.holds[self.index(buf)]
@@ -134,6 +150,30 @@ class _Layer:
         buf = self.buffers.staging_buffer(self.staging_used)
         self.staging_used += 1
         return buf
+
+
+class _Bus:
+    """The host side of the bus, shared by both real accelerators: the staging ring experts cross
+    by and the buffers of the CPU experts' activations, all taken through one HostAllocator
+    (host_staging.py); and, for tests, the rows of every activation transfer."""
+
+    def __init__(self, store: ExpertStore, size: int, pin: bool):
+        self.store = store
+        self.alloc = HostAllocator(pin)
+        self.ring = StagingRing(self.alloc, size)
+        self.up, self.back = GrowingBuffer(self.alloc), GrowingBuffer(self.alloc)
+        self.moved: list[tuple[str, int]] = []  # ("up" | "back", rows) of each transfer
+
+    def stage(self, key: Key) -> tuple[int, Layout]:
+        """Gather expert `key`'s bytes from the store (pageable) into the next ring buffer."""
+        i = self.ring.take()
+        return i, pack(self.store.get(*key), self.ring.buffers[i])
+
+    def rows(self, buffer: GrowingBuffer, n: int, like: torch.Tensor) -> torch.Tensor:
+        """[n, H] rows of `like`'s dtype in `buffer`."""
+        h, dtype = like.shape[-1], like.dtype
+        self.moved.append(("up" if buffer is self.up else "back", n))
+        return buffer.take(n * h * dtype.itemsize).view(dtype).view(n, h)
 
 
 # ---- the emulated accelerator ------------------------------------------------------------------
@@ -172,10 +212,17 @@ class EmulatedAccelerator:
     stream is free and the buffer's previous contents are no longer in use; a GPU expert takes
     `t_gpu(n)` and starts when the compute stream is free and its buffer's copy event has fired.
     GPU experts are computed in `gather` (after the CPU side is done, so that they do not disturb
-    the CPU's measured time), from the slot's copy, with the same function as the CPU path.
+    the CPU's measured time), from the slot's bytes, with the same function as the CPU path (the
+    native kernels, for experts in blocks).
+
+    Its "device memory" is host memory with a tag: what `place` was given (the dense model, the
+    KV cache) is remembered (`on_device`), and every activation that crosses the bus goes through
+    `to_host` / `to_device` (counted in `bus.moved`), so that tests can check where each tensor
+    lives and what moves.
     """
 
     kind = "emulated"
+    device = torch.device("cpu")
 
     def __init__(self, store: ExpertStore, slots: int, cost: CostModel, keep_log: bool = False):
         if not cost.has_gpu:
@@ -184,7 +231,9 @@ class EmulatedAccelerator:
             )
         self.cost, self.slots = cost, slots
         self.buffers = _Buffers(store, slots, "cpu")
+        self.bus = _Bus(store, self.buffers.size, pin=False)
         self.layer = _Layer(self.buffers)
+        self.placed: set[int] = set()  # storages of what `place` was given
         self.clock = 0.0
         self.copy_free = 0.0  # when the copy stream has finished what is queued
         self.gpu_free = 0.0  # when the compute stream has finished what is queued
@@ -197,6 +246,28 @@ class EmulatedAccelerator:
         self.copy_busy_s = 0.0
         self._layer_gpu_end = 0.0
 
+    # ---- memory ----
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        self.placed.add(t.untyped_storage().data_ptr())
+        return t
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.placed
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        host = self.bus.rows(self.bus.up, x.shape[0], x)  # [n, H]
+        return host.copy_(x)
+
+    def to_device(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        host = self.bus.rows(self.bus.back, sum(len(y) for y in ys), ys[0])  # [sum n, H]
+        return torch.cat(ys, out=host).clone()
+
+    def _fill(self, key: Key, buf: Buffer) -> None:
+        i, lay = self.bus.stage(key)
+        self.buffers.bytes_of(buf)[: lay.nbytes].copy_(self.bus.ring.buffers[i][: lay.nbytes])
+        self.buffers.mark(key, buf, lay)
+
+    # ---- the layer ----
     def now(self) -> float:
         return self.clock
 
@@ -207,14 +278,14 @@ class EmulatedAccelerator:
 
     def preload(self, layer: int, expert: int, slot: int) -> None:
         """Fill a slot before the run starts (placement): ready at time 0."""
-        self.buffers.fill((layer, expert), slot)
+        self._fill((layer, expert), slot)
 
     def copy(self, layer: int, expert: int, slot: int | None) -> Buffer:
         """Copy expert (layer, expert) from the store into `slot` (or a staging buffer)."""
         buf = self.layer.target(slot)
         i = self.buffers.index(buf)
         free_at = self.buffers.grow(self.last_use, 0.0)[i]
-        self.buffers.fill((layer, expert), buf)
+        self._fill((layer, expert), buf)
         start = max(self.clock, self.copy_free, free_at)
         end = start + self.cost.t_copy()
         self.copy_free = self.buffers.grow(self.ready, 0.0)[i] = end
@@ -260,14 +331,11 @@ class EmulatedAccelerator:
 # ---- CUDA --------------------------------------------------------------------------------------
 
 
-@dataclass
-class _CUDAHandle:
-    out: torch.Tensor  # [n, H] pinned host tensor, filled asynchronously
-    done: object  # torch.cuda.Event
-
-
 class CUDAAccelerator:
-    """Slots in GPU memory; copies on their own stream from pinned host memory, with events."""
+    """Slots in GPU memory; experts copied on their own stream from the pinned staging ring, each
+    gathered into it from pageable memory on the stager thread while the copy before it runs;
+    experts run on a compute stream, each after its copy's event; the CPU experts' activations
+    cross in one batched copy each way, through pinned buffers."""
 
     kind = "cuda"
 
@@ -276,16 +344,58 @@ class CUDAAccelerator:
             raise RuntimeError("CUDAAccelerator needs CUDA; use the emulated accelerator instead")
         self.cost, self.slots, self.device = cost, slots, torch.device(device)
         self.buffers = _Buffers(store, slots, self.device)
+        self.bus = _Bus(store, self.buffers.size, pin=True)
         self.layer = _Layer(self.buffers)
         self.copy_stream = torch.cuda.Stream(self.device)
         self.compute_stream = torch.cuda.Stream(self.device)
-        self.ready: list = [None] * slots  # per buffer: event of the last copy into it
+        self.stager = ThreadPoolExecutor(1, "hybridmoe-stager")  # pageable -> pinned, in order
+        self.ready: list = [None] * slots  # per buffer: (a future of) its last copy's event
         self.freed: list = [None] * slots  # per buffer: event after its last GPU use
         self._t0 = time.perf_counter()
         self.gpu_busy_s = 0.0  # measured by events per layer
         self.copy_busy_s = 0.0  # predicted (the copy stream is not timed, to avoid syncs)
         self._first = self._last = None
 
+    # ---- memory ----
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.device == self.device
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] on the GPU -> the same rows in the pinned buffer, once they are there."""
+        host = self.bus.rows(self.bus.up, x.shape[0], x)
+        host.copy_(x, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the CPU experts read them now
+        return host
+
+    def to_device(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        """The CPU experts' outputs ([n, H] each), one after another, in one copy to the GPU."""
+        host = self.bus.rows(self.bus.back, sum(len(y) for y in ys), ys[0])
+        torch.cat(ys, out=host)
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # [sum n, H]
+        out.copy_(host, non_blocking=True)
+        self.bus.back.done = torch.cuda.Event()
+        self.bus.back.done.record()  # the buffer is refilled only after this copy
+        return out
+
+    def _copy_job(self, key: Key, dst: torch.Tensor, freed) -> object:
+        """On the stager thread: gather `key`'s bytes into a ring buffer (beside the DMA of the one
+        before), then copy them to `dst` on the copy stream; the copy's event."""
+        i, lay = self.bus.stage(key)
+        with torch.cuda.stream(self.copy_stream):
+            if freed is not None:  # the GPU must be done reading what this copy overwrites
+                self.copy_stream.wait_event(freed)
+            dst[: lay.nbytes].copy_(self.bus.ring.buffers[i][: lay.nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self.bus.ring.done[i] = event
+        return event
+
+    # ---- the layer ----
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
@@ -295,51 +405,50 @@ class CUDAAccelerator:
         return self.now()
 
     def preload(self, layer: int, expert: int, slot: int) -> None:
-        self.buffers.fill((layer, expert), slot)  # synchronous: before the first step
+        key = (layer, expert)
+        self.buffers.mark(key, slot, layout(self.bus.store.get(*key)))
+        self._copy_job(key, self.buffers.bytes_of(slot), None).synchronize()  # before any step
 
     def copy(self, layer: int, expert: int, slot: int | None) -> Buffer:
-        buf = self.layer.target(slot)
+        key, buf = (layer, expert), self.layer.target(slot)
         i = self.buffers.index(buf)
         freed = self.buffers.grow(self.freed, None)[i]
-        src, dst = self.buffers.store.get(layer, expert), self.buffers.weights(buf)
-        with torch.cuda.stream(self.copy_stream):
-            if freed is not None:  # the GPU must be done reading what this copy overwrites
-                self.copy_stream.wait_event(freed)
-            dst.gate_up.copy_(src.gate_up, non_blocking=True)
-            dst.down.copy_(src.down, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        self.buffers.grow(self.ready, None)[i] = event
-        self.buffers.holds[i] = (layer, expert)
+        self.buffers.mark(key, buf, layout(self.bus.store.get(*key)))
+        job = self.stager.submit(self._copy_job, key, self.buffers.bytes_of(buf), freed)
+        self.buffers.grow(self.ready, None)[i] = job
         self.copy_busy_s += self.cost.t_copy()
         return buf
 
-    def run(self, x: torch.Tensor, layer: int, expert: int, buf: Buffer) -> _CUDAHandle:
+    def run(self, x: torch.Tensor, layer: int, expert: int, buf: Buffer) -> torch.Tensor:
+        """Queue expert (layer, expert) on x [n, H] (on the GPU) from `buf`; its output [n, H]."""
         self.buffers.check_holder(buf, (layer, expert))
         i = self.buffers.index(buf)
-        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # [n, H]
+        ready = self.ready[i]
+        if isinstance(ready, Future):  # staged on the stager thread: wait until it is recorded
+            ready = self.ready[i] = ready.result()
+        self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))  # x is ready
         with torch.cuda.stream(self.compute_stream):
-            if self.ready[i] is not None:
-                self.compute_stream.wait_event(self.ready[i])
+            if ready is not None:
+                self.compute_stream.wait_event(ready)
             self._mark_first()
-            y = expert_ffn(
-                x.to(self.device, non_blocking=True), self.buffers.weights(buf)
-            )  # [n, H]
-            out.copy_(y, non_blocking=True)
+            y = expert_ffn(x, self.buffers.weights(buf))  # [n, H]; blocks dequantised by torch
+            x.record_stream(self.compute_stream)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.compute_stream)
         self._last = self.freed[i] = done
-        return _CUDAHandle(out, done)
+        return y
 
     def _mark_first(self) -> None:
         if self._first is None:
             self._first = torch.cuda.Event(enable_timing=True)
             self._first.record(self.compute_stream)
 
-    def gather(self, handles: list[_CUDAHandle]) -> list[torch.Tensor]:
-        for h in handles:
-            h.done.synchronize()
-        return [h.out for h in handles]
+    def gather(self, handles: list[torch.Tensor]) -> list[torch.Tensor]:
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self.compute_stream)
+        for y in handles:
+            y.record_stream(main)
+        return handles
 
     def end_layer(self, cpu_seconds: float) -> float:
         self.compute_stream.synchronize()
@@ -359,12 +468,25 @@ class HostOnly:
     bug."""
 
     kind = "cpu"
+    device = torch.device("cpu")
     slots = 0
     gpu_busy_s = 0.0
     copy_busy_s = 0.0
 
     def __init__(self):
         self._t0 = time.perf_counter()
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return True
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def to_device(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(ys)
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

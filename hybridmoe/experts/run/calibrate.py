@@ -3,7 +3,10 @@ writes.
 
 CPU: one SwiGLU expert (the function the runtime runs) over n = 1..512 tokens, for expert shapes
 from 0.2 MB to beyond the last-level cache, plus the model's own shape when the profile is for a
-model; with CUDA, the same on the GPU and pinned host->device copies of several sizes. Some
+model; with CUDA, the same on the GPU (rotating over `tuning.GPU_ROTATE_BYTES` of experts, beyond
+the GPU's L2, so each is read from GPU memory as a cache miss is) and host->device copies of several
+sizes from pinned memory (what the runtime's staging ring copies from) and from pageable memory,
+both recorded in the profile (`copy_source`, `bw_pcie_pageable`). Some
 shapes and token counts fit the constants (experts/plan/cost_fit.py `fit`); the others are held out,
 and the report gives predicted vs measured time on them, so the profile's error is known.
 """
@@ -30,7 +33,7 @@ from hybridmoe.experts.run.ffn import expert_ffn
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.files import write_atomic
 from hybridmoe.paths import user_cache_dir
-from hybridmoe.tuning import ROTATE_BYTES
+from hybridmoe.tuning import GPU_ROTATE_BYTES, ROTATE_BYTES
 
 log = logging.getLogger("hybridmoe")
 
@@ -143,25 +146,37 @@ def time_cpu_expert(experts: ColdExperts, n: int, reps: int) -> float:
     return min(times)
 
 
+def gpu_experts(hidden: int, inter: int, dtype, total_bytes: float) -> list[ExpertWeights]:
+    """Copies of one random expert in GPU memory, `total_bytes` of them at least (and 2)."""
+    per = expert_params(hidden, inter) * dtype.itemsize
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(2 * inter, hidden, generator=g, device="cuda").to(dtype)  # [2I, H]
+    down = torch.randn(hidden, inter, generator=g, device="cuda").to(dtype)  # [H, I]
+    count = max(2, int(total_bytes // per) + 1)
+    return [ExpertWeights(gate_up.clone(), down.clone()) for _ in range(count)]
+
+
 @torch.inference_mode()
 def time_gpu_expert(experts: list[ExpertWeights], n: int, reps: int) -> float:
-    """Median seconds of one expert on the GPU (CUDA events), weights already resident."""
+    """Median seconds of one expert on the GPU (CUDA events), cold: each call takes the next of
+    `experts` in turn (more bytes than the GPU's L2), so its weights come from GPU memory."""
     x = torch.randn(n, experts[0].down.shape[0], device="cuda").to(experts[0].down.dtype)
-    expert_ffn(x, experts[0])
+    expert_ffn(x, experts[-1])  # warm-up: kernel selection for this n
     times = []
     for i in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        expert_ffn(x, experts[(i + 1) % len(experts)])
+        expert_ffn(x, experts[i % len(experts)])
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
 
 
-def time_copy(nbytes: int, reps: int) -> float:
-    """Median seconds of a pinned host->device copy of `nbytes` on a side stream."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def time_copy(nbytes: int, reps: int, pinned: bool = True) -> float:
+    """Median seconds of a host->device copy of `nbytes` on a side stream, from pinned memory or
+    from pageable memory (where the driver stages it through its own pinned buffer)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     times = []
@@ -200,9 +215,10 @@ def _jobs(quick: bool, cuda: bool, model: tuple[int, int] | None = None) -> list
         extra = dict.fromkeys((fit_shapes[0], fit_shapes[-1]))
         jobs += [(kind, "fit", h, i, n) for h, i in extra for n in check_n if n not in fit_n]
         jobs += [(kind, "check", h, i, n) for h, i in check_shapes for n in check_n]
-    if cuda:  # copies of the fit shapes' sizes and a few more
-        jobs += [("copy", "fit", h, i, 0) for h, i in fit_shapes + ((512, 256), (4096, 1536))]
-        jobs += [("copy", "check", h, i, 0) for h, i in check_shapes]
+    if cuda:  # copies of the fit shapes' sizes and a few more, from pinned and pageable memory
+        for kind in ("copy", "copy_pageable"):
+            jobs += [(kind, "fit", h, i, 0) for h, i in fit_shapes + ((512, 256), (4096, 1536))]
+            jobs += [(kind, "check", h, i, 0) for h, i in check_shapes]
     return jobs
 
 
@@ -242,9 +258,10 @@ def _measure_cpu(jobs: list[tuple], dtype, rounds: int, bar) -> list[float]:
 
 def _measure_device(job: tuple, dtype, reps: int) -> float:
     kind, _, h, i, n = job
-    if kind == "copy":
-        return time_copy(expert_params(h, i) * dtype.itemsize, reps)
-    return time_gpu_expert(_experts(h, i, dtype, "cuda", 0), n, reps)
+    if kind in ("copy", "copy_pageable"):
+        return time_copy(expert_params(h, i) * dtype.itemsize, reps, pinned=kind == "copy")
+    reps = max(reps, 2)
+    return time_gpu_expert(gpu_experts(h, i, dtype, GPU_ROTATE_BYTES), n, reps)
 
 
 def calibrate(
@@ -281,6 +298,8 @@ def calibrate(
         if r == "fit"
     ]
     profile = fit_profile(fit_samples)
+    if cuda:
+        profile.gpu_rotate_bytes = GPU_ROTATE_BYTES
     checks = []
     for job in jobs:
         if job[1] == "check":
@@ -335,6 +354,8 @@ def predict(profile: CostModel, s: Sample) -> float:
     costed = profile.sized(s.bytes, s.flops, s.n_tokens)
     if s.kind == "copy":
         return costed.t_copy()
+    if s.kind == "copy_pageable":
+        return s.bytes / profile.bw_pcie_pageable + profile.c_copy_pageable
     return costed.t_cpu(s.n_tokens) if s.kind == "cpu" else costed.t_gpu(s.n_tokens)
 
 

@@ -106,7 +106,7 @@ def combine_grouped(
     per-expert loop. One call is faster for a decode batch and slower for a prefill chunk, whose
     [T*K, H] terms outgrow the cache, which keeps the loop
     (docs/notes/2026-11-24-measurements-in-code.md, "FEW_TOKENS")."""
-    out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     if x.shape[0] > tuning.FEW_TOKENS:
         for (_, rows, cols), y in zip(groups, ys):
             out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())  # [n, H]

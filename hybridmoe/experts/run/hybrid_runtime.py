@@ -145,7 +145,11 @@ class HybridRuntime(BaseRuntime):
         )
         self.config = config
         self.quant = DTYPE_QUANT.get(dtype, "bf16")
-        self.cost = device_cost(cost, config.device).for_expert(shape, self.quant)
+        # Activations cross the bus in the model's dtype (t_act charges what _cpu_inputs moves).
+        self.cost = replace(
+            device_cost(cost, config.device).for_expert(shape, self.quant),
+            act_bytes=dtype.itemsize,
+        )
         self.planner = self.acc = None  # built in finish_loading, once the store is full
 
     def finish_loading(self) -> None:
@@ -159,6 +163,9 @@ class HybridRuntime(BaseRuntime):
                 f"{cfg.expert_stats} holds statistics of another model (layers or experts differ); "
                 "write them for this model with --expert-stats-out"
             )
+        # An expert costs its bytes as stored (a GGUF or --quant store keeps blocks): what a copy
+        # moves and a slot holds.
+        self.cost = replace(self.cost, expert_bytes=float(self.store.expert_nbytes()))
         policy = make_policy(cfg.policy)
         slots = 0
         if policy.uses_gpu and self.cost.has_gpu:
@@ -185,26 +192,41 @@ class HybridRuntime(BaseRuntime):
         self.planner.begin_step()
         super().begin_step(num_tokens, decode_rows)
 
+    # ---- where the rest of the model lives ----------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.acc.device
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return self.acc.place(t)
+
     # ---- one layer ---------------------------------------------------------------------------
     def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
-        """Plan and run one layer; its output [T, H] and what happened."""
+        """Plan and run one layer of x [T, H] on the accelerator's device; its output [T, H] there
+        and what happened. Only the CPU experts' rows cross the bus: up in one copy, their outputs
+        back in one (`_cpu_side`, what CostModel.t_act charges)."""
         if lora is not None:
             # GPU experts have no LoRA path yet; the CLI refuses expert adapters with this runtime
             raise ValueError("expert LoRA adapters run on the CPU expert runtime only")
-        groups = group_by_expert(topk_ids)
+        ids, weights = topk_ids.to("cpu"), topk_weights.to("cpu")  # [T, K]: planned on the host
+        groups = group_by_expert(ids)
         rows_of = {e: rows for e, rows, _ in groups}
         routed = [
-            Routed(e, len(rows), float(topk_weights[rows, cols].sum())) for e, rows, cols in groups
+            Routed(e, len(rows), float(weights[rows, cols].sum())) for e, rows, cols in groups
         ]
+        on_device = _groups_on(groups, x.device)
+        device_rows = {e: rows for e, rows, _ in on_device}
         acc, before = self.acc, vars(self.planner.stats).copy()
         gpu_before, copy_before = acc.gpu_busy_s, acc.copy_busy_s
         start = acc.begin_layer()
-        plan = self.planner.plan(layer, routed, now=start, defer=True)
+        plan = self.planner.plan(layer, routed, now=start, defer=True, tokens=x.shape[0])
         staged = self._issue_copies(plan, plan.copies)
-        cpu = self._run_cpu(layer, [(r.expert, x[rows_of[r.expert]]) for r in plan.cpu])
+        cpu = self._run_cpu(layer, self._cpu_inputs(plan, x, rows_of, device_rows))
         gpu_order = plan.gpu_hits + sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert])
         handles = [
-            acc.run(x[rows_of[r.expert]], layer, r.expert, self._buffer(layer, r.expert, staged))
+            acc.run(
+                x[device_rows[r.expert]], layer, r.expert, self._buffer(layer, r.expert, staged)
+            )
             for r in gpu_order
         ]
         # The planner's bookkeeping for the layers to come, and its background copies, while
@@ -212,6 +234,8 @@ class HybridRuntime(BaseRuntime):
         self._issue_copies(plan, self.planner.prepare(plan, self._predict_next(layer, hint)))
         cpu_out, cpu_s = cpu.result()
         gpu_out = acc.gather(handles)
+        if plan.cpu:  # the CPU experts' outputs, one after another, in one copy
+            cpu_out = acc.to_device(cpu_out).split([r.n_tokens for r in plan.cpu])
         finish = acc.end_layer(self._cpu_clock(plan, cpu_s))
         self.planner.complete(plan, finished_at=finish)
         outputs = dict(zip((r.expert for r in plan.cpu), cpu_out))
@@ -224,7 +248,21 @@ class HybridRuntime(BaseRuntime):
             copy_busy_s=acc.copy_busy_s - copy_before,
             measured_s=finish - start,
         )
-        return combine(outputs, groups, x, topk_ids, topk_weights), report
+        return combine(outputs, on_device, x, ids, topk_weights), report
+
+    def _cpu_inputs(self, plan: Plan, x, rows_of: dict, device_rows: dict) -> list:
+        """(expert, its rows [n, H] in host memory) of each CPU expert, brought over in one copy:
+        the experts' rows one after another, or all T rows when that is fewer (a token that
+        several CPU experts share then crosses once). CostModel.t_act counts the same rows."""
+        experts = [r.expert for r in plan.cpu]
+        if not experts:
+            return []
+        counts = [r.n_tokens for r in plan.cpu]
+        if sum(counts) <= x.shape[0]:
+            picked = torch.cat([device_rows[e] for e in experts])  # [S]
+            return list(zip(experts, self.acc.to_host(x[picked]).split(counts)))  # [n, H] each
+        host = self.acc.to_host(x)  # [T, H]
+        return [(e, host[rows_of[e]]) for e in experts]
 
     def _issue_copies(self, plan: Plan, copies) -> dict[int, object]:
         """`copies` on the copy stream, in order; the staging buffers of this layer they fill."""
@@ -244,11 +282,21 @@ class HybridRuntime(BaseRuntime):
             return 0.0
         if self.config.cpu_clock == "model":
             return plan.cpu_finish - plan.now
-        return cpu_s + self.cost.t_act(max(r.n_tokens for r in plan.cpu))
+        return cpu_s + self.cost.t_act(sum(r.n_tokens for r in plan.cpu), plan.tokens)
 
     def _predict_next(self, layer: int, hint):
         """The next MoE layer's router on this layer's input, per-expert mean probability [E]
         (a numpy array), or None."""
         if hint is None or not self.planner.uses_gpu:
             return None
-        return hint().mean(dim=0).float().numpy()  # [E]
+        return hint().mean(dim=0).float().cpu().numpy()  # [E]
+
+
+def _groups_on(groups: list, device: torch.device) -> list:
+    """group_by_expert's groups with their rows and columns on `device`, in one copy each."""
+    if device.type == "cpu" or not groups:
+        return groups
+    counts = [len(rows) for _, rows, _ in groups]
+    rows = torch.cat([g[1] for g in groups]).to(device).split(counts)  # [n] each
+    cols = torch.cat([g[2] for g in groups]).to(device).split(counts)
+    return [(e, r, c) for (e, _, _), r, c in zip(groups, rows, cols)]

@@ -78,8 +78,10 @@ class ExpertRuntime(Protocol):
     store: ExpertStore
     stats: RuntimeStats
     reentrant: bool  # whether two forward passes may run at once (the engine's overlap_prefill)
+    device: torch.device  # where the dense model lives (CausalLM.place)
 
     def finish_loading(self) -> None: ...
+    def place(self, t: torch.Tensor) -> torch.Tensor: ...  # a dense weight or KV pool, on `device`
     def begin_step(self, num_tokens: int, decode_rows: list[tuple[int, str]]) -> None: ...
     def forward(
         self,
@@ -156,6 +158,14 @@ class BaseRuntime:
                 "missing)"
             )
 
+    # Where the rest of the model (embeddings, attention, KV cache, norms, routers, shared experts,
+    # the head) lives, and how a tensor is put there: the host here; the accelerator's device with
+    # the hybrid runtime.
+    device = torch.device("cpu")
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
     def add_observer(self, observer: Observer) -> None:
         self.observers.append(observer)
 
@@ -211,9 +221,10 @@ class BaseRuntime:
     def _defer(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """Start the deferred experts ids [T, N] on the CPU; a callable that waits for them and
         returns their weighted sum [T, H] (what the next MoE layer adds to its output)."""
-        groups = group_by_expert(ids)
-        job = self._run_cpu(layer, [(e, x[rows]) for e, rows, _ in groups])
-        return lambda: combine_grouped(x, groups, job.result()[0], weights).to(x.dtype)
+        groups, host = group_by_expert(ids.to("cpu")), x.to("cpu")  # [T, H] on the host
+        job = self._run_cpu(layer, [(e, host[rows]) for e, rows, _ in groups])
+        weights = weights.to("cpu")
+        return lambda: combine_grouped(host, groups, job.result()[0], weights).to(x)
 
     def _train_layer(self, layer, x, topk_ids, topk_weights, lora: TrainLoRA):
         """A training step's layer: every expert on the CPU through expert_grad.expert_layer."""

@@ -33,13 +33,14 @@ def _nbytes(m: Matrix) -> int:
 
 
 class ExpertStore:
-    """Host-RAM home of every routed expert; pinned memory when CUDA is present."""
+    """Host-RAM home of every routed expert, in ordinary (pageable, mmap-able) memory: experts
+    reach the GPU through a few pinned staging buffers (experts/run/host_staging.py), so nothing
+    here is page-locked."""
 
     def __init__(
         self,
         shape: ExpertShape,
         dtype: torch.dtype = torch.float32,
-        pin: bool | None = None,
         quant: str | None = None,
     ):
         self.shape = shape
@@ -47,15 +48,12 @@ class ExpertStore:
         self.quant = (
             quant  # a format name of hybridmoe.quant.formats: dense experts are quantised to it
         )
-        self.pin = torch.cuda.is_available() if pin is None else pin
         self.records: dict[Key, ExpertWeights] = {}
         self._bytes = 0
 
     def put(self, layer: int, expert: int, w_gate: Matrix, w_up: Matrix, w_down: Matrix) -> None:
         """Store one expert given its gate [I, H], up [I, H] and down [H, I] weights."""
         w = ExpertWeights(self._fused(w_gate, w_up), self._kept(w_down))
-        if self.pin:
-            w = ExpertWeights(_pinned(w.gate_up), _pinned(w.down))
         self.records[(layer, expert)] = w
         self._bytes += w.nbytes()
 
@@ -95,7 +93,3 @@ class ExpertStore:
 
     def total_nbytes(self) -> int:
         return self.expert_nbytes() * len(self.shape.moe_layers) * self.shape.num_experts
-
-
-def _pinned(m: Matrix) -> Matrix:
-    return QTensor(m.data.pin_memory(), m.fmt, m.cols) if isinstance(m, QTensor) else m.pin_memory()
