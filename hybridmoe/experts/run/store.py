@@ -3,6 +3,8 @@
 An expert is its gate and up projections fused into one matrix [2I, H] (so that it is two matrix
 products) and its down projection [H, I], each either a dense tensor in the store's dtype or a
 QTensor of blocks (hybridmoe/quant): as the GGUF file stores them, or quantised at load (`quant`).
+Blocks from a GGUF file stay views of its memory map: an expert's gate and up rows are two places
+of the file (its slices of the gate and up stacks), joined as the parts of one QTensor, not copied.
 Experts may differ in format (llama.cpp gives some layers' down projections more bits), so sizes are
 counted from the records themselves."""
 
@@ -98,4 +100,6 @@ class ExpertStore:
 
 
 def _pinned(m: Matrix) -> Matrix:
-    return QTensor(m.data.pin_memory(), m.fmt, m.cols) if isinstance(m, QTensor) else m.pin_memory()
+    if isinstance(m, QTensor):
+        return QTensor(tuple(p.pin_memory() for p in m.parts), m.fmt, m.cols)
+    return m.pin_memory()
