@@ -60,6 +60,17 @@ def count_tensors(path: str | Path) -> int:
     return total
 
 
+def expert_types(path: str | Path) -> dict[str, int]:
+    """Bytes of the routed experts' tensors per GGML type name (Q4_K: ..., Q6_K: ...)."""
+    held: dict[str, int] = {}
+    for t in _reader(path).tensors:
+        base = names.split(t.name, str(path))[1] if not names.legacy_expert(t.name) else ""
+        if base in names.EXPERT_STACKS or names.legacy_expert(t.name):
+            kind = gguf.GGMLQuantizationType(t.tensor_type).name
+            held[kind] = held.get(kind, 0) + int(t.n_bytes)
+    return held
+
+
 def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor) one at a time, experts split out of their stacks."""
     reader, where = _reader(path), str(path)

@@ -134,13 +134,16 @@ class CostModel:
         the format's bytes per weight."""
         params = shape.params_per_expert()
         return replace(
-            self,
-            **self.cpu_constants(quant),
+            self.for_format(quant),
             expert_bytes=expert_bytes or params * quant_bytes(quant),
             flops_per_token=2.0 * params,  # one multiply-add per weight per token
             hidden=shape.hidden,
             quant=quant,
         )
+
+    def for_format(self, quant: str) -> CostModel:
+        """These constants with the CPU's for experts in `quant` (cpu_constants)."""
+        return replace(self, **self.cpu_constants(quant))
 
     def cpu_constants(self, quant: str) -> dict:
         """The CPU fields for experts in `quant`: a calibrated profile's own for that format (an
