@@ -66,7 +66,8 @@ def add_tensor(writer: gguf.GGUFWriter, t: Planned, qtype: Q) -> None:
     router = block > 1 and "ffn_gate_inp" in t.name
     if len(t.shape) < 2 or not t.name.endswith(".weight") or t.shape[-1] % block or router:
         qtype = Q.F32
-    raw = encode(data, qtype)
+    # types the engine does not read (MXFP4: the unreadable-type test) from gguf's own quantiser
+    raw = gguf.quants.quantize(data.numpy(), qtype) if qtype == Q.MXFP4 else encode(data, qtype)
     assert raw.nbytes == nbytes(qtype, t.shape)
     writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), raw.nbytes, raw_dtype=qtype)
     writer.tensors[-1][t.name].tensor = raw

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from hybridmoe.cli import main
+from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.cost_fit import Sample, fit
-from hybridmoe.experts.plan.cost_model import CostModel
+from hybridmoe.experts.plan.cost_model import CPU_FIELDS, CostModel
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run import calibrate as cal
 
@@ -151,15 +152,20 @@ def test_fit_shapes_span_small_experts_to_beyond_the_last_level_cache():
     assert (768, 96) in fit_shapes and (768, 96) not in check_shapes
 
 
+def measured(bw_cpu: float, formats) -> CostModel:
+    """What calibrate returns for `formats` (default f32), every format at `bw_cpu`."""
+    m = CostModel(bw_cpu=bw_cpu, f_cpu=1e11, c_cpu=1e-5, name="calibrated")
+    m.cpu_formats = {f: {k: getattr(m, k) for k in CPU_FIELDS} for f in formats or ("f32",)}
+    return m
+
+
 def test_first_start_measures_once_then_reads_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
 
-    def fake(dtype, quick=False, progress=True, cuda=None, model=None):
+    def fake(dtype, quick=False, progress=True, cuda=None, model=None, formats=None):
         calls.append((quick, model))
-        return cal.Calibration(
-            CostModel(bw_cpu=1e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype
-        )
+        return cal.Calibration(measured(1e10, formats), dtype)
 
     monkeypatch.setattr(cal, "calibrate", fake)
     first = cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48))
@@ -181,11 +187,9 @@ def test_first_start_measures_again_over_a_profile_of_an_older_format(monkeypatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
 
-    def fake(dtype, quick=False, progress=True, cuda=None, model=None):
+    def fake(dtype, quick=False, progress=True, cuda=None, model=None, formats=None):
         calls.append(model)
-        return cal.Calibration(
-            CostModel(bw_cpu=2e10, f_cpu=1e11, c_cpu=1e-5, name="calibrated"), dtype
-        )
+        return cal.Calibration(measured(2e10, formats), dtype)
 
     monkeypatch.setattr(cal, "calibrate", fake)
     path = cal.default_profile_path(torch.float32, (576, 48))
@@ -199,7 +203,7 @@ def test_first_start_measures_again_over_a_profile_of_an_older_format(monkeypatc
     assert (
         cal.load_or_calibrate(None, torch.float32, progress=False, model=(576, 48)).bw_cpu == 2e10
     )
-    assert calls == [(576, 48)] and json.loads(path.read_text())["version"] == 2
+    assert calls == [(576, 48)] and json.loads(path.read_text())["version"] == 3
 
 
 def test_cache_sizes_are_read_from_sysfs(tmp_path, monkeypatch):
@@ -313,3 +317,36 @@ def test_the_models_own_shape_is_fitted_closer_when_it_weighs_more():
         return abs(cal.predict(fit(samples(weight)), s) / s.seconds - 1)
 
     assert own_error(len(other)) < own_error(1.0)
+
+
+def test_each_format_is_measured_on_its_own_kernels(small_shapes):
+    """A Q8_0 expert streams 34/32 bytes per weight through the integer kernels, an f32 one 4 bytes
+    through torch: the profile keeps each format's CPU figures, and the Q8_0 checks are predicted
+    better by the Q8_0 figures than by the f32 ones."""
+    from hybridmoe.native import quant as kernels
+
+    if kernels.library() is None:  # no native quantiser: block formats cannot be measured here
+        with pytest.raises(UserError, match="native quantiser"):
+            cal.calibrate(torch.float32, quick=True, progress=False, cuda=False, formats=("q8_0",))
+        return
+    result = cal.calibrate(
+        torch.float32, quick=True, progress=False, cuda=False, formats=("f32", "q8_0")
+    )
+    profile = result.profile
+    assert list(profile.cpu_formats) == ["f32", "q8_0"]
+    params = {cal.expert_params(h, i) for h, i in cal.FIT_SHAPES}
+    assert {s.bytes for s in result.samples} == {p * b for p in params for b in (4.0, 34 / 32)}
+    q8 = [c for c in result.checks if c.format == "q8_0"]
+    assert q8 and {c.format for c in result.checks} == {"f32", "q8_0"}
+
+    def error(fmt, c):
+        s = cal._sample("cpu", c.hidden, c.intermediate, c.n_tokens, "q8_0", c.measured)
+        return abs(cal.predict(profile.for_format(fmt), s) / c.measured - 1)
+
+    assert sum(error("q8_0", c) for c in q8) < sum(error("f32", c) for c in q8)
+
+
+def test_calibrate_command_names_a_format_it_does_not_keep(capsys):
+    assert main(["calibrate", "--quick", "--formats", "q3_k"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "q3_k" in err[0]

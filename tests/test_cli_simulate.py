@@ -149,8 +149,8 @@ def test_plan_recommends_a_quantisation_that_fits(capsys):
     )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert {o["quant"] for o in out["options"]} == {"bf16", "q8", "q4"}
-    q4 = next(o for o in out["options"] if o["quant"] == "q4")
+    assert {o["quant"] for o in out["options"]} == {"bf16", "q8_0", "q4_k_m"}
+    q4 = next(o for o in out["options"] if o["quant"] == "q4_k_m")
     bf16 = next(o for o in out["options"] if o["quant"] == "bf16")
     assert q4["expert_budget"] > bf16["expert_budget"]  # smaller experts, more of them fit in 8 GB
     # host RAM counts the pinned staging ring (3 buffers of the largest expert, each rounded up to
@@ -189,3 +189,25 @@ def test_plan_shows_its_progress_on_stderr():
     assert run.returncode == 0, run.stderr
     assert "simulating" in run.stderr and "9/9" in run.stderr  # 3 quantisations x 3 policies
     assert "simulating" not in run.stdout
+
+
+def test_plan_sizes_each_format_as_the_exported_file_holds_it(tmp_path):
+    """The routed experts' bytes `plan` counts for a model are the bytes of the expert tensors in
+    the GGUF file `hybridmoe export` writes of it, Q4_K_M's Q6_K layers and the fallbacks of rows
+    that do not fill 256-blocks included."""
+    import gguf
+
+    from hybridmoe.export.gguf_export import export_gguf
+    from hybridmoe.export.sources import Checkpoint
+    from hybridmoe.sim.file_bytes import routed_bytes
+    from hybridmoe.sim.shapes import get_shape
+    from tests.tiny import build_tiny
+
+    build_tiny("qwen3_moe", tmp_path / "hf")
+    shape = get_shape(str(tmp_path / "hf"))
+    for fmt in ("bf16", "q8_0", "q4_k_m"):
+        out = tmp_path / f"{fmt}.gguf"
+        export_gguf(Checkpoint(tmp_path / "hf"), out, f"gguf-{fmt}", threads=1)
+        tensors = gguf.GGUFReader(out).tensors
+        in_file = sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
+        assert routed_bytes(shape, fmt) == in_file, fmt

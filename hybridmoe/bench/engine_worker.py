@@ -16,14 +16,21 @@ import time
 
 
 def memory() -> dict:
-    """Resident and peak resident bytes of this process (Linux /proc)."""
+    """Resident and peak resident bytes of this process (Linux /proc), and what is resident now
+    split into anonymous memory (the process's own) and file-backed pages (mapped files: a GGUF
+    model's weights, the page cache the kernel may drop and read again)."""
     fields = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 fields[key] = int(value.split()[0]) * 1024
-    return {"rss": fields.get("VmRSS", 0), "peak_rss": fields.get("VmHWM", 0)}
+    return {
+        "rss": fields.get("VmRSS", 0),
+        "peak_rss": fields.get("VmHWM", 0),
+        "rss_anon": fields.get("RssAnon", 0),
+        "rss_file": fields.get("RssFile", 0),
+    }
 
 
 def hybridmoe_runner(model_path: str, threads: int, dtype: str, context: int):

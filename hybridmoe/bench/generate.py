@@ -19,6 +19,7 @@ from datetime import date
 import torch
 
 from hybridmoe import env
+from hybridmoe.bench.engine_worker import memory
 from hybridmoe.cli.options import DTYPES, compute_dtype
 
 
@@ -173,19 +174,32 @@ def run_benchmark(args) -> dict:
 
         result.update(compare(args, prompt), load_avg_1min_after=round(os.getloadavg()[0], 2))
         return result
-    engines = {
-        "hybridmoe": hybridmoe_engine(load_model(args.model, dtype=dtype, progress=not args.json))
-    }
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=dtype, progress=not args.json)
+    result["load_s"] = time.perf_counter() - t0
+    engines = {"hybridmoe": hybridmoe_engine(model)}
     if args.compare_transformers:
         engines["transformers"] = transformers_engine(load_transformers(args.model, dtype))
     result.update(measure(engines, prompt, args.max_tokens, args.repeats, args.warmup))
     result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
+    result["memory"] = memory()  # peak over loading and every run (transformers' too, if any)
+    result["model_bytes"] = model_bytes(args.model)
     result.setdefault("transformers", None)
     if args.compare_transformers:
         for key in ("prefill", "decode"):
             ours, theirs = result["hybridmoe"][f"{key}_tps"], result["transformers"][f"{key}_tps"]
             result[f"{key}_ratio"] = ours / theirs if theirs else None
     return result
+
+
+def model_bytes(path: str) -> int:
+    """Bytes of the model's weight files: the GGUF file, or a directory's *.safetensors."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    return (
+        sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size
+    )
 
 
 def machine() -> dict:
@@ -222,6 +236,12 @@ def run(args) -> int:
             print(f"{engine:<14}{r['prefill_tps']:>15.1f}{r['decode_tps']:>15.2f}")
     if result["transformers"] is not None:
         print(f"{'ratio':<14}{result['prefill_ratio']:>14.2f}x{result['decode_ratio']:>14.2f}x")
+    m = result["memory"]
+    print(
+        f"load {result['load_s']:.1f} s; peak RSS {m['peak_rss'] / 1e9:.2f} GB (model files "
+        f"{result['model_bytes'] / 1e9:.2f} GB); at the end {m['rss_anon'] / 1e9:.2f} GB "
+        f"anonymous + {m['rss_file'] / 1e9:.2f} GB file-backed"
+    )
     return 0
 
 

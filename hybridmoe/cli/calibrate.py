@@ -41,6 +41,14 @@ def add_parser(sub) -> None:
         "--out is then the cache the engine reads for models with that shape",
     )
     p.add_argument(
+        "--formats",
+        metavar="LIST",
+        default=None,
+        help="expert formats to measure, comma-separated: the dtype's (bf16 or f32: dense experts) "
+        "and GGUF block formats (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k) on the integer kernels; the "
+        "profile keeps each one's CPU figures (default: the dtype's)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="fewer shapes and repeats (what the engine runs on first start)",
@@ -59,7 +67,10 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = compute_dtype(args.dtype)
     model = parse_shape(args.expert_shape) if args.expert_shape else None
-    result = calibrate(dtype, quick=args.quick, model=model)
+    formats = (
+        tuple(f.strip() for f in args.formats.split(",") if f.strip()) if args.formats else None
+    )
+    result = calibrate(dtype, quick=args.quick, model=model, formats=formats)
     out = args.out or default_profile_path(dtype, model)
     try:
         result.save(out)
@@ -81,19 +92,27 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def model_fit_line(result) -> str:
-    """How well the profile fits the model's own experts (fitted, so not a held-out figure)."""
+    """How well the profile fits the model's own experts (fitted, so not a held-out figure), per
+    format measured."""
+    from hybridmoe.experts.plan.cost_model import quant_bytes
     from hybridmoe.experts.run.calibrate import predict
 
     h, i = result.model
-    own = [
-        s
-        for s in result.samples
-        if s.kind == "cpu" and s.bytes == expert_params(h, i) * result.dtype.itemsize
-    ]
-    errs = " ".join(
-        f"n={s.n_tokens}: {100 * (predict(result.profile, s) / s.seconds - 1):+.0f}%" for s in own
+    parts = []
+    for fmt in result.profile.cpu_formats:
+        costed = result.profile.for_format(fmt)
+        own = [
+            s
+            for s in result.samples
+            if s.kind == "cpu" and s.bytes == expert_params(h, i) * quant_bytes(fmt)
+        ]
+        errs = " ".join(
+            f"n={s.n_tokens}: {100 * (predict(costed, s) / s.seconds - 1):+.0f}%" for s in own
+        )
+        parts.append(f"{fmt} {errs or '(rows do not fill its blocks: not measured)'}")
+    return f"fitted with this model's {h}x{i} experts (weighted); fit error on them: " + "; ".join(
+        parts
     )
-    return f"fitted with this model's {h}x{i} experts (weighted); fit error on them: {errs}"
 
 
 def cpu_line(p) -> str:
@@ -127,9 +146,11 @@ def report(result) -> str:
     import torch
 
     p = result.profile
+    tokens = str(result.dtype).removeprefix("torch.")
     lines = [
-        f"CPU ({str(result.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads): "
-        + cpu_line(p)
+        f"CPU, {fmt} experts ({tokens} tokens, {torch.get_num_threads()} threads): "
+        + cpu_line(p.for_format(fmt))
+        for fmt in p.cpu_formats
     ]
     if p.has_gpu:
         lines.append(
@@ -140,12 +161,13 @@ def report(result) -> str:
         lines.append(model_fit_line(result))
     lines.append("held-out checks (shapes not used for fitting):")
     lines.append(
-        f"  {'kind':5} {'expert':>10} {'tokens':>6} {'measured':>10} {'predicted':>10} {'error':>7}"
+        f"  {'kind':5} {'format':6} {'expert':>10} {'tokens':>6} {'measured':>10} "
+        f"{'predicted':>10} {'error':>7}"
     )
     for c in result.checks:
         shape = f"{c.hidden}x{c.intermediate}"
         lines.append(
-            f"  {c.kind:5} {shape:>10} {c.n_tokens:>6} {c.measured * 1e3:>8.3f}ms "
+            f"  {c.kind:5} {c.format:6} {shape:>10} {c.n_tokens:>6} {c.measured * 1e3:>8.3f}ms "
             f"{c.predicted * 1e3:>8.3f}ms {100 * c.error:>+6.1f}%"
         )
     lines.append(

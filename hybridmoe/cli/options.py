@@ -170,9 +170,15 @@ def runtime_factory(args: argparse.Namespace):
     def make(shape, dtype):
         cost = None
         if config.device != "cpu" or args.calibration:
-            # The cached profile is per expert shape: measured on this model's experts among others.
+            from hybridmoe.loader.load import expert_format
+
+            # The cached profile is per expert shape: measured on this model's experts among
+            # others, in the format the experts will be kept in.
             cost = load_or_calibrate(
-                args.calibration, dtype, model=(shape.hidden, shape.intermediate)
+                args.calibration,
+                dtype,
+                model=(shape.hidden, shape.intermediate),
+                fmt=expert_format(model_path(args), dtype, args.quant),
             )
         return make_runtime(shape, dtype, config, cost)
 

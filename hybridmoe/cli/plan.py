@@ -13,9 +13,10 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
         help="advise quantisation, GPU expert budget and policy for a machine and a model shape",
-        description="Simulates each quantisation at the GPU expert budget that fits next to the "
-        "dense weights and a KV-cache reserve, and reports the fastest, the VRAM left for the KV "
-        "cache, and whether RAM suffices.",
+        description="Simulates the model in each GGUF file format (bf16, q8_0, q4_k_m; sized in "
+        "their real blocks, tensor by tensor as llama.cpp types them) at the GPU expert budget "
+        "that fits next to the dense weights and a KV-cache reserve, and reports the fastest, the "
+        "VRAM left for the KV cache, and whether RAM suffices.",
     )
     p.add_argument(
         "--hardware",
@@ -74,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
         + ("" if args.trace else " (synthetic routing: skew 1.0, locality 0.4)")
     )
     print(
-        f"{'quant':6s} {'fits RAM':>8s} {'RAM GB':>7s} {'pinned':>7s} {'budget':>7s} "
+        f"{'format':7s} {'fits RAM':>8s} {'RAM GB':>7s} {'pinned':>7s} {'budget':>7s} "
         f"{'GPU GB':>7s} {'KV GB':>6s} {'policy':9s} {'tok/s':>7s}"
     )
     for o in options:
         print(
-            f"{o.quant:6s} {'yes' if o.fits_ram else 'no':>8s} {o.ram_needed_gb:7.1f} "
+            f"{o.quant:7s} {'yes' if o.fits_ram else 'no':>8s} {o.ram_needed_gb:7.1f} "
             f"{o.pinned_gb:7.2f} {100 * o.expert_budget:6.1f}% {o.expert_gb_on_gpu:7.1f} "
             f"{o.kv_gb:6.1f} {o.policy:9s} {o.tokens_per_s:7.1f}"
         )
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print("the model does not fit in RAM in any quantisation: add RAM or pick a smaller model")
     else:
         print(
-            f"best: {choice.quant} experts, --gpu-expert-budget {choice.expert_budget:g}, --policy "
+            f"best: a {choice.quant} file, --gpu-expert-budget {choice.expert_budget:g}, --policy "
             f"{choice.policy}: {choice.tokens_per_s:.1f} tok/s, {choice.kv_gb:.1f} GB VRAM left "
             "for the KV cache"
         )

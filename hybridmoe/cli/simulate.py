@@ -7,7 +7,7 @@ import json
 
 from hybridmoe.cli.options import add_config_flags, config_values
 from hybridmoe.errors import UserError
-from hybridmoe.experts.plan.cost_model import QUANT_BYTES
+from hybridmoe.experts.plan.cost_model import QUANT_BYTES, format_name
 from hybridmoe.experts.plan.policies import POLICIES
 from hybridmoe.experts.plan.profiles import PROFILES
 from hybridmoe.sim.shapes import SHAPES
@@ -60,7 +60,14 @@ def add_trace_options(g) -> None:
         "several with --sweep",
     )
     g.add_argument(
-        "--quant", choices=sorted(QUANT_BYTES), default="bf16", help="expert weight format"
+        "--quant",
+        choices=sorted(QUANT_BYTES),
+        default="bf16",
+        metavar="FORMAT",
+        help="the experts' format: bf16, f16, f32 or a GGUF block format (q8_0, q4_0, q4_1, "
+        "q4_k, q5_k, q6_k) at its real bytes per weight (older names q8, q4, fp32, ... still "
+        "work; fp8, int8, int4 are nominal widths); a calibrated --hardware profile must have "
+        "measured it (default bf16)",
     )
     g.add_argument("--write-trace", metavar="FILE", help="also save the (synthetic) trace used")
 
@@ -194,7 +201,8 @@ def run_sweep(args, shape, lines) -> int:
     )
     from hybridmoe.sim.published import ROWS
 
-    published = [r for r in ROWS if r.shape == shape.name and r.quant == args.quant]
+    quant = format_name(args.quant)
+    published = [r for r in ROWS if r.shape == shape.name and format_name(r.quant) == quant]
     plot(rows, args.plot, title=f"{shape.name}, {args.quant} experts", published=published)
     if args.json:
         print(

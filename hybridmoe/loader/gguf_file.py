@@ -4,7 +4,9 @@ time.
 GGUF lists a tensor's dims innermost first, so a torch [rows, cols] weight is stored as
 (cols, rows); the reader's arrays are already in row-major order. Matrices in a block format the
 engine computes on (hybridmoe.quant.formats) come out as QTensors, their blocks as stored, one
-tensor (one expert, for stacked experts) at a time; the model decides where they stay blocks.
+tensor (one expert, for stacked experts) at a time, as views of the file's memory map (no copy:
+resident memory is the page cache of what the kernels touch); the model decides where they stay
+blocks.
 Other 3-D tensors in blocks (MLA's halves) are dequantized, and formats the engine does not read
 are refused.
 """
@@ -58,6 +60,17 @@ def count_tensors(path: str | Path) -> int:
     return total
 
 
+def expert_types(path: str | Path) -> dict[str, int]:
+    """Bytes of the routed experts' tensors per GGML type name (Q4_K: ..., Q6_K: ...)."""
+    held: dict[str, int] = {}
+    for t in _reader(path).tensors:
+        base = names.split(t.name, str(path))[1] if not names.legacy_expert(t.name) else ""
+        if base in names.EXPERT_STACKS or names.legacy_expert(t.name):
+            kind = gguf.GGMLQuantizationType(t.tensor_type).name
+            held[kind] = held.get(kind, 0) + int(t.n_bytes)
+    return held
+
+
 def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor) one at a time, experts split out of their stacks."""
     reader, where = _reader(path), str(path)
@@ -68,9 +81,9 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     if _metadata(reader).get("general.architecture") != "llama":
         heads = {}
     mla: dict[tuple[int, str], torch.Tensor] = {}
-    f = open(
-        where, "rb"
-    )  # plain reads: pages of a memory map would stay in our RSS after their use
+    # values that are copied into the model (floats, dequantised blocks) are read plainly: pages
+    # of the memory map would stay in our RSS after their use; blocks are views of the map
+    f = open(where, "rb")
     try:
         for t in reader.tensors:
             if legacy := names.legacy_expert(t.name):
@@ -95,7 +108,7 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
                 )
     finally:
         f.close()
-        _open.cache_clear()  # the memory map goes once loading is over
+        _open.cache_clear()  # the parsed header goes; the map stays while blocks view it
     if mla:
         (layer, half), _ = next(iter(mla.items()))
         raise ModelFileError(
@@ -140,8 +153,8 @@ READABLE = ("F32", "F16", "BF16", *(f.upper() for f in FORMATS), *DEQUANTISED)
 
 
 def _tensor(t, f, where: str, index: int | None = None):
-    """One GGUF tensor (or one expert `index` of a stack), read from the open file `f`: a torch
-    tensor, or a QTensor for a matrix in blocks."""
+    """One GGUF tensor (or one expert `index` of a stack): a QTensor viewing the memory map for a
+    matrix in blocks, else a torch tensor read from the open file `f`."""
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     fmt = BY_GGML.get(int(qtype))
     if fmt is None and qtype.name not in READABLE:
@@ -149,6 +162,8 @@ def _tensor(t, f, where: str, index: int | None = None):
             f"{where}: tensor {t.name} is {qtype.name}; hybridmoe reads {', '.join(READABLE)}: "
             "convert or requantize the model to one of them"
         )
+    if fmt is not None and t.data.ndim - (index is not None) == 2:
+        return _mapped_blocks(t, fmt, index)
     data = _read(t, f, index)
     if qtype.name in DEQUANTISED:  # [..., row bytes] -> float32 [..., cols]
         return torch.from_numpy(gguf.quants.dequantize(data, qtype))
@@ -158,7 +173,17 @@ def _tensor(t, f, where: str, index: int | None = None):
         return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
     cols = data.shape[-1] // fmt.nbytes * fmt.block  # data: [..., bytes per row]
     blocks = QTensor(torch.from_numpy(data.reshape(-1, data.shape[-1])), fmt, cols)
-    return blocks if data.ndim == 2 else blocks.dequantize().reshape(*data.shape[:-1], cols)
+    return blocks.dequantize().reshape(*data.shape[:-1], cols)  # 3-D: values
+
+
+def _mapped_blocks(t, fmt, index: int | None) -> QTensor:
+    """A matrix in blocks (or expert `index` of a stack, contiguous in GGUF's layout) as a view of
+    the file's memory map: nothing is read until a kernel touches it, and what it touches is page
+    cache the kernel may drop and read again, not the process's own memory (llama.cpp maps its
+    files alike). The map is copy-on-write, so torch takes it as writable, and the file is never
+    written."""
+    data = t.data if index is None else t.data[index]  # uint8 [rows, bytes per row]
+    return QTensor(torch.from_numpy(data), fmt, data.shape[-1] // fmt.nbytes * fmt.block)
 
 
 def _read(t, f, index: int | None) -> np.ndarray:
@@ -232,7 +257,7 @@ class Reader(gguf.GGUFReader):
 @functools.lru_cache(maxsize=1)
 def _open(path: str, mtime_ns: int, size: int):
     try:
-        reader = Reader(path)
+        reader = Reader(path, "c")  # copy-on-write: views are writable arrays, the file unchanged
     except (
         Exception
     ) as e:  # the reader fails in many ways (ValueError, IndexError, ...) on a damaged header

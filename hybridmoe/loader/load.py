@@ -57,6 +57,24 @@ def model_config(path: str | Path) -> HFConfig:
     return gguf_file.read_config(p)
 
 
+def expert_format(path: str | Path, dtype: torch.dtype, quant: str | None = None) -> str:
+    """The format load_model will keep the routed experts in (the cost model's name): the block
+    format of most of a GGUF file's expert bytes; for a checkpoint, ExpertStore's choice for its
+    expert shape (quantised to `quant` where rows fill the blocks, else dense in `dtype`)."""
+    from hybridmoe.experts.run.store import DTYPE_FORMAT, kept_format
+    from hybridmoe.quant.formats import FORMATS
+
+    p, kind = _resolve(path)
+    if kind == "hf":
+        shape = expert_shape(model_config(p))
+        return kept_format(shape.hidden, shape.intermediate, dtype, quant) if shape else ""
+    from hybridmoe.loader import gguf_file
+
+    held = gguf_file.expert_types(p)
+    name = max(held, key=held.get).lower() if held else ""
+    return name if name in FORMATS else DTYPE_FORMAT.get(dtype, "bf16")
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,

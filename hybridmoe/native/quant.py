@@ -122,11 +122,24 @@ def experts(
     hidden, inter = weights[0][1].shape
     xs = [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
     ys = [torch.empty(x.shape[0], hidden, dtype=torch.float32) for x in xs]  # [M_j, H]
-    table = []
+    table, copies = [], []  # copies: alive until the call returns
     for x, (gate_up, down), y in zip(xs, weights, ys):
-        gu = gate_up.data
-        table += [gu.data_ptr(), gu.data_ptr() + inter * gu.stride(0), down.data.data_ptr()]
-        table += [gu.stride(0), down.data.stride(0), gate_up.fmt.ggml, down.fmt.ggml]
+        # gate and up rows may lie in two places (an expert viewed in the model file): the
+        # kernel takes a pointer to each, with one row stride for both
+        gate, up, dn = (
+            gate_up.row_run(0, inter),
+            gate_up.row_run(inter, inter),
+            down.row_run(0, hidden),
+        )
+        if gate is None or up is None or gate[1] != up[1]:
+            copies.append(gate_up.data.contiguous())  # [2I, row bytes]
+            stride = copies[-1].stride(0)
+            gate = (copies[-1].data_ptr(), stride)
+            up = (gate[0] + inter * stride, stride)
+        if dn is None:
+            copies.append(down.data.contiguous())  # [H, row bytes]
+            dn = (copies[-1].data_ptr(), copies[-1].stride(0))
+        table += [gate[0], up[0], dn[0], gate[1], dn[1], gate_up.fmt.ggml, down.fmt.ggml]
         table += [x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(), 0]
     jobs = torch.tensor(table, dtype=torch.int64)  # [n, EXPERT_FIELDS]
     status = library().hm_qexperts(

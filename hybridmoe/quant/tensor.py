@@ -1,8 +1,11 @@
 """A weight matrix kept in a block format, and products with it.
 
-`QTensor` holds a [rows, cols] matrix as `data`, uint8 [rows, row bytes] of GGUF blocks
-(formats.py), often a view of the model file. `matmul(x, w)` multiplies by it on the native integer
-kernels (native/quant.py) where they run, else by dequantising and using torch."""
+`QTensor` holds a [rows, cols] matrix as `parts`, uint8 [rows_i, row bytes] tensors of GGUF blocks
+(formats.py) whose rows follow one another: one part for a matrix in one buffer, more where a
+matrix is put together without copying (an expert's gate and up rows, two places of the model
+file). Parts are often views of the model file's memory map (loader/gguf_file.py). `matmul(x, w)`
+multiplies by it on the native integer kernels (native/quant.py) where they run, else by
+dequantising and using torch."""
 
 from __future__ import annotations
 
@@ -16,44 +19,68 @@ from hybridmoe.quant.formats import FORMATS, Format
 
 
 class QTensor:
-    def __init__(self, data: torch.Tensor, fmt: Format, cols: int):
-        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != fmt.row_bytes(cols):
-            raise ValueError(
-                f"{fmt.name} blocks for {cols} columns need uint8 rows of "
-                f"{fmt.row_bytes(cols)} bytes"
-            )
-        self.data, self.fmt, self.cols = data, fmt, cols
+    def __init__(self, data: torch.Tensor | tuple[torch.Tensor, ...], fmt: Format, cols: int):
+        parts = (data,) if isinstance(data, torch.Tensor) else tuple(data)
+        for part in parts:
+            if part.dtype != torch.uint8 or part.dim() != 2 or part.shape[1] != fmt.row_bytes(cols):
+                raise ValueError(
+                    f"{fmt.name} blocks for {cols} columns need uint8 rows of "
+                    f"{fmt.row_bytes(cols)} bytes"
+                )
+        self.parts, self.fmt, self.cols = parts, fmt, cols
+        self._runs: dict[tuple[int, int], tuple[int, int] | None] = {}
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The blocks as one uint8 [rows, row bytes] tensor: the part itself where there is one,
+        else a copy joining the parts (kernels take `parts` or `row_run`, never this copy)."""
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+
+    def row_run(self, start: int, count: int) -> tuple[int, int] | None:
+        """(address, row stride) of rows start .. start+count-1 where they lie in one part, for a
+        kernel's pointer table (cached: a decode step asks hundreds of times); None otherwise."""
+        key = (start, count)
+        if key not in self._runs:
+            first, self._runs[key] = start, None
+            for part in self.parts:
+                if 0 <= first and first + count <= part.shape[0]:
+                    self._runs[key] = (part.data_ptr() + first * part.stride(0), part.stride(0))
+                    break
+                first -= part.shape[0]
+        return self._runs[key]
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.data.shape[0], self.cols))
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.cols))
 
     def dim(self) -> int:
         return 2
 
     @property
     def device(self) -> torch.device:
-        return self.data.device
+        return self.parts[0].device
 
     def nbytes(self) -> int:
-        return self.data.numel()
+        return sum(p.numel() for p in self.parts)
 
     def rows(self, index) -> QTensor:
         """The rows `index` selects (a slice, a list or a tensor of row numbers)."""
         return QTensor(self.data[index], self.fmt, self.cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.data, self.fmt, self.cols).to(dtype)  # [rows, cols]
+        values = [dequantize(p, self.fmt, self.cols).to(dtype) for p in self.parts]
+        return values[0] if len(values) == 1 else torch.cat(values)  # [rows, cols]
 
     def to(self, device) -> QTensor:
-        return QTensor(self.data.to(device), self.fmt, self.cols)
+        return QTensor(tuple(p.to(device) for p in self.parts), self.fmt, self.cols)
 
     @classmethod
-    def cat(cls, parts: list[QTensor]) -> QTensor:
-        """Rows of `parts` one after another (a copy); all of one format and width."""
-        if len({(p.fmt, p.cols) for p in parts}) != 1:
+    def cat(cls, matrices: list[QTensor]) -> QTensor:
+        """Rows of `matrices` one after another, their parts kept as they are (no copy); all of
+        one format and width."""
+        if len({(m.fmt, m.cols) for m in matrices}) != 1:
             raise ValueError("only matrices of one block format and width are stacked")
-        return cls(torch.cat([p.data for p in parts]), parts[0].fmt, parts[0].cols)
+        return cls(tuple(p for m in matrices for p in m.parts), matrices[0].fmt, matrices[0].cols)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt_name: str) -> QTensor:
@@ -86,7 +113,8 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """x [..., K] times w [N, K]^T -> [..., N] in x's dtype (fp32 accumulation)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if native_applies(rows, w):
-        y = kernels.linear(rows, w.fmt.ggml, w.data, w.cols)  # [M, N] fp32
+        ys = [kernels.linear(rows, w.fmt.ggml, p, w.cols) for p in w.parts]  # [M, N_i] fp32
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [M, N]
     else:
         y = F.linear(rows.float(), w.dequantize(torch.float32))
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

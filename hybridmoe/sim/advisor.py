@@ -1,18 +1,20 @@
 """`hybridmoe plan`: which quantisation, GPU expert budget and policy are fastest on a machine.
 
-For each quantisation: does the model fit in RAM; what VRAM is left for experts once the dense
-weights, the KV-cache reserve and the runtime overhead are on the GPU; then the simulator runs the
-candidate policies at that budget (on the given trace, or a synthetic one of the model's shape)
-and the fastest wins; the simulator charges the dense part (sim/dense.py).
+For each GGUF file format (bf16, q8_0, q4_k_m): does the model fit in RAM; what VRAM is left for
+experts once the dense weights, the KV-cache reserve and the runtime overhead are on the GPU; then
+the simulator runs the candidate policies at that budget (on the given trace, or a synthetic one of
+the model's shape) and the fastest wins; the simulator charges the dense part (sim/dense.py).
+Sizes are the formats' real block sizes, tensor by tensor as llama.cpp types them
+(sim/file_bytes.py): the bytes the engine keeps a file's weights in.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from hybridmoe.experts.plan.cost_model import quant_bytes
 from hybridmoe.experts.plan.host_memory import runtime_pinned_bytes
 from hybridmoe.experts.plan.profiles import MEMORY_GB, get_profile
+from hybridmoe.sim.file_bytes import EXPERT_FORMAT, FILE_FORMATS, dense_bytes, routed_bytes
 from hybridmoe.sim.shapes import ModelShape
 from hybridmoe.sim.simulator import SimConfig, simulate
 from hybridmoe.sim.synthetic import SynthConfig, generate
@@ -38,10 +40,10 @@ class Option:
 
 
 def budget_for(shape: ModelShape, quant: str, vram_gb: float, kv_gb: float) -> tuple[float, float]:
-    """(fraction of expert bytes that fits, GB it takes) after dense weights and the KV reserve."""
-    qb = quant_bytes(quant)
-    dense_gb = shape.dense_params * qb / GB
-    experts_gb = shape.routed_params() * qb / GB
+    """(fraction of expert bytes that fits, GB it takes) after dense weights and the KV reserve,
+    for the model in file format `quant`."""
+    dense_gb = dense_bytes(shape, quant) / GB
+    experts_gb = routed_bytes(shape, quant) / GB
     left = max(0.0, vram_gb - dense_gb - kv_gb - RUNTIME_OVERHEAD_GB)
     frac = min(1.0, left / experts_gb) if experts_gb else 0.0
     return frac, frac * experts_gb
@@ -53,7 +55,7 @@ def advise(
     vram_gb: float | None,
     ram_gb: float | None,
     lines=None,
-    quants=("bf16", "q8", "q4"),
+    quants=FILE_FORMATS,
     policies=("static", "hybrimoe", "value"),
     kv_gb: float | None = None,
     progress: bool = False,
@@ -73,18 +75,14 @@ def advise(
         total=len(quants) * len(policies), desc="simulating", unit="run", disable=not progress
     )
     for quant in quants:
-        qb = quant_bytes(quant)
-        pinned = pinned_gb(shape, qb) if base.has_gpu and vram else 0.0
-        need = (
-            (shape.routed_params() + (0 if vram else shape.dense_params)) * qb / GB
-            + pinned
-            + RAM_OVERHEAD_GB
-        )
+        routed, dense_gb = routed_bytes(shape, quant), dense_bytes(shape, quant) / GB
+        per_expert = routed / max(1, shape.experts.num_experts * shape.num_moe_layers)
+        pinned = pinned_gb(shape, per_expert) if base.has_gpu and vram else 0.0
+        need = routed / GB + (0 if vram else dense_gb) + pinned + RAM_OVERHEAD_GB
         frac, on_gpu = budget_for(shape, quant, vram, kv) if base.has_gpu and vram else (0.0, 0.0)
-        dense_gb = shape.dense_params * qb / GB
         kv_left = max(0.0, vram - dense_gb - on_gpu - RUNTIME_OVERHEAD_GB) if vram else 0.0
         opt = Option(quant, need <= ram, need, pinned, round(frac, 4), on_gpu, kv_left)
-        cost = base.for_expert(shape.experts, quant)
+        cost = base.for_expert(shape.experts, EXPERT_FORMAT[quant], per_expert)
         for policy in policies if frac > 0 else ("cpu",):
             r = simulate(lines, shape, cost, SimConfig(policy=policy, budget=str(frac)))
             if r.tokens_per_s > opt.tokens_per_s:
@@ -95,10 +93,11 @@ def advise(
     return options
 
 
-def pinned_gb(shape: ModelShape, qb: float) -> float:
-    """GB of page-locked host memory the hybrid runtime takes for this shape (host_memory.py)."""
+def pinned_gb(shape: ModelShape, expert_bytes: float) -> float:
+    """GB of page-locked host memory the hybrid runtime takes for this shape, experts of
+    `expert_bytes` each (host_memory.py)."""
     e = shape.experts
-    return runtime_pinned_bytes(e.params_per_expert() * qb, e.hidden, STEP_TOKENS, e.top_k) / GB
+    return runtime_pinned_bytes(expert_bytes, e.hidden, STEP_TOKENS, e.top_k) / GB
 
 
 def synthetic_for(shape: ModelShape, tokens: int = 120):

@@ -29,21 +29,33 @@ from pathlib import Path
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.files import write_atomic
+from hybridmoe.quant.formats import FORMATS
 
-# Bytes per weight of each expert format. GGUF block formats carry a scale per block:
-# Q8_0 = 34 bytes per 32 weights, Q4_K = 144 bytes per 256 weights (4.5 bits), Q6_K = 210 per 256.
+# Bytes per weight of each expert format, by the names the engine gives formats: GGUF's block
+# formats carry a scale per block (q8_0 = 34 bytes per 32 weights, q4_k = 144 per 256, 4.5 bits;
+# hybridmoe/quant/formats.py), the float formats none.
+FLOAT_BYTES = {"f32": 4.0, "bf16": 2.0, "f16": 2.0}
+# Older names, still taken: each means the format it names (q4 = q4_k), or a nominal width of a
+# format the engine does not keep (fp8, int8, int4: the simulator's what-ifs).
+ALIASES = {"fp32": "f32", "fp16": "f16", "q8": "q8_0", "q6": "q6_k", "q5": "q5_k", "q4": "q4_k"}
+NOMINAL_BYTES = {"fp8": 1.0, "int8": 1.0, "int4": 0.5}
 QUANT_BYTES = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "int8": 1.0,
-    "q8": 34 / 32,
-    "q6": 210 / 256,
-    "q5": 176 / 256,
-    "q4": 144 / 256,
-    "int4": 0.5,
+    **FLOAT_BYTES,
+    **{f.name: f.nbytes / f.block for f in FORMATS.values()},
+    **NOMINAL_BYTES,
 }
+QUANT_BYTES.update({alias: QUANT_BYTES[name] for alias, name in ALIASES.items()})
+# Per-format CPU constants of a calibrated profile (CostModel.cpu_formats): the fields below.
+CPU_FIELDS = (
+    "bw_cpu", "f_cpu", "c_cpu", "bw_cpu_one", "c_cpu_one", "cpu_gemm_from", "cpu_caches",
+    "bw_cpu_reread", "c_cpu_reread", "cpu_overlap",
+)  # fmt: skip
+
+
+def format_name(quant: str) -> str:
+    """The engine's name of a format given by any name QUANT_BYTES takes (q4 -> q4_k)."""
+    quant_bytes(quant)
+    return ALIASES.get(quant, quant)
 
 
 def quant_bytes(quant: str) -> float:
@@ -53,8 +65,9 @@ def quant_bytes(quant: str) -> float:
 
 
 # 2: the CPU's row-by-row regime,
-# cache re-reads and overlap (cpu_gemm_from, cpu_caches, cpu_overlap).
-PROFILE_VERSION = 2
+# cache re-reads and overlap (cpu_gemm_from, cpu_caches, cpu_overlap). 3: CPU constants per format
+# (cpu_formats).
+PROFILE_VERSION = 3
 
 
 @dataclass
@@ -79,8 +92,12 @@ class CostModel:
     # Bytes the GPU expert timings rotated through, beyond the GPU's L2 (0 = not measured).
     gpu_rotate_bytes: float = 0.0
     name: str = ""
-    # Effective CPU bandwidth per quantisation when it differs from bw_cpu (dequantisation costs).
+    # Effective CPU bandwidth per format when it differs from bw_cpu (dequantisation costs): the
+    # named profiles' estimate, keyed by format_name; used where cpu_formats is empty.
     bw_cpu_by_quant: dict[str, float] = field(default_factory=dict)
+    # A calibrated profile's CPU constants per expert format it measured (format name -> the
+    # CPU_FIELDS): for_expert takes the expert's, and refuses a format the profile lacks.
+    cpu_formats: dict[str, dict] = field(default_factory=dict)
     # One token runs a matrix-vector kernel that streams weights faster than the batched (GEMM)
     # kernel does at small n (docs/notes/2026-11-24-measurements-in-code.md); 0 = no separate
     # figure, bw_cpu for every n. Set by calibration.
@@ -118,18 +135,38 @@ class CostModel:
     def has_gpu(self) -> bool:
         return self.bw_gpu > 0 and self.bw_pcie > 0
 
-    def for_expert(self, shape: ExpertShape, quant: str = "bf16") -> CostModel:
-        """A copy of these constants costing one expert of `shape` stored as `quant`."""
+    def for_expert(
+        self, shape: ExpertShape, quant: str = "bf16", expert_bytes: float | None = None
+    ) -> CostModel:
+        """A copy of these constants costing one expert of `shape` stored as `quant` (any name
+        QUANT_BYTES takes): `expert_bytes` as stored where known (a file's mix of formats), else
+        the format's bytes per weight."""
         params = shape.params_per_expert()
-        bw = self.bw_cpu_by_quant.get(quant, self.bw_cpu)
         return replace(
-            self,
-            bw_cpu=bw,
-            expert_bytes=params * quant_bytes(quant),
+            self.for_format(quant),
+            expert_bytes=expert_bytes or params * quant_bytes(quant),
             flops_per_token=2.0 * params,  # one multiply-add per weight per token
             hidden=shape.hidden,
             quant=quant,
         )
+
+    def for_format(self, quant: str) -> CostModel:
+        """These constants with the CPU's for experts in `quant` (cpu_constants)."""
+        return replace(self, **self.cpu_constants(quant))
+
+    def cpu_constants(self, quant: str) -> dict:
+        """The CPU fields for experts in `quant`: a calibrated profile's own for that format (an
+        error where it did not measure it), else bw_cpu_by_quant's estimate."""
+        name = format_name(quant)
+        if not self.cpu_formats:
+            return {"bw_cpu": self.bw_cpu_by_quant.get(name, self.bw_cpu)}
+        if name not in self.cpu_formats:
+            raise UserError(
+                f"the cost profile has figures for {', '.join(self.cpu_formats)} experts, not "
+                f"{name}; measure them with `hybridmoe calibrate --formats {name}` (--out FILE for "
+                "a profile file)"
+            )
+        return dict(self.cpu_formats[name])
 
     def t_cpu(self, n: int) -> float:
         if self.bw_cpu_one and n < self.cpu_gemm_from:
@@ -236,7 +273,12 @@ class CostModel:
                 "this file is not a hybridmoe cost profile; write one with `hybridmoe calibrate "
                 "--out FILE`"
             )
-        return cls(**{k: v for k, v in data.items() if k in known})
+        model = cls(**{k: v for k, v in data.items() if k in known})
+        if data.get("dtype") and not model.cpu_formats:  # calibrated before version 3: its dtype
+            name = format_name({"float32": "f32", "bfloat16": "bf16"}.get(data["dtype"], "bf16"))
+            model.cpu_formats = {name: {k: getattr(model, k) for k in CPU_FIELDS}}
+        model.bw_cpu_by_quant = {format_name(k): v for k, v in model.bw_cpu_by_quant.items()}
+        return model
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:

@@ -40,8 +40,9 @@ C_SYNC = 15 * US  # est.: the GPU waits on an event for the CPU's result, the CP
 def _block_formats(bw_cpu: float, cores: int) -> dict[str, float]:
     """Effective CPU bytes/s of the GGUF block formats: dequantisation-bound per core."""
     q4 = min(bw_cpu, cores * Q4K_BYTES_PER_CORE)
-    q8 = min(bw_cpu, cores * Q4K_BYTES_PER_CORE * QUANT_BYTES["q8"] / QUANT_BYTES["q4"])
-    return {"q4": q4, "q5": q4, "q6": q4, "q8": q8}
+    q8 = min(bw_cpu, cores * Q4K_BYTES_PER_CORE * QUANT_BYTES["q8_0"] / QUANT_BYTES["q4_k"])
+    # (est.) the other 4-6 bit formats decode as Q4_K does
+    return {"q4_k": q4, "q5_k": q4, "q6_k": q4, "q4_0": q4, "q4_1": q4, "q8_0": q8}
 
 
 def _machine(name, dram, cores, f_cpu, bw_gpu=0.0, f_gpu=0.0, bw_pcie=0.0, **extra) -> CostModel:
@@ -109,12 +110,12 @@ PROFILES: dict[str, CostModel] = {
         f_cpu=0.15 * T,  # est.: 2 cores x 2 FMA x 16 lanes x 2 x ~2.5 GHz = 320 GFLOP/s peak, ~50%
         c_cpu=5 * US,
         bw_cpu_by_quant={
-            "fp32": 18.9e6 / 958e-6,
+            "f32": 18.9e6 / 958e-6,
             "bf16": 9.44e6 / 767e-6,
             "int8": 4.72e6 / 466e-6,
-            "q8": 4.72e6 / 466e-6,
+            "q8_0": 4.72e6 / 466e-6,
             "int4": 2.36e6 / 241e-6,
-            "q4": 2.36e6 / 241e-6,
+            "q4_k": 2.36e6 / 241e-6,
         },
     ),
 }

@@ -3,10 +3,12 @@ writes.
 
 CPU: one SwiGLU expert (the function the runtime runs) over n = 1..512 tokens, for expert shapes
 from 0.2 MB to beyond the last-level cache, plus the model's own shape when the profile is for a
-model; with CUDA, the same on the GPU (rotating over `tuning.GPU_ROTATE_BYTES` of experts, beyond
-the GPU's L2, so each is read from GPU memory as a cache miss is) and host->device copies of several
-sizes from pinned memory (what the runtime's staging ring copies from) and from pageable memory,
-both recorded in the profile (`copy_source`, `bw_pcie_pageable`). Some
+model, once per expert format asked for (dense in the compute dtype, or GGUF blocks on the integer
+kernels: the profile keeps each format's CPU constants); with CUDA, the same on the GPU (rotating
+over `tuning.GPU_ROTATE_BYTES` of experts, beyond the GPU's L2, so each is read from GPU memory as
+a cache miss is) and host->device copies of several sizes from pinned memory (what the runtime's
+staging ring copies from) and from pageable memory, both recorded in the profile (`copy_source`,
+`bw_pcie_pageable`). Some
 shapes and token counts fit the constants (experts/plan/cost_fit.py `fit`); the others are held out,
 and the report gives predicted vs measured time on them, so the profile's error is known.
 """
@@ -26,13 +28,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.cost_fit import Sample, fit
-from hybridmoe.experts.plan.cost_model import PROFILE_VERSION, CostModel
+from hybridmoe.experts.plan.cost_model import (
+    CPU_FIELDS,
+    FLOAT_BYTES,
+    PROFILE_VERSION,
+    CostModel,
+    format_name,
+    quant_bytes,
+)
 from hybridmoe.experts.plan.shape import expert_params
 from hybridmoe.experts.run.ffn import expert_ffn
-from hybridmoe.experts.run.store import ExpertWeights
+from hybridmoe.experts.run.store import DTYPE_FORMAT, ExpertWeights
 from hybridmoe.files import write_atomic
+from hybridmoe.native import quant as kernels
 from hybridmoe.paths import user_cache_dir
+from hybridmoe.quant.formats import FORMATS
+from hybridmoe.quant.tensor import QTensor
 from hybridmoe.tuning import GPU_ROTATE_BYTES, ROTATE_BYTES
 
 log = logging.getLogger("hybridmoe")
@@ -61,6 +74,7 @@ class Check:
     n_tokens: int
     measured: float
     predicted: float
+    format: str = ""
 
     @property
     def error(self) -> float:
@@ -71,7 +85,7 @@ class Check:
 class Calibration:
     profile: CostModel
     dtype: torch.dtype
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)  # the fitted ones, every format's
     checks: list[Check] = field(default_factory=list)
     model: tuple[int, int] | None = (
         None  # the (hidden, intermediate) measured with the standard shapes
@@ -99,7 +113,17 @@ class Calibration:
 # ---- measurements ------------------------------------------------------------------------------
 
 
-def _experts(hidden: int, inter: int, dtype, device, total_bytes: float) -> list[ExpertWeights]:
+def _experts(
+    hidden: int, inter: int, dtype, device, total_bytes: float, fmt: str | None = None
+) -> list[ExpertWeights]:
+    """Enough random experts to pass `total_bytes` (at least 2): dense in `dtype`, or in the blocks
+    of `fmt` (copies of one, the same bytes at other addresses)."""
+    if fmt in FORMATS:
+        first = _experts(hidden, inter, torch.float32, "cpu", 0)[0]
+        one = ExpertWeights(*(QTensor.quantize(m, fmt) for m in (first.gate_up, first.down)))
+        count = max(2, int(total_bytes // one.nbytes()) + 1)
+        clone = lambda m: QTensor(m.data.clone(), m.fmt, m.cols)  # noqa: E731
+        return [one] + [ExpertWeights(clone(one.gate_up), clone(one.down)) for _ in range(count)]
     per = expert_params(hidden, inter) * dtype.itemsize
     count = max(2, int(total_bytes // per) + 1)
     g = torch.Generator().manual_seed(0)
@@ -116,9 +140,10 @@ class ColdExperts:
     (ROTATE_BYTES in all) have passed through the caches: each call streams its weights from RAM,
     as a decode step does. (Restarting the rotation per measurement timed small experts hot.)"""
 
-    def __init__(self, hidden: int, inter: int, dtype):
-        self.copies = _experts(hidden, inter, dtype, "cpu", ROTATE_BYTES)
+    def __init__(self, hidden: int, inter: int, dtype, fmt: str | None = None):
+        self.copies = _experts(hidden, inter, dtype, "cpu", ROTATE_BYTES, fmt)
         self.cursor = 0
+        self.dtype = dtype  # of the tokens
 
     def next(self) -> ExpertWeights:
         self.cursor = (self.cursor + 1) % len(self.copies)
@@ -135,7 +160,7 @@ def time_cpu_expert(experts: ColdExperts, n: int, reps: int) -> float:
     and does not count the time slices other processes take on a busy one.
     """
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
-    x = torch.randn(n, experts.copies[0].down.shape[0]).to(experts.copies[0].down.dtype)  # [n, H]
+    x = torch.randn(n, experts.copies[0].down.shape[0]).to(experts.dtype)  # [n, H]
     expert_ffn(x, experts.next())  # warm-up: thread pool, kernel selection for this n
     times = []
     for _ in range(reps):
@@ -194,18 +219,31 @@ def time_copy(nbytes: int, reps: int, pinned: bool = True) -> float:
 # ---- the calibration run -----------------------------------------------------------------------
 
 
-def _shapes(quick: bool, model: tuple[int, int] | None) -> tuple[tuple, tuple]:
-    """(fit shapes, held-out shapes): the model's own expert shape joins the fit,
-    never the check."""
-    fit_shapes = FIT_SHAPES + ((model,) if model and model not in FIT_SHAPES else ())
-    check_shapes = tuple(s for s in (QUICK_CHECK_SHAPES if quick else CHECK_SHAPES) if s != model)
-    return fit_shapes, check_shapes
+def _shapes(
+    quick: bool, model: tuple[int, int] | None, fmt: str | None = None
+) -> tuple[tuple, tuple]:
+    """(fit shapes, held-out shapes): the model's own expert shape joins the fit, never the
+    check. For a block format, sizes are rounded up to whole blocks, and the model's shape joins
+    only where its rows fill them (where they do not, its experts are not kept in the format)."""
+    block = FORMATS[fmt].block if fmt in FORMATS else 1
+    fit_shapes = _in_blocks(FIT_SHAPES, block)
+    check_shapes = _in_blocks(QUICK_CHECK_SHAPES if quick else CHECK_SHAPES, block)
+    if model and model[0] % block == 0 and model[1] % block == 0 and model not in fit_shapes:
+        fit_shapes += (model,)
+    return fit_shapes, tuple(s for s in check_shapes if s != model and s not in fit_shapes)
 
 
-def _jobs(quick: bool, cuda: bool, model: tuple[int, int] | None = None) -> list[tuple]:
+def _in_blocks(shapes: tuple, block: int) -> tuple:
+    up = lambda v: -(-v // block) * block  # noqa: E731
+    return tuple(dict.fromkeys((up(h), up(i)) for h, i in shapes))
+
+
+def _jobs(
+    quick: bool, cuda: bool, model: tuple[int, int] | None = None, fmt: str | None = None
+) -> list[tuple]:
     """(kind, role, hidden, inter, n) for every measurement, fit ones first."""
     fit_n, check_n = (QUICK_FIT_TOKENS, QUICK_CHECK_TOKENS) if quick else (FIT_TOKENS, CHECK_TOKENS)
-    fit_shapes, check_shapes = _shapes(quick, model)
+    fit_shapes, check_shapes = _shapes(quick, model, fmt)
     kinds = ("cpu", "gpu") if cuda else ("cpu",)
     jobs = []
     for kind in kinds:
@@ -223,11 +261,12 @@ def _jobs(quick: bool, cuda: bool, model: tuple[int, int] | None = None) -> list
 
 
 def _sample(
-    kind: str, hidden: int, inter: int, n: int, dtype, seconds: float, weight: float = 1.0
+    kind: str, hidden: int, inter: int, n: int, fmt: str, seconds: float, weight: float = 1.0
 ) -> Sample:
+    """A measurement of an expert in format `fmt` (its bytes: the format's bytes per weight)."""
     params = expert_params(hidden, inter)
     return Sample(
-        kind, n, seconds, bytes=params * dtype.itemsize, flops=2.0 * params * n, weight=weight
+        kind, n, seconds, bytes=params * quant_bytes(fmt), flops=2.0 * params * n, weight=weight
     )
 
 
@@ -238,25 +277,26 @@ def _weight(hidden: int, inter: int, model: tuple[int, int] | None) -> float:
     return float(len(FIT_SHAPES)) if model == (hidden, inter) else 1.0
 
 
-def _measure_cpu(jobs: list[tuple], dtype, rounds: int, bar) -> list[float]:
+def _measure_cpu(jobs: list[tuple], dtype, rounds: int, bar, fmt: str) -> list[float]:
     """Seconds per CPU job, the minimum over `rounds` rounds that each visit every job once, so
     that a change of load on the machine affects fitted and held-out points alike."""
     pools = {}
     for _, _, h, i, _ in jobs:
         if (h, i) not in pools:
-            pools[(h, i)] = ColdExperts(h, i, dtype)
+            pools[(h, i)] = ColdExperts(h, i, dtype, fmt)
     best = [float("inf")] * len(jobs)
     for _ in range(rounds):
         for j, (_, _, h, i, n) in enumerate(jobs):
-            bar.set_postfix_str(f"cpu {h}x{i} n={n}")
+            bar.set_postfix_str(f"cpu {fmt} {h}x{i} n={n}")
             # Small experts take microseconds, where one preemption is a large error: more tries.
-            reps = int(min(8, 1 + 2e6 // (expert_params(h, i) * dtype.itemsize)))
+            reps = int(min(8, 1 + 2e6 // (expert_params(h, i) * quant_bytes(fmt))))
             best[j] = min(best[j], time_cpu_expert(pools[(h, i)], n, reps))
             bar.update()
     return best
 
 
 def _measure_device(job: tuple, dtype, reps: int) -> float:
+    """Seconds of a GPU job: a dense expert in `dtype`, or a copy of one's bytes."""
     kind, _, h, i, n = job
     if kind in ("copy", "copy_pageable"):
         return time_copy(expert_params(h, i) * dtype.itemsize, reps, pinned=kind == "copy")
@@ -270,42 +310,83 @@ def calibrate(
     progress: bool = True,
     cuda: bool | None = None,
     model: tuple[int, int] | None = None,
+    formats: tuple[str, ...] | None = None,
 ) -> Calibration:
-    """Measure, fit on the fit set, check on the held-out set. `model`: the (hidden, intermediate)
-    of the experts the profile is for, measured along with the standard shapes."""
+    """Measure, fit on the fit set, check on the held-out set, for experts in each of `formats`
+    (default: dense in `dtype`; tokens are always in `dtype`). `model`: the (hidden, intermediate)
+    of the experts the profile is for, measured along with the standard shapes. The profile's
+    constants are the first format's, and `cpu_formats` holds every format's CPU constants."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
+    formats = _formats(formats, dtype)
     rounds = 5 if quick else 7  # minimum over rounds: 3 let one busy spell through (39% off, once)
-    jobs = _jobs(quick, cuda, model)
-    cpu_jobs = [j for j in jobs if j[0] == "cpu"]
-    device_jobs = [j for j in jobs if j[0] != "cpu"]
+    jobs = {f: _jobs(quick, cuda and i == 0, model, f) for i, f in enumerate(formats)}
+    runs = sum(len([j for j in js if j[0] == "cpu"]) * rounds for js in jobs.values())
     bar = tqdm(
-        total=len(cpu_jobs) * rounds + len(device_jobs),
+        total=runs + len([j for j in jobs[formats[0]] if j[0] != "cpu"]),
         desc="calibrating",
         unit="run",
         file=sys.stderr,
         disable=not progress,
         leave=False,
     )
-    seconds = dict(zip(cpu_jobs, _measure_cpu(cpu_jobs, dtype, rounds, bar)))
-    for job in device_jobs:
-        bar.set_postfix_str(f"{job[0]} {job[2]}x{job[3]} n={job[4]}")
-        seconds[job] = _measure_device(job, dtype, rounds)
-        bar.update()
+    measured = [_calibrate_format(f, jobs[f], dtype, rounds, model, bar) for f in formats]
     bar.close()
-    fit_samples = [
-        _sample(k, h, i, n, dtype, seconds[(k, r, h, i, n)], _weight(h, i, model))
+    profile = measured[0][0]
+    profile.cpu_formats = {
+        f: {k: getattr(p, k) for k in CPU_FIELDS} for f, (p, _, _) in zip(formats, measured)
+    }
+    samples = [s for _, fitted, _ in measured for s in fitted]
+    checks = [c for _, _, held in measured for c in held]
+    return Calibration(profile, dtype, samples, checks, model)
+
+
+def _formats(formats: tuple[str, ...] | None, dtype: torch.dtype) -> tuple[str, ...]:
+    """The formats to measure, by the engine's names; a clear error for one it cannot keep."""
+    dense = DTYPE_FORMAT[dtype]
+    names = tuple(dict.fromkeys(format_name(f) for f in formats)) if formats else (dense,)
+    for name in names:
+        if name in FLOAT_BYTES and name != dense:
+            raise UserError(
+                f"--formats {name}: dense experts are kept in the compute dtype ({dense}); give "
+                f"--dtype for {name} experts"
+            )
+        if name not in FLOAT_BYTES and name not in FORMATS:
+            raise UserError(
+                f"--formats {name}: experts are kept in {', '.join([*FLOAT_BYTES, *FORMATS])}"
+            )
+        if name in FORMATS and kernels.library() is None:
+            raise UserError(
+                f"--formats {name}: measuring block formats needs the native quantiser (a C "
+                "compiler and an AVX2 CPU)"
+            )
+    return names
+
+
+def _calibrate_format(fmt: str, jobs: list[tuple], dtype, rounds: int, model, bar) -> tuple:
+    """(profile, fitted samples, checks) of experts in `fmt` on the CPU (the GPU and copies, when
+    among the jobs, with dense experts in `dtype`)."""
+    cpu_jobs = [j for j in jobs if j[0] == "cpu"]
+    seconds = dict(zip(cpu_jobs, _measure_cpu(cpu_jobs, dtype, rounds, bar, fmt)))
+    for job in jobs:
+        if job[0] != "cpu":
+            bar.set_postfix_str(f"{job[0]} {job[2]}x{job[3]} n={job[4]}")
+            seconds[job] = _measure_device(job, dtype, rounds)
+            bar.update()
+    kept = {"cpu": fmt, "gpu": DTYPE_FORMAT[dtype], "copy": DTYPE_FORMAT[dtype]}
+    fitted = [
+        _sample(k, h, i, n, kept[k], seconds[(k, r, h, i, n)], _weight(h, i, model))
         for k, r, h, i, n in jobs
         if r == "fit"
     ]
-    profile = fit_profile(fit_samples)
-    if cuda:
+    profile = fit_profile(fitted)
+    if any(j[0] == "gpu" for j in jobs):  # GPU experts were timed cold, rotating over this much
         profile.gpu_rotate_bytes = GPU_ROTATE_BYTES
     checks = []
-    for job in jobs:
-        if job[1] == "check":
-            s = _sample(job[0], job[2], job[3], job[4], dtype, seconds[job])
-            checks.append(Check(job[0], job[2], job[3], job[4], s.seconds, predict(profile, s)))
-    return Calibration(profile, dtype, fit_samples, checks, model)
+    for job in (j for j in jobs if j[1] == "check"):
+        k, _, h, i, n = job
+        s = _sample(k, h, i, n, kept[k], seconds[job])
+        checks.append(Check(k, h, i, n, s.seconds, predict(profile, s), kept[k]))
+    return profile, fitted, checks
 
 
 def fit_profile(samples: list[Sample]) -> CostModel:
@@ -374,26 +455,43 @@ def load_or_calibrate(
     dtype: torch.dtype,
     progress: bool = True,
     model: tuple[int, int] | None = None,
+    fmt: str | None = None,
 ) -> CostModel:
     """The profile at `path`; without one, the cached profile of this machine for experts of shape
-    `model` (hidden, intermediate), measured on first use."""
+    `model` (hidden, intermediate), with the CPU's figures for experts in `fmt` (default: dense in
+    `dtype`) measured on first use and added to it."""
     if path is not None:
         return CostModel.load(path)
+    fmt = format_name(fmt or DTYPE_FORMAT[dtype])
     cached = default_profile_path(dtype, model)
-    if cached.exists():
-        try:
-            if json.loads(cached.read_text()).get("version") == PROFILE_VERSION:
-                return CostModel.load(cached)
-        except Exception:
-            pass  # a broken cache file, or one of an older format, is measured again below
+    data = _cached(cached)
+    if data is not None and fmt in data.get("cpu_formats", {}):
+        return CostModel.from_json(data)
     log.warning(
-        "measuring this machine's expert speed once (cached in %s); `hybridmoe calibrate` does a "
-        "longer run",
+        "measuring this machine's expert speed for %s experts once (cached in %s); `hybridmoe "
+        "calibrate` does a longer run",
+        fmt,
         cached,
     )
-    result = calibrate(dtype, quick=True, progress=progress, model=model)
+    result = calibrate(dtype, quick=True, progress=progress, model=model, formats=(fmt,))
+    if data is not None:  # the formats measured before stay; the profile's own constants too
+        data["cpu_formats"] = {**data["cpu_formats"], **result.profile.cpu_formats}
+        data["checks"] = data.get("checks", []) + result.to_json()["checks"]
+    else:
+        data = result.to_json()
     try:
-        result.save(cached)
+        write_atomic(cached, json.dumps(data, indent=2) + "\n")
     except OSError as e:
         log.warning("could not cache the calibration in %s (%s)", cached, e)
-    return result.profile
+    return CostModel.from_json(data)
+
+
+def _cached(path: Path) -> dict | None:
+    """The cached profile's JSON, or None where there is none, it is broken, or of an older
+    version (measured again)."""
+    try:
+        data = json.loads(path.read_text())
+        CostModel.from_json(data)
+    except Exception:
+        return None
+    return data if data.get("version") == PROFILE_VERSION else None

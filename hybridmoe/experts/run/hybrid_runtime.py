@@ -35,8 +35,6 @@ from hybridmoe.experts.run.runtime_stats import PLANNER_FIELDS, RuntimeStats
 
 log = logging.getLogger("hybridmoe")
 
-DTYPE_QUANT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 @dataclass
 class HybridConfig:
@@ -144,17 +142,22 @@ class HybridRuntime(BaseRuntime):
             config.cpu_workers,
         )
         self.config = config
-        self.quant = DTYPE_QUANT.get(dtype, "bf16")
-        # Activations cross the bus in the model's dtype (t_act charges what _cpu_inputs moves).
-        self.cost = replace(
-            device_cost(cost, config.device).for_expert(shape, self.quant),
-            act_bytes=dtype.itemsize,
-        )
+        self.device_cost = device_cost(cost, config.device)
+        # costed for the experts' format and bytes once the store is full (finish_loading)
+        self.quant: str | None = None
+        self.cost: CostModel | None = None
         self.planner = self.acc = None  # built in finish_loading, once the store is full
 
     def finish_loading(self) -> None:
         super().finish_loading()
         cfg, shape = self.config, self.shape
+        # the format the experts are kept in and their bytes as stored (a file's mix of formats)
+        self.quant = self.store.format()
+        # Activations cross the bus in the model's dtype (t_act charges what _cpu_inputs moves).
+        self.cost = replace(
+            self.device_cost.for_expert(shape, self.quant, self.store.expert_nbytes()),
+            act_bytes=self.store.dtype.itemsize,
+        )
         stats = read_stats(cfg.expert_stats) if cfg.expert_stats else None
         if stats is not None and (
             stats.layers != self.layers or stats.num_experts != shape.num_experts

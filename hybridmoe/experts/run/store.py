@@ -3,11 +3,14 @@
 An expert is its gate and up projections fused into one matrix [2I, H] (so that it is two matrix
 products) and its down projection [H, I], each either a dense tensor in the store's dtype or a
 QTensor of blocks (hybridmoe/quant): as the GGUF file stores them, or quantised at load (`quant`).
+Blocks from a GGUF file stay views of its memory map: an expert's gate and up rows are two places
+of the file (its slices of the gate and up stacks), joined as the parts of one QTensor, not copied.
 Experts may differ in format (llama.cpp gives some layers' down projections more bits), so sizes are
 counted from the records themselves."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,8 @@ from hybridmoe.quant.formats import FORMATS, suits
 from hybridmoe.quant.tensor import QTensor, dense
 
 Matrix = torch.Tensor | QTensor
+# Dense experts' format names (experts/plan/cost_model.py FLOAT_BYTES)
+DTYPE_FORMAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 @dataclass
@@ -30,6 +35,11 @@ class ExpertWeights:
 
 def _nbytes(m: Matrix) -> int:
     return m.nbytes() if isinstance(m, QTensor) else m.numel() * m.element_size()
+
+
+def format_of(m: Matrix) -> str:
+    """A matrix's format name: its blocks' (q4_k, ...), or its dtype's (bf16, f32, f16)."""
+    return m.fmt.name if isinstance(m, QTensor) else DTYPE_FORMAT.get(m.dtype, str(m.dtype))
 
 
 class ExpertStore:
@@ -91,5 +101,28 @@ class ExpertStore:
             return self._bytes // len(self.records)
         return self.shape.params_per_expert() * self.dtype.itemsize
 
+    def format(self) -> str:
+        """The experts' format: the one that holds most of their bytes (a Q4_K_M file keeps gate
+        and up in q4_k and some layers' down in q6_k: q4_k); before loading, what they will be
+        quantised to or the dtype's."""
+        held = Counter()
+        for w in self.records.values():
+            held[format_of(w.gate_up)] += _nbytes(w.gate_up)
+            held[format_of(w.down)] += _nbytes(w.down)
+        if held:
+            return held.most_common(1)[0][0]
+        return kept_format(self.shape.hidden, self.shape.intermediate, self.dtype, self.quant)
+
     def total_nbytes(self) -> int:
         return self.expert_nbytes() * len(self.shape.moe_layers) * self.shape.num_experts
+
+
+def kept_format(hidden: int, inter: int, dtype: torch.dtype, quant: str | None) -> str:
+    """ExpertStore.format of experts stored from dense weights: each matrix is quantised to
+    `quant` where its rows fill the blocks, else kept in `dtype`."""
+    held, dense = Counter(), DTYPE_FORMAT.get(dtype, "bf16")
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down
+        fmt = FORMATS[quant] if quant and suits(FORMATS[quant], cols) else None
+        nbytes = rows * (fmt.row_bytes(cols) if fmt else cols * dtype.itemsize)
+        held[fmt.name if fmt else dense] += nbytes
+    return held.most_common(1)[0][0]
