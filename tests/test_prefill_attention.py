@@ -125,10 +125,13 @@ def test_causal_attention_takes_the_kernel_for_bf16_chunks_only(monkeypatch):
     monkeypatch.setattr(
         native, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a)
     )
-    for n, dtype in [(5, torch.bfloat16), (1, torch.bfloat16), (5, torch.float32)]:
+    cases = [(5, torch.bfloat16, False), (1, torch.bfloat16, False), (5, torch.float32, False)]
+    cases.append((5, torch.bfloat16, True))  # a training pass: the kernel has no backward
+    for n, dtype, grad in cases:
         q, k, v = (t.to(dtype) for t in inputs(n, 9, 4, 2, 32, 32, seed=n))
         want = reference(q, k, v, 0.2)
-        got = attention.causal_attention(q, k, v, 0.2)
+        with torch.set_grad_enabled(grad):
+            got = attention.causal_attention(q, k, v, 0.2)
         assert got.dtype == dtype and (got.double() - want).abs().max() < 1e-2
     assert calls == [5]
 
