@@ -65,6 +65,7 @@ def test_a_schemathesis_run_finds_no_5xx_no_timeout_and_nothing_undocumented(ser
         capture_output=True,
         text=True,
         timeout=500,
+        cwd=tmp_path,  # where schemathesis keeps its cache (.schemathesis/)
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     junit = next(report.iterdir()).read_text()
