@@ -171,7 +171,7 @@ def test_version_1_profiles_load_with_the_formulas_they_were_fitted_for(tmp_path
     assert m.t_cpu(1) == pytest.approx(1e7 / 2e10 + 5e-6)
     for n in (2, 3, 50, 500):  # v1: the roofline's max from n = 2 on
         assert m.t_cpu(n) == pytest.approx(max(1e7 / 1e10, n * 1e6 / 1e11) + 1e-5)
-    assert m.to_json()["version"] == PROFILE_VERSION == 2
+    assert m.to_json()["version"] == PROFILE_VERSION == 3
 
 
 def test_fitted_profile_round_trips_through_json(tmp_path):

@@ -277,7 +277,7 @@ class CostModel:
         if data.get("dtype") and not model.cpu_formats:  # calibrated before version 3: its dtype
             name = format_name({"float32": "f32", "bfloat16": "bf16"}.get(data["dtype"], "bf16"))
             model.cpu_formats = {name: {k: getattr(model, k) for k in CPU_FIELDS}}
-        model.bw_cpu_by_quant = {format_name(k): v for k, v in model.bw_cpu_by_quant.items()}
+        model.bw_cpu_by_quant = {ALIASES.get(k, k): v for k, v in model.bw_cpu_by_quant.items()}
         return model
 
     @classmethod
