@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import signal
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -233,23 +234,22 @@ def test_sizes_and_urls_are_checked(tiny):
 # ---- a remote tier: shared, down, slow ----
 
 
-def test_a_second_engine_loads_what_the_first_wrote_to_redis(tiny):
-    ref, model, _ = tiny[3]
-    p = prompt(60, seed=8)
-    with redis_server() as (url, _):
-        a = engine(model, prefix_cache_remote=url)
-        a.generate([p], GREEDY)
-        a.close()
-        b = engine(model, prefix_cache_remote=url)
-        assert b.generate([p], GREEDY) == [hf_greedy(ref, p)]
-        assert b.blocks.loaded_tokens == 56 and b.metrics.prefill_tokens == 4
-        b.close()
+@contextmanager
+def remote_url(kind: str):
+    """A shared store of `kind` started on 127.0.0.1, as a --prefix-cache-remote URL."""
+    if kind == "redis":
+        with redis_server() as (url, _):
+            yield url
+    else:
+        with mooncake_store() as url:
+            yield url
 
 
-def test_a_second_engine_loads_what_the_first_wrote_to_mooncake(tiny):
+@pytest.mark.parametrize("kind, seed", [("redis", 8), ("mooncake", 9)])
+def test_a_second_engine_loads_what_the_first_wrote_to_the_remote_store(tiny, kind, seed):
     ref, model, _ = tiny[3]
-    p = prompt(60, seed=9)
-    with mooncake_store() as url:
+    p = prompt(60, seed=seed)
+    with remote_url(kind) as url:
         a = engine(model, prefix_cache_remote=url)
         a.generate([p], GREEDY)
         a.close()
