@@ -27,6 +27,13 @@ FEW_ROWS = 32
 # threads: oneDNN splits the work over its threads and overtakes it from about 16 rows.
 THREADED_NATIVE_ROWS = 8
 
+# Rows of an expert a training step's forward and backward compute at a time (a full tile), and the
+# granule the rest is rounded up to and split in powers of two: every bf16 matmul of the expert
+# backward then has one of six row counts, so oneDNN builds and keeps six kernels per shape rather
+# than one per expert group size.
+TRAIN_TILE_ROWS = 256
+TRAIN_ROW_GRAIN = 8
+
 # ---- calibration -------------------------------------------------------------------------------
 
 # Bytes of expert copies a calibration rotates through, beyond any desktop or server CPU's

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.recompute import recompute
 
 
 class DecoderLayer(nn.Module):
@@ -23,5 +24,8 @@ class DecoderLayer(nn.Module):
         setattr(self, ffn_name, ffn)
 
     def forward(self, x, cos_sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx)
-        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
+        train = (
+            self.training
+        )  # a training step keeps the blocks' inputs alone (layers/recompute.py)
+        x = x + recompute(train, lambda h: self.self_attn(self.input_layernorm(h), cos_sin, ctx), x)
+        return x + getattr(self, self.ffn_name)(recompute(train, self.post_attention_layernorm, x))

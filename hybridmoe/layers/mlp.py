@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.layers.linear import Linear
+from hybridmoe.layers.recompute import recompute
 
 
 class GatedMLP(nn.Module):
@@ -15,4 +16,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recompute(self.training, self._forward, x)  # a training step keeps x alone
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

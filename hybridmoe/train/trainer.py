@@ -30,6 +30,7 @@ from hybridmoe.train import checkpoint
 from hybridmoe.train.config import SAME_ON_RESUME, FinetuneConfig
 from hybridmoe.train.data import Example, Prepared, batches
 from hybridmoe.train.forward import Batch, loss_sum
+from hybridmoe.train.heap import release_free_heap
 from hybridmoe.train.schedule import cosine_with_warmup
 
 ADAPTER = "finetune"  # the adapter's name inside the model while it trains
@@ -197,6 +198,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        release_free_heap()  # so that steps do not pile up freed, still resident pages (heap.py)
         return total / targets, tokens
 
     def _end_epoch(self, epoch: int) -> str:

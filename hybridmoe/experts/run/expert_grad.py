@@ -23,6 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from hybridmoe import tuning
 from hybridmoe.experts.run.cpu_pool import CPUExperts
 from hybridmoe.experts.run.ffn import group_by_expert
 from hybridmoe.experts.run.lora import ExpertLoRA, down, gate_up
@@ -149,44 +150,102 @@ class _ExpertLayer(torch.autograd.Function):
         return (dx.to(x.dtype), dw.to(topk_weights.dtype), *flat, None, None, None, None, None)
 
 
+def _tiles(n: int) -> list[int]:
+    """The row counts of the tiles that cover an expert's n rows: TRAIN_TILE_ROWS at a time, then
+    the rest rounded up to TRAIN_ROW_GRAIN in powers of two (256, 128, ..., 8). oneDNN builds a
+    bf16 matmul (a JIT kernel) for each row count it meets and keeps up to 1024 of them; one per
+    expert group size held most of a demo training step's extra memory
+    (docs/notes/2026-11-24-finetune.md, "Peak memory")."""
+    tile, grain = tuning.TRAIN_TILE_ROWS, tuning.TRAIN_ROW_GRAIN
+    rest = -(-n // grain) * grain  # n rounded up to a multiple of grain
+    sizes = [tile] * (rest // tile)
+    bit = tile // 2
+    rest %= tile
+    while rest:  # a multiple of grain below tile: its binary digits
+        if rest & bit:
+            sizes.append(bit)
+            rest -= bit
+        bit //= 2
+    return sizes
+
+
+def _padded(rows: torch.Tensor, wk: torch.Tensor | None = None):
+    """rows [n] extended to the tiles' total [m] by repeating the last row, and the routing
+    weights wk [n, 1] by zeros [m, 1]: a padding row adds nothing to any gradient."""
+    extra = sum(_tiles(len(rows))) - len(rows)
+    rows = torch.cat([rows, rows[-1:].expand(extra)])  # [m]
+    if wk is None:
+        return rows
+    return rows, torch.cat([wk, wk.new_zeros(extra, 1)])  # [m, 1]
+
+
 def _expert_forward(x, rows, w: ExpertWeights, f, e: int, s: float):
-    """One expert's rows: its output [n, H] and what its backward needs."""
-    gu, xa = gate_up(x[rows], w, f[0], e, s)  # [n, 2I]
+    """One expert's rows, a tile at a time: its output [n, H] and what its backward needs."""
+    ys, kept, start = [], [], 0
+    padded = _padded(rows)  # [m]
+    for size in _tiles(len(rows)):
+        y, k = _tile_forward(x[padded[start : start + size]], w, f, e, s)
+        ys.append(y)
+        kept.append(k)
+        start += size
+    return torch.cat(ys)[: len(rows)], kept  # [n, H]
+
+
+def _tile_forward(xt, w: ExpertWeights, f, e: int, s: float):
+    """A tile's rows xt [t, H] through expert e: [t, H] and what its backward needs."""
+    gu, xa = gate_up(xt, w, f[0], e, s)  # [t, 2I]
     gate, up = gu.chunk(2, dim=-1)
-    y, ha = down(F.silu(gate) * up, w, f[1], e, s)  # [n, H]
+    y, ha = down(F.silu(gate) * up, w, f[1], e, s)  # [t, H]
     return y, (gu, xa, ha)
 
 
 def _expert_backward(grad_out, wk, kept, x, rows, w: ExpertWeights, f, e, lora, grads):
-    """One expert's rows, in the store's dtype: grad_out = dLoss/d(layer output) [T, H], wk their
-    routing weights [n, 1], what the forward kept, f the LoRA factors (gate_up, down). Returns dx
-    [n, H] and d(routing weight) [n]; adds the LoRA gradients into expert e's rows of `grads`."""
+    """One expert's rows, a tile at a time: grad_out = dLoss/d(layer output) [T, H], wk their
+    routing weights [n, 1], what the forward kept per tile, f the LoRA factors (gate_up, down).
+    Returns dx [n, H] and d(routing weight) [n]; adds the LoRA gradients into expert e's rows of
+    `grads`."""
+    padded, wk = _padded(rows, wk)  # [m], [m, 1]
+    dxs, dws, start = [], [], 0
+    for size, k in zip(_tiles(len(rows)), kept):
+        t = padded[start : start + size]
+        tile = slice(start, start + size)
+        dx, dw = _tile_backward(grad_out[t], wk[tile], k, x[t], w, f, e, lora, grads)
+        dxs.append(dx)
+        dws.append(dw)
+        start += size
+    n = len(rows)
+    return torch.cat(dxs)[:n], torch.cat(dws)[:n]
+
+
+def _tile_backward(g, wk, kept, xt, w: ExpertWeights, f, e, lora, grads):
+    """A tile's rows, in the store's dtype: g = dLoss/d(layer output) at its rows [t, H], wk their
+    routing weights [t, 1] (0 on padding), what its forward kept, xt its inputs [t, H]. Returns dx
+    [t, H] and d(routing weight) [t]; adds the LoRA gradients into expert e's rows of `grads`."""
     s, (f_gu, f_d) = lora.scaling, f
-    g = grad_out[rows]  # [n, H]
     gu, xa, ha = kept
-    gate, up = gu.chunk(2, dim=-1)  # [n, I] each
+    gate, up = gu.chunk(2, dim=-1)  # [t, I] each
     sig = torch.sigmoid(gate)
     sg = gate * sig  # silu(gate)
-    h = sg * up  # [n, I]
+    h = sg * up  # [t, I]
     # y = down(h); dLoss/dy = wk * g. The routing weight's gradient is <g, y> = <g down, h>.
-    dh = g @ w.down  # [n, I]
+    dh = g @ w.down  # [t, I]
     if f_d is not None:
         a, b = f_d[0][e], f_d[1][e]  # [r, I], [H, r]
-        gb = g @ b  # [n, r]
+        gb = g @ b  # [t, r]
         dh.addmm_(gb, a, alpha=s)
         da, db = grads["down"]
         da[e] += (s * (wk * gb).T @ h).float()  # [r, I]
         db[e] += (s * g.T @ (wk * ha)).float()  # [H, r]
-    dw = (dh * h).sum(dim=-1)  # [n]
+    dw = (dh * h).sum(dim=-1)  # [t]
     dh = dh * wk
     dgate = dh * up * sig * (1 + gate * (1 - sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
-    dgu = torch.cat([dgate, dh * sg], dim=-1)  # [n, 2I]
-    dx = dgu @ w.gate_up  # [n, H]
+    dgu = torch.cat([dgate, dh * sg], dim=-1)  # [t, 2I]
+    dx = dgu @ w.gate_up  # [t, H]
     if f_gu is not None:
         a, b = f_gu[0][e], f_gu[1][e]  # [r, H], [2I, r]
-        gb = dgu @ b  # [n, r]
+        gb = dgu @ b  # [t, r]
         dx.addmm_(gb, a, alpha=s)
         da, db = grads["gate_up"]
-        da[e] += (s * gb.T @ x[rows].to(gb.dtype)).float()  # [r, H]
+        da[e] += (s * gb.T @ xt.to(gb.dtype)).float()  # [r, H]
         db[e] += (s * dgu.T @ xa).float()  # [2I, r]
     return dx, dw
