@@ -13,7 +13,7 @@ from hybridmoe.experts.run.accelerators import Staging
 from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.loader import load_model
 from tests.contiguous_kv import SequenceKV, forward_step
-from tests.tiny import BUILDERS, build_tiny
+from tests.tiny import BUILDERS, tiny_models
 
 ARCHS = [a for a in ("mixtral", "qwen3_moe", "deepseek_v3") if a in BUILDERS]
 POLICIES = ("cpu", "static", "fiddler", "hybrimoe", "lru", "lfu", "value")
@@ -28,15 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = tmp_path_factory.mktemp(arch) / "model"
-            build_tiny(arch, made[arch])
-        return made[arch]
-
-    return get
+    return tiny_models(tmp_path_factory)
 
 
 def hybrid_model(path, **options):

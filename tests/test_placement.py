@@ -22,7 +22,7 @@ from hybridmoe.experts.run.hybrid_runtime import HybridConfig, HybridRuntime
 from hybridmoe.experts.run.store import ExpertStore
 from hybridmoe.loader import load_model
 from hybridmoe.quant.tensor import QTensor
-from tests.tiny import build_tiny
+from tests.tiny import tiny_models
 
 PROMPT = [3, 17, 5, 42, 8, 11, 2, 29, 64, 7]
 # Every test runs on the emulator here, and on CUDA where there is one (those skip without it):
@@ -43,15 +43,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = tmp_path_factory.mktemp(arch) / "model"
-            build_tiny(arch, made[arch])
-        return made[arch]
-
-    return get
+    return tiny_models(tmp_path_factory)
 
 
 def hybrid(path, quant=None, device="emulated", **options):

@@ -219,3 +219,16 @@ def bf16_batch_greedy(arch: str, out: Path):
         return eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0), max_steps=500)
 
     return generate
+
+
+def tiny_models(tmp_path_factory):
+    """A getter arch -> directory of that tiny model, each built once (a module fixture's body)."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = tmp_path_factory.mktemp(arch) / "model"
+            build_tiny(arch, made[arch])
+        return made[arch]
+
+    return get

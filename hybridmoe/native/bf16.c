@@ -119,8 +119,6 @@ void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const ui
 
 #define UNIT_BYTES 65536
 
-static long min_l(long a, long b) { return a < b ? a : b; }
-
 /* Rows of a [O, I] bf16 weight in one unit, a multiple of 4 (block()'s width). */
 static long unit_rows(long I) {
     long rows = UNIT_BYTES / (2 * I) / 4 * 4;

@@ -123,6 +123,8 @@ static void hm_parallel(region_fn fn, void *arg, int T) {
     pthread_mutex_unlock(&pool.busy);
 }
 
+static long min_l(long a, long b) { return a < b ? a : b; }
+
 /* The next unit of a stage's `total` for the calling thread, or -1 when all are taken. */
 static long next_unit(atomic_long *counter, long total) {
     long u = atomic_fetch_add(counter, 1);

@@ -678,8 +678,6 @@ static long unit_rows(long ldw, long M) {
 /* Which path: 2 = AVX-512 VNNI, 1 = AVX2 (the caller checks the CPU has it). Errors: -1 an unknown format
    or a width that is not a multiple of its block, -2 no memory. */
 
-static long min_l(long a, long b) { return a < b ? a : b; }
-
 static int check_shape(int fmt, long ldw, long K) {
     if (!block_bytes(fmt) || K <= 0 || K % block_elems(fmt)) return -1;
     return ldw >= K / block_elems(fmt) * block_bytes(fmt) ? 0 : -1;

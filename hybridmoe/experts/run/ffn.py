@@ -45,22 +45,21 @@ def blocks_together(inputs: list[tuple[torch.Tensor, ExpertWeights]]) -> bool:
     """Whether experts_ffn takes these (rows, weights) pairs in one native call: all in blocks on
     the integer kernels, or all bf16 decode rows on the bf16 kernels. The weights of one store are
     all of one kind, so the first pair's say which; each distinct row tensor is checked once."""
-    if not inputs:
+    kinds = {isinstance(w.gate_up, QTensor) and isinstance(w.down, QTensor) for _, w in inputs}
+    if len(kinds) != 1:
         return False
-    w, checked = inputs[0][1], set()
-    kinds = {isinstance(v.gate_up, QTensor) and isinstance(v.down, QTensor) for _, v in inputs}
-    if len(kinds) > 1:
-        return False
-    if kinds.pop():
-        dtype = inputs[0][0].dtype
-        applies = lambda x: x.dtype == dtype and native_applies(x, w.gate_up, w.down)  # noqa: E731
-    else:
-        applies = lambda x: native.applies(x, w.gate_up, w.down)  # noqa: E731
+    blocks, (x0, w) = kinds.pop(), inputs[0]
+    checked = set()
     for x, _ in inputs:
-        if id(x) not in checked:
-            if not applies(x):
-                return False
-            checked.add(id(x))
+        if id(x) in checked:
+            continue
+        if blocks:
+            ok = x.dtype == x0.dtype and native_applies(x, w.gate_up, w.down)
+        else:
+            ok = native.applies(x, w.gate_up, w.down)
+        if not ok:
+            return False
+        checked.add(id(x))
     return True
 
 
