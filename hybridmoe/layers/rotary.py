@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from hybridmoe.native import rows
+
 
 def rope_parameters(cfg) -> dict:
     """rope_theta and rope_scaling from a config,
@@ -109,6 +111,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, dim], cos/sin: [T, dim] -> [T, heads, dim]."""
+    """x: [T, heads, dim], cos/sin: [T, dim] -> [T, heads, dim]; bf16 rows outside training in one
+    native call (native/rows.py) with the same roundings."""
+    if rows.rotary_applies(x, cos):
+        return rows.rotary(x, cos, sin)
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     return x * cos + rotate_half(x) * sin
