@@ -40,9 +40,18 @@ enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 /* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
    registers), and the weight bytes a tile of rows spans: small enough to stay in L1 while every group of
-   tokens passes over it. */
-#define GROUP 8
+   tokens passes over it. A group's activations must stay in L1 too: blocks of 32 keep ~3 bytes per
+   element of a token (its int8 values, a scale and a byte sum per lane), so 8 tokens of K = 2048 (48 KB)
+   spilled to L2 and ran slower per token than one; 4 ran 2.4x faster than 8 at 8 tokens
+   (docs/notes/2026-11-24-prefill-tiles.md). */
+#define GROUP 4
 #define TILE_BYTES 16384
+/* Tokens whose activations one unit's tiles meet before the next tokens: about 64 x 6 KB (blocks of 32,
+   K = 2048) stays in L2 while a unit's tiles pass, where a prefill chunk's whole set (3 MB at 512 tokens)
+   came from L3 for every tile. And the fewest rows a unit has, so that those activations serve several
+   tiles of rows before they are read again. */
+#define CHUNK_TOKENS 64
+#define MIN_UNIT_ROWS 16
 /* Weight bytes of one unit of work handed to a thread: large enough that taking a unit (an atomic add)
    costs nothing beside it, small enough that 2..16 threads get many units each from one expert. */
 #define UNIT_BYTES 65536
@@ -654,23 +663,27 @@ typedef struct {
 } product;
 
 static void product_rows(const product *p, long n0, long n1) {
-    static const long iota[GROUP] = {0, 1, 2, 3, 4, 5, 6, 7};
     long tile = TILE_BYTES / p->ldw > 0 ? TILE_BYTES / p->ldw : 1;
-    for (long t = n0; t < n1; t += tile) {
-        long t1 = t + tile < n1 ? t + tile : n1;
-        for (long m = 0; m < p->M; m += GROUP) {
-            long idx[GROUP];
-            int R = p->M - m < GROUP ? (int)(p->M - m) : GROUP;
-            for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + iota[r];
-            p->dot(p->W, p->ldw, t, t1, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+    for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
+        long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
+        for (long t = n0; t < n1; t += tile) {
+            long t1 = min_l(t + tile, n1);
+            for (long m = m0; m < m1; m += GROUP) {
+                long idx[GROUP];
+                int R = (int)min_l(m1 - m, GROUP);
+                for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
+                p->dot(p->W, p->ldw, t, t1, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+            }
         }
     }
 }
 
-/* Rows of one unit of work: about UNIT_BYTES of weights, fewer as more tokens share them. */
+/* Rows of one unit of work: about UNIT_BYTES of weights, fewer as more tokens share them, at least
+   MIN_UNIT_ROWS. (Every token's result is computed alike whatever the unit, tile and group sizes: each
+   output is one row's dot product with one token, in the order of its blocks.) */
 static long unit_rows(long ldw, long M) {
     long rows = UNIT_BYTES / (ldw * (M < GROUP ? 1 : M / GROUP));
-    return rows > 0 ? rows : 1;
+    return rows > MIN_UNIT_ROWS ? rows : MIN_UNIT_ROWS;
 }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
