@@ -182,21 +182,23 @@ void hm_pred_after_visit(const pred_t *p, long i, double *out) {
 }
 
 /* ValuePolicy._make_view's ranking keys: the dynamic residents (resident, not pinned), in
- * row-major order, as flat indices (out) and minus their distance (neg): d + L (1 - p) / q, p and
- * q floored at 1e-3, where the planned layer `here` reads p_not for both. Returns their number. */
-long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned,
-                  const int64_t *distance, long here, const double *p_not, long *out,
-                  double *neg) {
-    long n = 0, E = p->E;
-    for (long x = 0; x < p->L * E; x++) {
-        if (!mask[x] || pinned[x]) continue;
-        long i = x / E;
-        double pp = i == here ? p_not[x - i * E] : p->P[x];
-        double qq = i == here ? p_not[x - i * E] : p->Q[x];
-        pp = pp > 1e-3 ? pp : 1e-3;
-        qq = qq > 1e-3 ? qq : 1e-3;
-        out[n] = x;
-        neg[n++] = -((double)distance[i] + (double)p->L * (1.0 - pp) / qq);
+ * row-major order, as flat indices (out) and minus their distance (neg): d + L (1 - p) / q, d the
+ * layers from ordinal `here` on until theirs runs (L for itself), p and q floored at 1e-3, where
+ * `here`'s residents read p_not for both. Returns their number. */
+long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
+                  const double *p_not, long *out, double *neg) {
+    long n = 0, E = p->E, L = p->L;
+    for (long i = 0; i < L; i++) {
+        long d = ((i - here) % L + L) % L;
+        double dist = (double)(d ? d : L);
+        const double *P = i == here ? p_not : p->P + i * E, *Q = i == here ? p_not : p->Q + i * E;
+        for (long e = 0; e < E; e++) {
+            long x = i * E + e;
+            if (!mask[x] || pinned[x]) continue;
+            double pp = P[e] > 1e-3 ? P[e] : 1e-3, qq = Q[e] > 1e-3 ? Q[e] : 1e-3;
+            out[n] = x;
+            neg[n++] = -(dist + (double)L * (1.0 - pp) / qq);
+        }
     }
     return n;
 }

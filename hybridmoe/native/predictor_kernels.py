@@ -36,10 +36,9 @@ SIGNATURES = {
     "hm_pred_bands": ([P, N, P, N, P], None),
     # void hm_pred_after_visit(const pred_t *p, long i, double *out)
     "hm_pred_after_visit": ([P, N, P], None),
-    # long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned,
-    #                   const int64_t *distance, long here, const double *p_not, long *out,
-    #                   double *neg)
-    "hm_pred_view": ([P, P, P, P, N, P, P, P], N),
+    # long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
+    #                   const double *p_not, long *out, double *neg)
+    "hm_pred_view": ([P, P, P, N, P, P, P], N),
 }
 
 _D = ctypes.c_double
@@ -105,5 +104,6 @@ class Bound:
         self.after = np.empty((2, E))  # [2, E] after_visit's rows
         self.flat = np.empty(L * E, dtype=np.int64)  # [L*E] ranking keys: flat (ordinal, expert)
         self.neg = np.empty(L * E)  # [L*E] and minus their distance
+        self.flat_at, self.neg_at = address(self.flat), address(self.neg)
         self.src = (ctypes.c_void_p * max(1, fields["H"]))()
         self.n_src = np.zeros(max(1, fields["H"]), dtype=np.int64)
