@@ -439,18 +439,19 @@ class Planner:
         copy_start, t_copy = max(now, self.copy_free), tm.copy
         # How long the copy stream is busy from now with b copies queued, b = 0..len(options).
         copying = [copy_start + b * t_copy - now for b in range(len(options) + 1)]
+        gains = [o.gain for o in options]
+        beside, act = tm.cpu_beside_copies, tm.act
         best, best_cost = ([], 0), math.inf
         for gpu_a, cpu_a, rows_a, chosen in self._late_choices(plan, late, now):
             gpu, cpu, gain = gpu_a, base_cpu + cpu_a, 0.0
-            for b in range(len(options) + 1):
+            rows_a += stranded_rows
+            for b, busy in enumerate(copying):
                 if b:
-                    gpu = max(gpu, now + copying[b]) + opt_gpu[b - 1]
+                    gpu = max(gpu, now + busy) + opt_gpu[b - 1]
                     cpu -= opt_cpu[b - 1]
-                    gain += options[b - 1].gain
-                rows = rows_a + opt_rows[b] + stranded_rows
-                cpu_end = now
-                if rows:
-                    cpu_end += tm.cpu_beside_copies(cpu, copying[b]) + tm.act(rows)
+                    gain += gains[b - 1]
+                rows = rows_a + opt_rows[b]
+                cpu_end = now + (beside(cpu, busy) + act(rows)) if rows else now
                 cost = max(cpu_end, gpu) - gain
                 if cost < best_cost - 1e-12:
                     best, best_cost = (chosen, b), cost
