@@ -229,7 +229,8 @@ class Planner:
         """Where each of `routed` runs, and the copies that takes. With `defer`, only what the
         layer's experts wait for is done here, and the caller calls `prepare(plan, predicted)`
         once it has started them (and before the next plan): the planner's bookkeeping for the
-        layers to come then overlaps this layer's work. `tokens`: the layer's token rows (default:
+        layers to come, and the plan's predicted finish times (`makespan`), then overlap this
+        layer's work. `tokens`: the layer's token rows (default:
         the routed assignments over top_k, exact when every token takes top_k experts), which
         bound the activations sent to the CPU (CostModel.t_act)."""
         if self._unprepared is not None:
@@ -247,7 +248,6 @@ class Planner:
             # The predictor counts this visit in prepare(); a policy that judges a copy's worth
             # (and a victim's) by the layer's *next* visit reads Predictor.after_visit.
             self._split(layer, late, misses, now, plan)
-        self._schedule(plan)
         self._unprepared = (plan, routed)
         if not defer:
             self.prepare(plan, predicted)
@@ -261,6 +261,7 @@ class Planner:
             raise RuntimeError("prepare(plan) takes the plan of the last plan() call, once")
         routed = self._unprepared[1]
         self._unprepared = None
+        self._schedule(plan)  # before any background copy joins the stream
         self._count(plan, routed)
         if self.uses_gpu and self.policy.uses_predictor:
             self.predictor.count_use(plan.layer, [r.expert for r in routed])
