@@ -227,8 +227,7 @@ def test_values_view_ranks_victims_as_a_fresh_ranking_after_the_visit_does():
             # the view reads the calibration tables as they stood before the visit
             counted = [t.copy() for t in (pred.hits, pred.trials, pred.band_hits, pred.band_trials)]
             pred.hits[:], pred.trials[:], pred.band_hits[:], pred.band_trials[:] = tables
-            pred._rows.clear()
-            pred.changes += 1
+            pred.recompute()
             fresh = list(policy._every_key(0.0))
             mine = [k for k in view.victims() if not (k[0] == layer and k[1] in used)]
             dist = {k: policy.distance(k, 0.0) for k in fresh}
@@ -239,7 +238,7 @@ def test_values_view_ranks_victims_as_a_fresh_ranking_after_the_visit_does():
             assert set(mine) == {k for k in fresh if not (k[0] == layer and k[1] in used)}
             checked += 1
             pred.hits[:], pred.trials[:], pred.band_hits[:], pred.band_trials[:] = counted
-            pred._rows.clear()
+            pred.recompute()
             planner.predictor.look_ahead(layer)
             planner.predictor.matrices()
             policy.prepare_next()

@@ -133,6 +133,41 @@ def test_vectorised_predictor_equals_the_per_expert_reference():
     assert vars(fast.stats) == vars(slow.stats)
 
 
+def test_the_c_kernels_give_the_numpy_paths_bits():
+    """Every array the predictor keeps, after every visit (router scores, cross-layer pairs, a
+    discount that folds), and after_visit, from predictor.c and from numpy: equal bit for bit."""
+    _, lines = planted(200, seed=5)
+    rng = np.random.default_rng(5)
+    fast = Predictor(list(range(L)), E, K, cross_layer=True)
+    plain = Predictor(list(range(L)), E, K, cross_layer=True, native=False)
+    assert fast.native is not None, "the predictor's C kernels did not build (no C compiler?)"
+    for p in (fast, plain):
+        p.cross.keep = 1e-3  # a short memory, so that the pairs' scale folds often
+        if p.native:
+            p.native.struct.cross_keep = p.cross.keep
+        p.warm_start([[t % 3 for t in range(E)]] * L, 10)
+    names = ("P", "Q", "count", "weight", "last_use", "router", "band", "hits", "trials")
+    names += ("band_hits", "band_trials")
+    for line in lines:
+        for p in (fast, plain):
+            p.begin_step()
+        for i, ids in enumerate(line.layers):
+            probs = rng.dirichlet(np.full(E, 0.3)) if rng.random() < 0.5 else None
+            for j in (0, 1):
+                np.testing.assert_array_equal(fast.after_visit(i)[j], plain.after_visit(i)[j])
+            for p in (fast, plain):
+                if i + 1 < L:
+                    p.set_router_scores(i + 1, probs)
+                p.observe(i, ids)
+                p.matrices()
+            for name in names:
+                np.testing.assert_array_equal(getattr(fast, name), getattr(plain, name), name)
+            for h in fast.cross.horizons:
+                np.testing.assert_array_equal(fast.cross.co[h], plain.cross.co[h])
+                np.testing.assert_array_equal(fast.cross.scale[h], plain.cross.scale[h])
+    assert vars(fast.stats) == vars(plain.stats)
+
+
 def test_after_visit_is_what_counting_the_visit_gives():
     """after_visit, made before a visit, against the probabilities count_use leaves after it:
     equal but for the one trial the visit adds to each calibration cell it touched."""

@@ -1,20 +1,8 @@
 """Native C kernels, compiled with the system C compiler at first use (build.py): the bf16 kernels
-for decode and attention (bf16.py over bf16.c). Callers use them through this package's names."""
+for decode and attention (bf16.py over bf16.c). Callers use them through this package's names.
 
-from hybridmoe.native.bf16 import (
-    MAX_ROWS,
-    applies,
-    attention_applies,
-    available,
-    cpu_has_avx512_bf16,
-    cpu_has_native_bf16,
-    decode_attention,
-    expert,
-    experts,
-    gemm,
-    prefill_applies,
-    prefill_attention,
-)
+The names load bf16.py (and torch) when first read, so that the torch-free modules beside it
+(build.py, predictor_kernels.py: the planner's) import without torch."""
 
 __all__ = [
     "MAX_ROWS",
@@ -30,3 +18,11 @@ __all__ = [
     "prefill_applies",
     "prefill_attention",
 ]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from hybridmoe.native import bf16
+
+        return getattr(bf16, name)
+    raise AttributeError(f"module 'hybridmoe.native' has no attribute {name!r}")

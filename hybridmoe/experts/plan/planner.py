@@ -229,7 +229,8 @@ class Planner:
         """Where each of `routed` runs, and the copies that takes. With `defer`, only what the
         layer's experts wait for is done here, and the caller calls `prepare(plan, predicted)`
         once it has started them (and before the next plan): the planner's bookkeeping for the
-        layers to come then overlaps this layer's work. `tokens`: the layer's token rows (default:
+        layers to come, and the plan's predicted finish times (`makespan`), then overlap this
+        layer's work. `tokens`: the layer's token rows (default:
         the routed assignments over top_k, exact when every token takes top_k experts), which
         bound the activations sent to the CPU (CostModel.t_act)."""
         if self._unprepared is not None:
@@ -247,7 +248,6 @@ class Planner:
             # The predictor counts this visit in prepare(); a policy that judges a copy's worth
             # (and a victim's) by the layer's *next* visit reads Predictor.after_visit.
             self._split(layer, late, misses, now, plan)
-        self._schedule(plan)
         self._unprepared = (plan, routed)
         if not defer:
             self.prepare(plan, predicted)
@@ -261,6 +261,7 @@ class Planner:
             raise RuntimeError("prepare(plan) takes the plan of the last plan() call, once")
         routed = self._unprepared[1]
         self._unprepared = None
+        self._schedule(plan)  # before any background copy joins the stream
         self._count(plan, routed)
         if self.uses_gpu and self.policy.uses_predictor:
             self.predictor.count_use(plan.layer, [r.expert for r in routed])
@@ -439,18 +440,19 @@ class Planner:
         copy_start, t_copy = max(now, self.copy_free), tm.copy
         # How long the copy stream is busy from now with b copies queued, b = 0..len(options).
         copying = [copy_start + b * t_copy - now for b in range(len(options) + 1)]
+        gains = [o.gain for o in options]
+        beside, act = tm.cpu_beside_copies, tm.act
         best, best_cost = ([], 0), math.inf
         for gpu_a, cpu_a, rows_a, chosen in self._late_choices(plan, late, now):
             gpu, cpu, gain = gpu_a, base_cpu + cpu_a, 0.0
-            for b in range(len(options) + 1):
+            rows_a += stranded_rows
+            for b, busy in enumerate(copying):
                 if b:
-                    gpu = max(gpu, now + copying[b]) + opt_gpu[b - 1]
+                    gpu = max(gpu, now + busy) + opt_gpu[b - 1]
                     cpu -= opt_cpu[b - 1]
-                    gain += options[b - 1].gain
-                rows = rows_a + opt_rows[b] + stranded_rows
-                cpu_end = now
-                if rows:
-                    cpu_end += tm.cpu_beside_copies(cpu, copying[b]) + tm.act(rows)
+                    gain += gains[b - 1]
+                rows = rows_a + opt_rows[b]
+                cpu_end = now + (beside(cpu, busy) + act(rows)) if rows else now
                 cost = max(cpu_end, gpu) - gain
                 if cost < best_cost - 1e-12:
                     best, best_cost = (chosen, b), cost

@@ -383,12 +383,7 @@ class ValuePolicy(Policy):
         here = position % self.L
         p_used, p_not = self.predictor.after_visit(self.planner.layers[here])
         P, Q = self.predictor.matrices()
-        rows, cols = np.nonzero(self.cache.mask & ~self.cache.pinned_mask)
-        p, q = P[rows, cols], Q[rows, cols]  # [n] each
-        mine = rows == here
-        p[mine] = q[mine] = p_not[cols[mine]]
-        d = self.planner.distances(position)[rows]
-        distance = d + self.L * (1.0 - np.maximum(p, 1e-3)) / np.maximum(q, 1e-3)
+        flat, minus_distance = self._residents_by(position, here, p_not)
         return _View(
             self._stamp(position),
             here,
@@ -397,8 +392,32 @@ class ValuePolicy(Policy):
             P,
             self.planner.ordinal,
             self.cost.hit_saving(1),
-            _Lazy(self._in_order(rows, cols, -distance, first=16)),
+            _Lazy(self._in_order(flat, minus_distance, first=16)),
         )
+
+    def _residents_by(self, position: int, here: int, p_not) -> tuple[np.ndarray, np.ndarray]:
+        """The dynamic residents as flat keys (ordinal * E + expert) [n], in row-major order, and
+        minus their distance [n], the planned layer's (ordinal `here`) scored with p_not."""
+        c, mask, pinned = self.predictor.native, self.cache.mask, self.cache.pinned_mask
+        if c is not None:
+            n = c.lib.hm_pred_view(
+                c.p,
+                mask.ctypes.data,
+                pinned.ctypes.data,
+                here,
+                p_not.ctypes.data,
+                c.flat_at,
+                c.neg_at,
+            )
+            return c.flat[:n].copy(), c.neg[:n].copy()
+        P, Q = self.predictor.matrices()
+        flat = np.flatnonzero(mask & ~pinned)  # [n]
+        rows = flat // self.E
+        p, q = P.ravel()[flat], Q.ravel()[flat]  # [n] each
+        mine = rows == here
+        p[mine] = q[mine] = p_not[flat[mine] - here * self.E]
+        d = self.planner.distances(position)[rows]
+        return flat, -(d + self.L * (1.0 - np.maximum(p, 1e-3)) / np.maximum(q, 1e-3))
 
     def _ranking(self, now):
         """Dynamic residents, largest distance first (the lowest keep_score): the plan's view,
@@ -438,17 +457,21 @@ class ValuePolicy(Policy):
         for _, key in self._sorted(rows, cols, self._distances(rows, cols, now), len(rows)):
             yield key
 
-    def _in_order(self, rows, cols, scores, first: int):
-        """Keys in order of `scores`, lowest first: the `first` lowest sorted, then the rest."""
+    def _in_order(self, flat, scores, first: int):
+        """Keys (flat: ordinal * E + expert) in order of `scores`, lowest first: the `first`
+        lowest sorted, then the rest."""
         n = len(scores)
         head = np.argpartition(scores, first)[:first] if n > first else np.arange(n)
         head = head[np.argsort(scores[head], kind="stable")]
-        ids = self._layer_ids
-        yield from zip(ids[rows[head]].tolist(), cols[head].tolist())
+        yield from self._keys(flat[head])
         if n > first:
             rest = np.setdiff1d(np.arange(n), head)
             rest = rest[np.argsort(scores[rest], kind="stable")]
-            yield from zip(ids[rows[rest]].tolist(), cols[rest].tolist())
+            yield from self._keys(flat[rest])
+
+    def _keys(self, flat) -> zip:
+        rows, cols = np.divmod(flat, self.E)
+        return zip(self._layer_ids[rows].tolist(), cols.tolist())
 
     def background(self, layer, now, plan):
         """Each layer's most likely experts not resident, shortest distance first (counting a
@@ -465,7 +488,8 @@ class ValuePolicy(Policy):
         keep = ~self.cache.mask[rows, cols]  # a layer with fewer than k non-residents
         rows, cols = rows[keep], cols[keep]
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
-        return self._in_order(rows, cols, self._distances(rows, cols, now, arrive), first=16)
+        distance = self._distances(rows, cols, now, arrive)
+        return self._in_order(rows * self.E + cols, distance, first=16)
 
 
 class _Lazy:

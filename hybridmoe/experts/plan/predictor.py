@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import hybridmoe.native.predictor_kernels as predictor_kernels
 from hybridmoe.experts.plan.shape import Key
 from hybridmoe.tuning import (
     AGE_EDGES,
@@ -67,12 +68,16 @@ class CrossLayer:
     horizons = (1, 2)
 
     def __init__(self, n_layers: int, num_experts: int, window: int):
-        L, E = n_layers, num_experts
+        L, E, H = n_layers, num_experts, len(self.horizons)
         self.keep = 1.0 - 1.0 / window if window else 1.0
         self.E = E
-        self.co = {h: np.zeros((L, E, E)) for h in self.horizons}  # [L, E, E]
-        self.n = {h: np.zeros((L, E)) for h in self.horizons}  # [L, E]
-        self.scale = {h: np.ones(L) for h in self.horizons}  # [L]
+        # One array per kind, all horizons; co[h], n[h] and scale[h] are views of horizon h's part.
+        self._co = np.zeros((H, L, E, E))  # [H, L, E, E]
+        self._n = np.zeros((H, L, E))  # [H, L, E]
+        self._scale = np.ones((H, L))  # [H, L]
+        self.co = {h: self._co[k] for k, h in enumerate(self.horizons)}  # [L, E, E] each
+        self.n = {h: self._n[k] for k, h in enumerate(self.horizons)}  # [L, E] each
+        self.scale = {h: self._scale[k] for k, h in enumerate(self.horizons)}  # [L] each
         self.sets: dict[int, np.ndarray] = {}  # layer ordinal -> experts it used at this step
 
     def begin_step(self) -> None:
@@ -102,14 +107,20 @@ class CrossLayer:
 
     def scores(self, i: int, h: int, rate: np.ndarray) -> np.ndarray:
         """Per expert of layer i+h, its probability given what layer i used at this step."""
-        src, scale = self.sets[i], self.scale[h][i]
-        f = np.minimum(rate, 1.0)  # [E]
-        cond = (self.co[h][i][src] * scale + CROSS_LAYER_PRIOR * f) / (
-            self.n[h][i][src, None] * scale + CROSS_LAYER_PRIOR
-        )  # [|S|, E]
+        k = self.horizons.index(h)
+        return self.scores_ahead(i, np.array([k]), rate[None])[0]
+
+    def scores_ahead(self, i: int, ks: np.ndarray, rates: np.ndarray) -> np.ndarray:
+        """`scores` for the horizons of index `ks` [H'] at once, given the rates [H', E] of their
+        layers: [H', E]."""
+        src, scale = self.sets[i], self._scale[ks, i][:, None, None]  # [H', 1, 1]
+        f = np.minimum(rates, 1.0)[:, None, :]  # [H', 1, E]
+        co = self._co[ks[:, None], i, src]  # [H', |S|, E]
+        n = self._n[ks[:, None], i, src][:, :, None]  # [H', |S|, 1]
+        cond = (co * scale + CROSS_LAYER_PRIOR * f) / (n * scale + CROSS_LAYER_PRIOR)
         # The strongest pull wins: the mean dilutes a strong successor by 1/|S|
         # (docs/notes/2026-11-24-measurements-in-code.md).
-        return cond.max(axis=0)
+        return cond.max(axis=1)
 
 
 _AGE = np.asarray(AGE_EDGES, dtype=float)
@@ -129,7 +140,16 @@ class Predictor:
 
     window = PREDICTOR_WINDOW  # visits over which frequency is counted (0 = all history)
 
-    def __init__(self, layers: list[int], num_experts: int, top_k: int, cross_layer: bool = False):
+    def __init__(
+        self,
+        layers: list[int],
+        num_experts: int,
+        top_k: int,
+        cross_layer: bool = False,
+        native: bool = True,
+    ):
+        """`native`: run the per-visit arithmetic in C where it can be built (the same bits; the
+        numpy path is the reference)."""
         self.layers, self.num_experts, self.top_k = list(layers), num_experts, top_k
         self.ordinal = {layer: i for i, layer in enumerate(self.layers)}
         L, E = len(self.layers), num_experts
@@ -142,10 +162,12 @@ class Predictor:
         self.hits, self.trials = np.zeros(_BASE_CELLS), np.zeros(_BASE_CELLS)
         self.band_hits = np.zeros(_BASE_CELLS * _NB)
         self.band_trials = np.zeros(_BASE_CELLS * _NB)
-        # Per layer ordinal, until stale: its calibration cells (base [E], banded [E] or None);
-        # its probabilities are the rows of P (p_next) and Q (p_base), [L, E] each.
-        self._rows: dict[int, tuple] = {}
-        self.P, self.Q = np.zeros((L, E)), np.zeros((L, E))
+        # Per layer ordinal, kept until stale: its experts' calibration cells (`cell`; `banded`
+        # where the layer has a cross-layer score) and probabilities: P (p_next), Q (p_base).
+        self.cell = np.zeros((L, E), dtype=np.intp)  # [L, E]
+        self.banded = np.zeros((L, E), dtype=np.intp)  # [L, E]
+        self.P, self.Q = np.zeros((L, E)), np.zeros((L, E))  # [L, E] each
+        self._stale_rows = set(range(L))
         # Pairs need more history than single experts (E*E counts): 4x the frequency window.
         self.cross = CrossLayer(L, E, 4 * self.window) if cross_layer else None
         self.lift: dict[int, int] = {}  # layer ordinal -> horizon of its cross-layer score
@@ -153,6 +175,25 @@ class Predictor:
         self._used = (-1, None)  # (layer ordinal, experts) of the last count_use
         self.changes = 0  # bumped whenever any layer's probabilities may change
         self.row_version = np.zeros(L, dtype=np.int64)  # [L] bumped when that layer's may
+        self.native = self._bind() if native else None
+
+    def _bind(self):
+        """predictor.c's kernels over this predictor's arrays, or None where they cannot run."""
+        lib = predictor_kernels.library()
+        if lib is None:
+            return None
+        edges = {"age_edges": _AGE, "freq_edges": _FREQ, "lift_edges": _LIFT}
+        keep = 1.0 - 1.0 / self.window if self.window else 1.0
+        constants = {
+            "NA": _NA,
+            "NF": _NF,
+            "NB": _NB,
+            "prior_w": PREDICTOR_PRIOR_WEIGHT,
+            "cross_prior": CROSS_LAYER_PRIOR,
+            "keep": keep,
+            "cross_keep": self.cross.keep if self.cross else 1.0,
+        }
+        return predictor_kernels.Bound(lib, self, edges, constants)
 
     # ---- inputs ------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -168,7 +209,11 @@ class Predictor:
         if probs is None:
             row[:] = 0
             return
-        probs = np.asarray(probs, dtype=float)  # [E]
+        probs = np.ascontiguousarray(probs, dtype=float)  # [E]
+        if self.native:
+            c = self.native
+            c.lib.hm_pred_router(c.p, i, probs.ctypes.data, c.order.ctypes.data)
+            return
         k = self.top_k
         # rank < k: 3, < 2k: 2, else 1; ties broken by expert id, as a stable sort would
         order = np.argsort(-probs, kind="stable")
@@ -187,11 +232,23 @@ class Predictor:
         frequency (what the planner needs before it splits the layer)."""
         i = self.ordinal[layer]
         used = np.array(sorted(experts), dtype=np.intp)
-        base, banded = self._row(i)
+        self._row(i)
+        base = self.cell[i]
         self._score_guess(self.P[i], used)
+        if self.native:
+            c = self.native
+            c.lib.hm_pred_count_use(c.p, i, used.ctypes.data, len(used), i in self.lift)
+        else:
+            self._count_use(i, base, used)
+        self.lift.pop(i, None)
+        self._stale(i)
+        self._used = (i, used)
+
+    def _count_use(self, i: int, base: np.ndarray, used: np.ndarray) -> None:
         np.add.at(self.trials, base, 1.0)
         np.add.at(self.hits, base[used], 1.0)
-        if banded is not None:
+        if i in self.lift:
+            banded = self.banded[i]
             np.add.at(self.band_trials, banded, 1.0)
             np.add.at(self.band_hits, banded[used], 1.0)
         self.visits[i] += 1
@@ -204,9 +261,6 @@ class Predictor:
         self.count[i, used] += 1.0
         self.router[i] = 0
         self.band[i] = 0
-        self.lift.pop(i, None)
-        self._stale(i)
-        self._used = (i, used)
 
     def look_ahead(self, layer: int) -> None:
         """The rest of `observe`: learn the cross-layer pairs of what `layer` just used, then score
@@ -215,23 +269,46 @@ class Predictor:
         i = self.ordinal[layer]
         if self.cross is None or self._used[0] != i:
             return
-        used = self._used[1]
-        self.cross.learn(i, used)
+        if self.native:
+            self._look_ahead_native(i, self._used[1])
+            return
+        self.cross.learn(i, self._used[1])
+        ahead = [(k, h) for k, h in enumerate(self.cross.horizons) if i + h < len(self.layers)]
+        if not ahead:
+            return
+        ks, hs = (np.array(x) for x in zip(*ahead))  # [H'] each
+        js = i + hs
+        score = self.cross.scores_ahead(i, ks, self._rates(js))  # [H', E]
+        level = np.searchsorted(_LIFT, score * self.num_experts / self.top_k, "left")
+        self.band[js] = 1 + (hs[:, None] - 1) * (len(LIFT_EDGES) + 1) + level
+        for h in hs.tolist():
+            self.lift[i + h] = h
+            self._stale(i + h)
+
+    def _look_ahead_native(self, i: int, used: np.ndarray) -> None:
+        c, sets = self.native, self.cross.sets
+        for k, h in enumerate(self.cross.horizons):
+            src = sets.get(i - h)
+            c.src[k] = None if src is None else src.ctypes.data
+            c.n_src[k] = 0 if src is None else len(src)
+        c.lib.hm_pred_learn(c.p, i, used.ctypes.data, len(used), c.src, c.n_src.ctypes.data)
+        sets[i] = used
+        c.lib.hm_pred_bands(c.p, i, used.ctypes.data, len(used), c.score.ctypes.data)
         for h in self.cross.horizons:
-            j = i + h
-            if j < len(self.layers):
-                score = self.cross.scores(i, h, self._rates(j))
-                level = np.searchsorted(_LIFT, score * self.num_experts / self.top_k, "left")
-                self.band[j] = 1 + (h - 1) * (len(LIFT_EDGES) + 1) + level
-                self.lift[j] = h
-                self._stale(j)
+            if i + h < len(self.layers):
+                self.lift[i + h] = h
+                self._stale(i + h)
 
     def warm_start(self, counts: list[list[int]], tokens: int) -> None:
         """Frequency from activation statistics (the profile part of a trace, or a stats file)."""
         self.count[:] = np.asarray(counts, dtype=float)
         self.visits[:] = np.maximum(self.visits, tokens)
         self.weight[:] = float(tokens)
-        self._rows.clear()
+        self.recompute()
+
+    def recompute(self) -> None:
+        """Every layer's probabilities afresh when next read (after the tables changed)."""
+        self._stale_rows.update(range(len(self.layers)))
         self.changes += 1
         self.row_version += 1
 
@@ -267,24 +344,27 @@ class Predictor:
         visit needs to judge keeping an expert for the visit after, before the visit is counted.
         The calibration tables are read as they stand (the visit adds one trial to a cell)."""
         i = self.ordinal[layer]
+        if self.native:
+            c = self.native
+            c.lib.hm_pred_after_visit(c.p, i, c.after.ctypes.data)
+            return c.after[0].copy(), c.after[1].copy()
         keep = 1.0 - 1.0 / self.window if self.window else 1.0
         weight = max(1.0, self.weight[i] * keep + 1.0)
         count = self.count[i] * keep  # [E]
-        age_not = self.visits[i] + 2 - self.last_use[i]  # [E]
-        rows = []
-        for rate, age in ((count + 1.0) / weight, 1), (count / weight, age_not):
-            a = np.searchsorted(_AGE, age, "left")
-            f = np.searchsorted(_FREQ, rate * self.num_experts / self.top_k, "left")
-            base = a * _NF + f  # router bucket 0: the visit clears the router's scores
-            prior = PREDICTOR_PRIOR_WEIGHT * np.minimum(rate, 1.0)
-            rows.append((self.hits[base] + prior) / (self.trials[base] + PREDICTOR_PRIOR_WEIGHT))
-        return rows[0], rows[1]
+        rate = np.stack((count + 1.0, count)) / weight  # [2, E]: used, not used
+        age = np.ones_like(rate, dtype=np.int64)  # [2, E]
+        age[1] = self.visits[i] + 2 - self.last_use[i]
+        a = np.searchsorted(_AGE, age, "left")
+        f = np.searchsorted(_FREQ, rate * self.num_experts / self.top_k, "left")
+        base = a * _NF + f  # router bucket 0: the visit clears the router's scores
+        prior = PREDICTOR_PRIOR_WEIGHT * np.minimum(rate, 1.0)
+        p = (self.hits[base] + prior) / (self.trials[base] + PREDICTOR_PRIOR_WEIGHT)  # [2, E]
+        return p[0], p[1]
 
     def matrices(self) -> tuple[np.ndarray, np.ndarray]:
         """(P, Q): p_next and p_base of every (layer ordinal, expert), [L, E] each, up to date."""
-        if len(self._rows) < len(self.layers):
-            for i in range(len(self.layers)):
-                self._row(i)
+        if self._stale_rows:
+            self._refresh(sorted(self._stale_rows))
         return self.P, self.Q
 
     def predict(self, layer: int, k: int | None = None) -> list[int]:
@@ -294,34 +374,42 @@ class Predictor:
 
     # ---- internals ---------------------------------------------------------------------------
     def _stale(self, i: int) -> None:
-        self._rows.pop(i, None)
+        self._stale_rows.add(i)
         self.changes += 1
         self.row_version[i] += 1
 
-    def _rates(self, i: int) -> np.ndarray:
-        return self.count[i] / max(1.0, self.weight[i])  # [E]
+    def _rates(self, i) -> np.ndarray:
+        """Layer i's rates [E] (or layers i's [n, E])."""
+        return self.count[i] / np.maximum(1.0, self.weight[i])[..., None]
 
-    def _row(self, i: int) -> tuple:
-        """Layer i's calibration cells and probabilities, computed for all experts at once."""
-        row = self._rows.get(i)
-        if row is None:
-            rate = self._rates(i)
-            age = self.visits[i] - self.last_use[i] + 1  # [E]; 1 = used at the previous visit
-            a = np.searchsorted(_AGE, age, "left")
-            f = np.searchsorted(_FREQ, rate * self.num_experts / self.top_k, "left")
-            base = (self.router[i] * _NA + a) * _NF + f  # [E]
-            prior = PREDICTOR_PRIOR_WEIGHT * np.minimum(rate, 1.0)
-            q = (self.hits[base] + prior) / (self.trials[base] + PREDICTOR_PRIOR_WEIGHT)
-            self.Q[i] = q
-            banded = None
-            if self.lift.get(i):
-                banded = base * _NB + self.band[i]  # [E]
-                q = (self.band_hits[banded] + prior) / (
-                    self.band_trials[banded] + PREDICTOR_PRIOR_WEIGHT
-                )
-            self.P[i] = q
-            row = self._rows[i] = (base, banded)
-        return row
+    def _row(self, i: int) -> None:
+        """Layer i's cells and probabilities, up to date."""
+        if i in self._stale_rows:
+            self._refresh([i])
+
+    def _refresh(self, rows: list[int]) -> None:
+        """The calibration cells and probabilities of layers `rows`, all experts at once."""
+        self._stale_rows.difference_update(rows)
+        if self.native:
+            rows = np.asarray(rows, dtype=np.int64)
+            self.native.lib.hm_pred_refresh(self.native.p, rows.ctypes.data, len(rows))
+            return
+        rate = self._rates(rows)  # [n, E]
+        age = self.visits[rows, None] - self.last_use[rows] + 1  # [n, E]; 1: used last visit
+        a = np.searchsorted(_AGE, age, "left")
+        f = np.searchsorted(_FREQ, rate * self.num_experts / self.top_k, "left")
+        base = (self.router[rows] * _NA + a) * _NF + f  # [n, E]
+        prior = PREDICTOR_PRIOR_WEIGHT * np.minimum(rate, 1.0)
+        q = (self.hits[base] + prior) / (self.trials[base] + PREDICTOR_PRIOR_WEIGHT)
+        self.cell[rows], self.Q[rows] = base, q
+        band = self.band[rows]  # [n, E]; nonzero exactly in the rows with a cross-layer score
+        if band.any():
+            banded = base * _NB + band
+            w = PREDICTOR_PRIOR_WEIGHT
+            with_band = (self.band_hits[banded] + prior) / (self.band_trials[banded] + w)
+            q = np.where(band != 0, with_band, q)
+            self.banded[rows] = banded
+        self.P[rows] = q
 
     def _score_guess(self, p: np.ndarray, used: np.ndarray) -> None:
         k = min(self.top_k, len(p))

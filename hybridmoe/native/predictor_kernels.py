@@ -1,0 +1,109 @@
+"""The predictor's per-visit arithmetic of predictor.c, for hybridmoe/experts/plan/predictor.py: a
+layer's visit counted, the next router's buckets, the cross-layer pairs and bands, stale rows
+refreshed, the probabilities after a visit, and the value policy's ranking keys. Each is one call
+where numpy takes dozens of small ones, and gives the same bits (tests/test_predictor.py).
+
+Torch-free, so that the planner and the simulator may use it. Without a C compiler, or with
+HYBRIDMOE_NATIVE=0, `library()` is None and the predictor keeps its numpy path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from hybridmoe.native.build import INT, N, P, load
+
+SOURCE = Path(__file__).with_name("predictor.c")
+# floats exactly as written (no contraction into FMAs), so that they round as numpy's do
+FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off"]
+
+# name -> (argument types, result type), each under a copy of its C prototype in predictor.c
+SIGNATURES = {
+    # void hm_pred_refresh(const pred_t *p, const long *rows, long nrows)
+    "hm_pred_refresh": ([P, P, N], None),
+    # void hm_pred_count_use(const pred_t *p, long i, const long *used, long n_used, int with_band)
+    "hm_pred_count_use": ([P, N, P, N, INT], None),
+    # void hm_pred_router(const pred_t *p, long i, const double *probs, long *order)
+    "hm_pred_router": ([P, N, P, P], None),
+    # void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used,
+    #                    const long *const *src, const long *n_src)
+    "hm_pred_learn": ([P, N, P, N, P, P], None),
+    # void hm_pred_bands(const pred_t *p, long i, const long *used, long n_used, double *score)
+    "hm_pred_bands": ([P, N, P, N, P], None),
+    # void hm_pred_after_visit(const pred_t *p, long i, double *out)
+    "hm_pred_after_visit": ([P, N, P], None),
+    # long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
+    #                   const double *p_not, long *out, double *neg)
+    "hm_pred_view": ([P, P, P, N, P, P, P], N),
+}
+
+_D = ctypes.c_double
+# pred_t's fields in order: (name, ctypes type)
+FIELDS = [(f, N) for f in ("L", "E", "K", "H", "NA", "NF", "NB", "n_age", "n_freq", "n_lift")]
+FIELDS += [(f, P) for f in ("age_edges", "freq_edges", "lift_edges")]
+FIELDS += [(f, _D) for f in ("prior_w", "cross_prior", "keep", "cross_keep")]
+FIELDS += [(f, P) for f in ("last_use", "visits", "count", "weight", "router", "band", "cell")]
+FIELDS += [(f, P) for f in ("banded", "hits", "trials", "band_hits", "band_trials", "P", "Q")]
+FIELDS += [(f, P) for f in ("co", "n", "scale")]
+
+
+class PredT(ctypes.Structure):
+    _fields_ = FIELDS
+
+
+@lru_cache(maxsize=1)
+def library():
+    return load(SOURCE, FLAGS, SIGNATURES)
+
+
+def address(a: np.ndarray) -> int:
+    """The data pointer of a C-contiguous array the kernels may read and write."""
+    assert a.flags.c_contiguous, "the predictor's arrays are C-contiguous"
+    return a.ctypes.data
+
+
+class Bound:
+    """The kernels bound to one predictor's arrays (which it updates in place, never rebinds),
+    with scratch space for their outputs."""
+
+    def __init__(self, lib, pred, edges: dict, constants: dict):
+        self.lib = lib
+        L, E = len(pred.layers), pred.num_experts
+        cross = pred.cross
+        arrays = {
+            "last_use": pred.last_use,
+            "visits": pred.visits,
+            "count": pred.count,
+            "weight": pred.weight,
+            "router": pred.router,
+            "band": pred.band,
+            "cell": pred.cell,
+            "banded": pred.banded,
+            "hits": pred.hits,
+            "trials": pred.trials,
+            "band_hits": pred.band_hits,
+            "band_trials": pred.band_trials,
+            "P": pred.P,
+            "Q": pred.Q,
+        }
+        if cross is not None:
+            arrays.update(co=cross._co, n=cross._n, scale=cross._scale)
+        self._keep = [*arrays.values(), *edges.values()]  # alive as long as the struct
+        fields = {k: address(v) for k, v in {**arrays, **edges}.items()}
+        fields.update(L=L, E=E, K=pred.top_k, H=len(cross.horizons) if cross else 0)
+        fields.update(n_age=len(edges["age_edges"]), n_freq=len(edges["freq_edges"]))
+        fields.update(n_lift=len(edges["lift_edges"]), **constants)
+        self.struct = PredT(**fields)
+        self.p = ctypes.addressof(self.struct)
+        self.order = np.empty(2 * E, dtype=np.int64)  # [2E] scratch of the router's sort
+        self.score = np.empty(E)  # [E] scratch of the bands
+        self.after = np.empty((2, E))  # [2, E] after_visit's rows
+        self.flat = np.empty(L * E, dtype=np.int64)  # [L*E] ranking keys: flat (ordinal, expert)
+        self.neg = np.empty(L * E)  # [L*E] and minus their distance
+        self.flat_at, self.neg_at = address(self.flat), address(self.neg)
+        self.src = (ctypes.c_void_p * max(1, fields["H"]))()
+        self.n_src = np.zeros(max(1, fields["H"]), dtype=np.int64)
