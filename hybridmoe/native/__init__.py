@@ -24,5 +24,6 @@ def __getattr__(name: str):
     if name in __all__:
         from hybridmoe.native import bf16
 
-        return getattr(bf16, name)
+        value = globals()[name] = getattr(bf16, name)  # bound once, as an import binds it
+        return value
     raise AttributeError(f"module 'hybridmoe.native' has no attribute {name!r}")
