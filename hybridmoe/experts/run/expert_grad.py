@@ -12,6 +12,11 @@ What the forward keeps for the backward, per expert with n rows: its [gate; up] 
 matmuls per expert (the input gradient through down and through gate_up), as many as the forward.
 Everything computes in the store's dtype, the LoRA terms too (as under autocast: bf16 for a bf16
 model); the outputs and the gradients are summed in fp32.
+
+Experts kept in blocks (GGUF files, `quant=`) stay blocks: the forward runs on the integer kernels
+as inference does (activations rounded to int8 per block), and the input gradient through them,
+which those kernels cannot compute (quant/transposed.py says why), multiplies by a tile of
+TRAIN_DEQUANT_ROWS dequantised rows at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from hybridmoe import tuning
 from hybridmoe.experts.run.cpu_pool import CPUExperts
 from hybridmoe.experts.run.ffn import group_by_expert
 from hybridmoe.experts.run.lora import ExpertLoRA, down, gate_up
-from hybridmoe.experts.run.store import ExpertStore, ExpertWeights
+from hybridmoe.experts.run.store import ExpertStore, ExpertWeights, Matrix
+from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.transposed import times
 
 
 @dataclass
@@ -94,9 +101,10 @@ class _ExpertLayer(torch.autograd.Function):
     def forward(ctx, x, topk_weights, gu_a, gu_b, d_a, d_b, topk_ids, cpu, store, layer, lora):
         groups = group_by_expert(topk_ids)
         dtype = store.dtype  # the experts compute in the store's dtype
+        xs = x.to(dtype)  # [T, H]; blocks' products come out in their input's dtype
         f = (lora.cast("gate_up", dtype), lora.cast("down", dtype))
         jobs = [
-            _normal(partial(_expert_forward, x, rows, store.get(layer, e), f, e, lora.scaling))
+            _normal(partial(_expert_forward, xs, rows, store.get(layer, e), f, e, lora.scaling))
             for e, rows, _ in groups
         ]
         batch = cpu.start(jobs, 0, heavy=True)
@@ -217,6 +225,13 @@ def _expert_backward(grad_out, wk, kept, x, rows, w: ExpertWeights, f, e, lora, 
     return torch.cat(dxs)[:n], torch.cat(dws)[:n]
 
 
+def _back(g: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """g [t, out] @ w [out, in] -> [t, in]: the input gradient through a frozen store weight;
+    blocks are dequantised a tile of rows at a time (quant/transposed.py), never the whole
+    expert."""
+    return times(g, w) if isinstance(w, QTensor) else g @ w
+
+
 def _tile_backward(g, wk, kept, xt, w: ExpertWeights, f, e, lora, grads):
     """A tile's rows, in the store's dtype: g = dLoss/d(layer output) at its rows [t, H], wk their
     routing weights [t, 1] (0 on padding), what its forward kept, xt its inputs [t, H]. Returns dx
@@ -228,7 +243,7 @@ def _tile_backward(g, wk, kept, xt, w: ExpertWeights, f, e, lora, grads):
     sg = gate * sig  # silu(gate)
     h = sg * up  # [t, I]
     # y = down(h); dLoss/dy = wk * g. The routing weight's gradient is <g, y> = <g down, h>.
-    dh = g @ w.down  # [t, I]
+    dh = _back(g, w.down)  # [t, I]
     if f_d is not None:
         a, b = f_d[0][e], f_d[1][e]  # [r, I], [H, r]
         gb = g @ b  # [t, r]
@@ -240,7 +255,7 @@ def _tile_backward(g, wk, kept, xt, w: ExpertWeights, f, e, lora, grads):
     dh = dh * wk
     dgate = dh * up * sig * (1 + gate * (1 - sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
     dgu = torch.cat([dgate, dh * sg], dim=-1)  # [t, 2I]
-    dx = dgu @ w.gate_up  # [t, H]
+    dx = _back(dgu, w.gate_up)  # [t, H]
     if f_gu is not None:
         a, b = f_gu[0][e], f_gu[1][e]  # [r, H], [2I, r]
         gb = dgu @ b  # [t, r]
