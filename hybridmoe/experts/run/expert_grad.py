@@ -104,15 +104,26 @@ class _ExpertLayer(torch.autograd.Function):
         xs = x.to(dtype)  # [T, H]; blocks' products come out in their input's dtype
         f = (lora.cast("gate_up", dtype), lora.cast("down", dtype))
         jobs = [
-            _normal(partial(_expert_forward, xs, rows, store.get(layer, e), f, e, lora.scaling))
-            for e, rows, _ in groups
+            _normal(
+                partial(
+                    _expert_forward,
+                    xs,
+                    rows,
+                    topk_weights[rows, cols, None],
+                    store.get(layer, e),
+                    f,
+                    e,
+                    lora.scaling,
+                )
+            )
+            for e, rows, cols in groups
         ]
         batch = cpu.start(jobs, 0, heavy=True)
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         with _one_thread():
             results, _ = batch.result()
-            for (_, rows, cols), (y, _) in zip(groups, results):
-                out.index_add_(0, rows, y.float().mul_(topk_weights[rows, cols, None]))
+            for (_, rows, _), (y, _) in zip(groups, results):
+                out.index_add_(0, rows, y)
         ctx.save_for_backward(x, topk_weights)
         ctx.cpu, ctx.store, ctx.layer, ctx.lora = cpu, store, layer, lora
         ctx.groups, ctx.kept = groups, [kept for _, kept in results]
@@ -151,8 +162,8 @@ class _ExpertLayer(torch.autograd.Function):
         with _one_thread():
             results, _ = batch.result()
             for (_, rows, cols), (dx_e, dw_e) in zip(ctx.groups, results):
-                dx.index_add_(0, rows, dx_e.float())
-                dw[rows, cols] = dw_e.float()
+                dx.index_add_(0, rows, dx_e)
+                dw[rows, cols] = dw_e
         ctx.kept = None
         flat = [t for m in ("gate_up", "down") for t in grads.get(m, (None, None))]
         return (dx.to(x.dtype), dw.to(topk_weights.dtype), *flat, None, None, None, None, None)
@@ -187,8 +198,10 @@ def _padded(rows: torch.Tensor, wk: torch.Tensor | None = None):
     return rows, torch.cat([wk, wk.new_zeros(extra, 1)])  # [m, 1]
 
 
-def _expert_forward(x, rows, w: ExpertWeights, f, e: int, s: float):
-    """One expert's rows, a tile at a time: its output [n, H] and what its backward needs."""
+def _expert_forward(x, rows, wk, w: ExpertWeights, f, e: int, s: float):
+    """One expert's rows, a tile at a time: its output [n, H] times the rows' routing weights wk
+    [n, 1], in fp32 (weighted here, on the worker, rather than by the caller's one thread), and
+    what its backward needs."""
     ys, kept, start = [], [], 0
     padded = _padded(rows)  # [m]
     for size in _tiles(len(rows)):
@@ -196,7 +209,8 @@ def _expert_forward(x, rows, w: ExpertWeights, f, e: int, s: float):
         ys.append(y)
         kept.append(k)
         start += size
-    return torch.cat(ys)[: len(rows)], kept  # [n, H]
+    y = torch.cat(ys)[: len(rows)].float()  # [n, H]
+    return y.mul_(wk), kept
 
 
 def _tile_forward(xt, w: ExpertWeights, f, e: int, s: float):
@@ -222,7 +236,7 @@ def _expert_backward(grad_out, wk, kept, x, rows, w: ExpertWeights, f, e, lora, 
         dws.append(dw)
         start += size
     n = len(rows)
-    return torch.cat(dxs)[:n], torch.cat(dws)[:n]
+    return torch.cat(dxs)[:n].float(), torch.cat(dws)[:n].float()
 
 
 def _back(g: torch.Tensor, w: Matrix) -> torch.Tensor:
@@ -250,7 +264,7 @@ def _tile_backward(g, wk, kept, xt, w: ExpertWeights, f, e, lora, grads):
         dh.addmm_(gb, a, alpha=s)
         da, db = grads["down"]
         da[e] += (s * (wk * gb).T @ h).float()  # [r, I]
-        db[e] += (s * g.T @ (wk * ha)).float()  # [H, r]
+        db[e] += (g.T @ (wk * ha)).float().mul_(s)  # [H, r]; scaled after: g.T is [H, t]
     dw = (dh * h).sum(dim=-1)  # [t]
     dh = dh * wk
     dgate = dh * up * sig * (1 + gate * (1 - sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
