@@ -33,6 +33,10 @@ THREADED_NATIVE_ROWS = 8
 # than one per expert group size.
 TRAIN_TILE_ROWS = 256
 TRAIN_ROW_GRAIN = 8
+# Rows of a frozen block-format matrix dequantised at once for the input gradient through it
+# (quant/transposed.py): a tile's values are all that exist of it in floats (1 MB for 256 rows of
+# 1,024 values in fp32).
+TRAIN_DEQUANT_ROWS = 256
 
 # ---- calibration -------------------------------------------------------------------------------
 

@@ -204,3 +204,40 @@ def test_a_directory_that_is_no_adapter(capsys, tiny_chat_model, tmp_path):
     args = ["generate", "--model", str(tiny_chat_model), "--prompt", "hi", "--max-tokens", "2"]
     line = one_error_line(capsys, [*args, "--lora", str(tmp_path)])
     assert str(tmp_path) in line and "adapter_config.json" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_gguf(tiny_chat_model, tmp_path_factory) -> Path:
+    """The tiny chat model as a Q8_0 GGUF file (gate/up, attention and head in blocks; the down
+    projections, 48 wide, stay F32), without a tokenizer: --tokenizer gives it."""
+    from tests.gguf_writer import Q, write_gguf
+
+    out = tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf"
+    return write_gguf(tiny_chat_model, out, Q.Q8_0)
+
+
+def test_finetune_trains_on_a_gguf_file_with_its_blocks_kept(
+    tiny_chat_gguf, tiny_chat_model, data, tmp_path
+):
+    tok = ["--tokenizer", tiny_chat_model]
+    run = hybridmoe(*finetune(tiny_chat_gguf, data, tmp_path / "out"), *tok)
+    assert run.returncode == 0, run.stderr
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert state["held_out"][-1] < state["held_out"][0]  # it learned through the blocks
+    adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert any("experts" in name for name in adapter)
+    gen = hybridmoe(
+        "generate", "--model", tiny_chat_gguf, *tok, "--lora", tmp_path / "out",
+        "--prompt", "Hi", "--max-tokens", 4,
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+
+
+def test_merge_refuses_a_gguf_file_saying_why_and_what_to_do(capsys, tiny_chat_gguf, tmp_path):
+    from hybridmoe.loader import load_model
+
+    save_random_adapter(load_model(tiny_chat_gguf, progress=False), tmp_path / "adapter")
+    args = ["finetune", "merge", "--model", str(tiny_chat_gguf), "--adapter"]
+    line = one_error_line(capsys, [*args, str(tmp_path / "adapter"), "--out", str(tmp_path / "m")])
+    assert "blocks" in line and "--lora DIR" in line and "export" in line
+    assert not (tmp_path / "m").exists()

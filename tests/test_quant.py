@@ -195,3 +195,21 @@ def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch
     assert torch.equal(matmul(x, w), F.linear(x, w.dequantize()))
     monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "avx2")
     assert kernels.available() and kernels.isa() == kernels.AVX2
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k"])
+def test_the_gradient_through_blocks_is_the_dequantised_matrixs(name):
+    """x W^T with W in blocks (two parts, more rows than one dequantised tile) is differentiable in
+    x: its gradient g W equals autograd's through the dequantised matrix."""
+    from hybridmoe import tuning
+
+    g = torch.Generator().manual_seed(0)
+    rows = tuning.TRAIN_DEQUANT_ROWS + 40
+    parts = [QTensor.quantize(torch.randn(n, 256, generator=g), name) for n in (rows, 24)]
+    w = QTensor.cat(parts)  # [rows + 24, 256], in two places
+    x = torch.randn(5, 256, generator=g, requires_grad=True)
+    up = torch.randn(5, w.shape[0], generator=g)  # dLoss/dy
+    (matmul(x, w) * up).sum().backward()
+    ref = x.detach().clone().requires_grad_(True)
+    (F.linear(ref, w.dequantize()) * up).sum().backward()
+    assert torch.allclose(x.grad, ref.grad, rtol=1e-5, atol=1e-5)

@@ -55,10 +55,10 @@ class LoRA(nn.Module):
         if not torch.is_grad_enabled():  # serving, evaluation: the factors as x's, cached
             a, b = cast_factors(self, "ab", (self.lora_A, self.lora_B), x.dtype, self.scaling)
             return F.linear(F.linear(x, a), b)  # [n, out]
-        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        a, b = self.lora_A.to(x.dtype), (self.lora_B * self.scaling).to(x.dtype)  # [out, r]
         if self.dropout:
             x = F.dropout(x, self.dropout)
-        return F.linear(F.linear(x, a), b) * self.scaling  # [n, out]
+        return F.linear(F.linear(x, a), b)  # [n, out]; scaled in B, not over [n, out]
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B A [out, in]: what merging adds to the projection's weight."""

@@ -16,6 +16,7 @@ from hybridmoe import native
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.dequant import dequantize
 from hybridmoe.quant.formats import FORMATS, Format
+from hybridmoe.quant.transposed import times
 
 
 class QTensor:
@@ -110,7 +111,29 @@ def native_applies(x: torch.Tensor, *weights: QTensor) -> bool:
 
 
 def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """x [..., K] times w [N, K]^T -> [..., N] in x's dtype (fp32 accumulation)."""
+    """x [..., K] times w [N, K]^T -> [..., N] in x's dtype (fp32 accumulation); differentiable in
+    x (the frozen weight has no gradient: LoRA training through quantised projections)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Product.apply(x, w)
+    return _product(x, w)
+
+
+class _Product(torch.autograd.Function):
+    """x W^T on the kernels, with dL/dx = dL/dy W through W's blocks a tile at a time
+    (transposed.py): autograd never keeps a dequantised copy of W."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w
+        return _product(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.reshape(-1, grad.shape[-1])  # [M, N]
+        return times(g, ctx.w).reshape(*grad.shape[:-1], ctx.w.cols), None
+
+
+def _product(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if native_applies(rows, w):
         ys = [kernels.linear(rows, w.fmt.ggml, p, w.cols) for p in w.parts]  # [M, N_i] fp32

@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.layers import lora
 from hybridmoe.layers.lora import RowAdapters
+from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.tensor import linear as qlinear
+from hybridmoe.quant.transposed import times
 
 
 class Sequences:
@@ -104,14 +106,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad = torch.empty(hidden.shape, dtype=torch.float32)  # [N, H]
         for start in range(0, len(hidden), CHUNK):
             h, t = hidden[start : start + CHUNK], targets[start : start + CHUNK]
-            logits = F.linear(h, weight).float()  # [c, V]
+            logits = qlinear(h, weight).float()  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             total += (lse - logits.gather(1, t[:, None])[:, 0]).sum()
             if not ctx.needs_input_grad[0]:  # held-out loss: no backward to come
                 continue
             probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             probs[torch.arange(len(t)), t] -= 1  # d(loss)/d(logits)
-            grad[start : start + CHUNK] = probs.to(weight.dtype) @ weight
+            grad[start : start + CHUNK] = _back(probs, weight, hidden.dtype)
         ctx.save_for_backward(grad)
         ctx.dtype = hidden.dtype
         return total
@@ -120,3 +122,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         (grad,) = ctx.saved_tensors
         return (grad * grad_total).to(ctx.dtype), None, None
+
+
+def _back(g: torch.Tensor, weight, dtype: torch.dtype) -> torch.Tensor:
+    """g [c, V] @ weight [V, H] -> [c, H], in the weight's dtype or, for a head in blocks (GGUF),
+    in `dtype`, the blocks dequantised a tile of rows at a time (quant/transposed.py), never
+    whole."""
+    if isinstance(weight, QTensor):
+        return times(g.to(dtype), weight)
+    return g.to(weight.dtype) @ weight

@@ -41,9 +41,10 @@ def merge(model_dir: str | Path, adapter_dir: str | Path, out: str | Path) -> Pa
     cfg = model_config(model_dir)  # a missing or broken model is its own one-line error
     if model_dir.is_file():
         raise UserError(
-            f"{model_dir}: merge reads Hugging Face directories; a GGUF's quantised experts "
-            "would need re-quantising after the merge, which loses the adapter's change: run it "
-            "with --lora DIR instead"
+            f"{model_dir}: merge writes Hugging Face directories, not GGUF files, whose weights "
+            "are kept in blocks: re-quantising them after adding the adapter would round most "
+            "of its change away. Run the file with --lora DIR (the blocks stay as they are), or "
+            "merge into the Hugging Face checkpoint it was made from and `hybridmoe export` that"
         )
     if out.exists():
         raise UserError(f"--out {out} exists; remove it or choose another directory")

@@ -12,6 +12,11 @@ What the forward keeps for the backward, per expert with n rows: its [gate; up] 
 matmuls per expert (the input gradient through down and through gate_up), as many as the forward.
 Everything computes in the store's dtype, the LoRA terms too (as under autocast: bf16 for a bf16
 model); the outputs and the gradients are summed in fp32.
+
+Experts kept in blocks (GGUF files, `quant=`) stay blocks: the forward runs on the integer kernels
+as inference does (activations rounded to int8 per block), and the input gradient through them,
+which those kernels cannot compute (quant/transposed.py says why), multiplies by a tile of
+TRAIN_DEQUANT_ROWS dequantised rows at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from hybridmoe import tuning
 from hybridmoe.experts.run.cpu_pool import CPUExperts
 from hybridmoe.experts.run.ffn import group_by_expert
 from hybridmoe.experts.run.lora import ExpertLoRA, down, gate_up
-from hybridmoe.experts.run.store import ExpertStore, ExpertWeights
+from hybridmoe.experts.run.store import ExpertStore, ExpertWeights, Matrix
+from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.transposed import times
 
 
 @dataclass
@@ -94,17 +101,29 @@ class _ExpertLayer(torch.autograd.Function):
     def forward(ctx, x, topk_weights, gu_a, gu_b, d_a, d_b, topk_ids, cpu, store, layer, lora):
         groups = group_by_expert(topk_ids)
         dtype = store.dtype  # the experts compute in the store's dtype
+        xs = x.to(dtype)  # [T, H]; blocks' products come out in their input's dtype
         f = (lora.cast("gate_up", dtype), lora.cast("down", dtype))
         jobs = [
-            _normal(partial(_expert_forward, x, rows, store.get(layer, e), f, e, lora.scaling))
-            for e, rows, _ in groups
+            _normal(
+                partial(
+                    _expert_forward,
+                    xs,
+                    rows,
+                    topk_weights[rows, cols, None],
+                    store.get(layer, e),
+                    f,
+                    e,
+                    lora.scaling,
+                )
+            )
+            for e, rows, cols in groups
         ]
         batch = cpu.start(jobs, 0, heavy=True)
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         with _one_thread():
             results, _ = batch.result()
-            for (_, rows, cols), (y, _) in zip(groups, results):
-                out.index_add_(0, rows, y.float().mul_(topk_weights[rows, cols, None]))
+            for (_, rows, _), (y, _) in zip(groups, results):
+                out.index_add_(0, rows, y)
         ctx.save_for_backward(x, topk_weights)
         ctx.cpu, ctx.store, ctx.layer, ctx.lora = cpu, store, layer, lora
         ctx.groups, ctx.kept = groups, [kept for _, kept in results]
@@ -143,8 +162,8 @@ class _ExpertLayer(torch.autograd.Function):
         with _one_thread():
             results, _ = batch.result()
             for (_, rows, cols), (dx_e, dw_e) in zip(ctx.groups, results):
-                dx.index_add_(0, rows, dx_e.float())
-                dw[rows, cols] = dw_e.float()
+                dx.index_add_(0, rows, dx_e)
+                dw[rows, cols] = dw_e
         ctx.kept = None
         flat = [t for m in ("gate_up", "down") for t in grads.get(m, (None, None))]
         return (dx.to(x.dtype), dw.to(topk_weights.dtype), *flat, None, None, None, None, None)
@@ -179,8 +198,10 @@ def _padded(rows: torch.Tensor, wk: torch.Tensor | None = None):
     return rows, torch.cat([wk, wk.new_zeros(extra, 1)])  # [m, 1]
 
 
-def _expert_forward(x, rows, w: ExpertWeights, f, e: int, s: float):
-    """One expert's rows, a tile at a time: its output [n, H] and what its backward needs."""
+def _expert_forward(x, rows, wk, w: ExpertWeights, f, e: int, s: float):
+    """One expert's rows, a tile at a time: its output [n, H] times the rows' routing weights wk
+    [n, 1], in fp32 (weighted here, on the worker, rather than by the caller's one thread), and
+    what its backward needs."""
     ys, kept, start = [], [], 0
     padded = _padded(rows)  # [m]
     for size in _tiles(len(rows)):
@@ -188,7 +209,8 @@ def _expert_forward(x, rows, w: ExpertWeights, f, e: int, s: float):
         ys.append(y)
         kept.append(k)
         start += size
-    return torch.cat(ys)[: len(rows)], kept  # [n, H]
+    y = torch.cat(ys)[: len(rows)].float()  # [n, H]
+    return y.mul_(wk), kept
 
 
 def _tile_forward(xt, w: ExpertWeights, f, e: int, s: float):
@@ -214,7 +236,14 @@ def _expert_backward(grad_out, wk, kept, x, rows, w: ExpertWeights, f, e, lora, 
         dws.append(dw)
         start += size
     n = len(rows)
-    return torch.cat(dxs)[:n], torch.cat(dws)[:n]
+    return torch.cat(dxs)[:n].float(), torch.cat(dws)[:n].float()
+
+
+def _back(g: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """g [t, out] @ w [out, in] -> [t, in]: the input gradient through a frozen store weight;
+    blocks are dequantised a tile of rows at a time (quant/transposed.py), never the whole
+    expert."""
+    return times(g, w) if isinstance(w, QTensor) else g @ w
 
 
 def _tile_backward(g, wk, kept, xt, w: ExpertWeights, f, e, lora, grads):
@@ -228,19 +257,19 @@ def _tile_backward(g, wk, kept, xt, w: ExpertWeights, f, e, lora, grads):
     sg = gate * sig  # silu(gate)
     h = sg * up  # [t, I]
     # y = down(h); dLoss/dy = wk * g. The routing weight's gradient is <g, y> = <g down, h>.
-    dh = g @ w.down  # [t, I]
+    dh = _back(g, w.down)  # [t, I]
     if f_d is not None:
         a, b = f_d[0][e], f_d[1][e]  # [r, I], [H, r]
         gb = g @ b  # [t, r]
         dh.addmm_(gb, a, alpha=s)
         da, db = grads["down"]
         da[e] += (s * (wk * gb).T @ h).float()  # [r, I]
-        db[e] += (s * g.T @ (wk * ha)).float()  # [H, r]
+        db[e] += (g.T @ (wk * ha)).float().mul_(s)  # [H, r]; scaled after: g.T is [H, t]
     dw = (dh * h).sum(dim=-1)  # [t]
     dh = dh * wk
     dgate = dh * up * sig * (1 + gate * (1 - sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
     dgu = torch.cat([dgate, dh * sg], dim=-1)  # [t, 2I]
-    dx = dgu @ w.gate_up  # [t, H]
+    dx = _back(dgu, w.gate_up)  # [t, H]
     if f_gu is not None:
         a, b = f_gu[0][e], f_gu[1][e]  # [r, H], [2I, r]
         gb = dgu @ b  # [t, r]

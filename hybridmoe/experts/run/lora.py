@@ -19,7 +19,9 @@ from torch import nn
 
 from hybridmoe import native
 from hybridmoe.experts.run.ffn import expert_ffn
-from hybridmoe.experts.run.store import ExpertWeights
+from hybridmoe.experts.run.store import ExpertWeights, Matrix
+from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.tensor import matmul as qmatmul
 
 MATRICES = ("gate_up", "down")
 
@@ -90,9 +92,12 @@ class ExpertLoRA(nn.Module):
 Factors = tuple[torch.Tensor, torch.Tensor] | None
 
 
-def _frozen(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [n, in] through a store weight [out, in] -> [n, out] in the weight's dtype: the native
-    kernel for a few bf16 rows, as expert_ffn, else F.linear."""
+def _frozen(x: torch.Tensor, weight: Matrix) -> torch.Tensor:
+    """x [n, in] through a store weight [out, in] -> [n, out]: blocks on the integer kernels, in x's
+    dtype, as expert_ffn runs them; a dense weight in its dtype, on the native kernel for a few
+    bf16 rows, as expert_ffn, else F.linear."""
+    if isinstance(weight, QTensor):
+        return qmatmul(x, weight)  # [n, out]
     x = x.to(weight.dtype)
     if native.applies(x, weight):
         return native.gemm(x, weight).to(weight.dtype)  # accumulated in fp32, rounded as F.linear
@@ -125,9 +130,14 @@ def down(
 
 def expert_ffn_lora(x: torch.Tensor, w: ExpertWeights, lora: ExpertLoRA, e: int) -> torch.Tensor:
     """expert_ffn (experts/run/ffn.py) of expert e with `lora`'s terms: x [n, H] -> [n, H]."""
-    dtype, s = w.gate_up.dtype, lora.scaling
+    dtype, s = compute_dtype(w, x), lora.scaling
     gate, up = gate_up(x, w, _one(lora, "gate_up", e, dtype), 0, s)[0].chunk(2, dim=-1)
     return down(F.silu(gate) * up, w, _one(lora, "down", e, dtype), 0, s)[0].to(x.dtype)
+
+
+def compute_dtype(w: ExpertWeights, x: torch.Tensor) -> torch.dtype:
+    """The dtype an expert's products come out in: its dense weights', or for blocks x's."""
+    return x.dtype if isinstance(w.gate_up, QTensor) else w.gate_up.dtype
 
 
 def _one(lora: ExpertLoRA, matrix: str, e: int, dtype: torch.dtype) -> Factors:
