@@ -4,7 +4,8 @@ weights in seconds instead of refitting them for minutes.
 
 Each layer is stored as its change from where the refit starts (fit.start_down: the dense down
 projection, routed columns times top-k), in blocks of BLOCK values along a row: int8 codes and
-one fp16 scale per block, as GGUF's Q8_0. The refit moves the weights by only ~3% of their norm,
+one bf16 scale per block (as GGUF's Q8_0, but fp16 scales would underflow: one layer's change
+is ~1e-5). The refit moves the weights by only ~3% of their norm,
 so rounding the change moves them by ~0.02%; rounding the weights themselves to 8 bits cost 0.06x
 dense in held-out perplexity (docs/notes/2026-11-24-first-run.md).
 
@@ -38,10 +39,11 @@ def downs_path(tag: str) -> Path:
 
 
 def encode(change: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes [H, F] and fp16 scales [H, F / BLOCK] of a change [H, F]."""
+    """int8 codes [H, F] and bf16 scales [H, F / BLOCK] of a change [H, F]; the codes are
+    rounded against the stored scales, so each value moves by at most half its block's step."""
     h, f = change.shape
     blocks = change.reshape(h, f // BLOCK, BLOCK)
-    scales = (blocks.abs().amax(-1) / LEVELS).half()  # [H, F / BLOCK]
+    scales = (blocks.abs().amax(-1) / LEVELS).bfloat16()  # [H, F / BLOCK]
     step = scales.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     codes = (blocks / step).round().clamp(-LEVELS, LEVELS).to(torch.int8)
     return codes.reshape(h, f), scales
