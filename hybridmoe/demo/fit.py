@@ -22,6 +22,7 @@ from hybridmoe.demo import stream
 from hybridmoe.demo.router import neuron_weights, route, train_router
 from hybridmoe.demo.spec import DEFAULT_SPEC, LayerMoE, MoESpec
 from hybridmoe.demo.split import activations, expert_outputs_norm, refine_split, split
+from hybridmoe.errors import UserError
 
 __all__ = ["DEFAULT_SPEC", "LayerMoE", "MoESpec", "fit_model", "RECIPE_VERSION"]
 
@@ -237,6 +238,11 @@ def ship_plan(spec: MoESpec, downs_only: bool = False) -> None:
     from hybridmoe.demo import downs, shipped, source
 
     path = shipped.plan_path(spec.tag())
+    if downs_only and shipped.load_plan(path, spec.as_dict(), RECIPE_VERSION) is None:
+        raise UserError(
+            f"no split and routers ship for {spec.tag()} (recipe v{RECIPE_VERSION}); "
+            "run without --downs to fit them too."
+        )
     if not downs_only:
         path.unlink(missing_ok=True)  # fit from scratch, not from the plan being replaced
     dense, config = source.read_dense()
@@ -258,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     reproduce the data shipped in hybridmoe/demo/data (deterministic on one machine and thread
     count; 2 threads here)."""
     import argparse
+    import sys
 
     p = argparse.ArgumentParser(prog="python -m hybridmoe.demo.fit", description=main.__doc__)
     p.add_argument("--corpus", action="store_true", help="regenerate the corpus first")
@@ -272,9 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", type=float, default=DEFAULT_SPEC.shared)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
-    if args.corpus:
-        regenerate_corpus()
-    ship_plan(MoESpec(args.experts, args.top_k, args.shared).validate(), args.downs)
+    try:
+        spec = MoESpec(args.experts, args.top_k, args.shared).validate()
+        if args.corpus:
+            regenerate_corpus()
+        ship_plan(spec, args.downs)
+    except UserError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
