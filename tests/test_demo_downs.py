@@ -115,3 +115,15 @@ def test_the_notice_promises_seconds_only_where_the_fit_ships():
 
     assert build_estimate(DEFAULT_SPEC) == SHIPPED_ESTIMATE
     assert build_estimate(MoESpec(experts=32, top_k=16, shared=0.5)) == FIT_ESTIMATE
+
+
+def test_refitting_downs_without_a_shipped_split_is_one_line_and_exit_2():
+    import subprocess
+    import sys
+
+    args = ["--downs", "--experts", "32", "--top-k", "16"]
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridmoe.demo.fit", *args], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "run without --downs" in out.stderr
