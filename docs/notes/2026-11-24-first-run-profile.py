@@ -47,7 +47,7 @@ with torch.no_grad():
     out = z @ D.T; t = tick("output z@D.T", t)
     plans.append(LayerMoE(g["shared"], g["experts"], g["router"], D))
     moe_h = [r + o for (r, _), o in zip(halves, out.split([len(r) for r, _ in halves]))]
-tmp = Path(tempfile.mkdtemp(dir="/tmp/fr"))
+tmp = Path(tempfile.mkdtemp())
 sd = B.moe_state_dict(dense, plans, spec); t = tick("moe_state_dict", t)
 B.moe_config(config, spec).save_pretrained(str(tmp)); t = tick("config", t)
 from safetensors.torch import save_file

@@ -4,7 +4,7 @@ ways, each written as a copy of the build and scored by quality.evaluate. As run
 plan then carried recipe_version 4; it now says 5 with the same tensors, hence PLAN_VERSION).
 `PYTHONPATH=. flock /tmp/hybridmoe-heavy.lock python docs/notes/2026-11-24-first-run-rounding.py
 exact delta-q8 delta-q6 delta-q5 delta-q4 d-q8`"""
-import json, shutil, sys, time
+import json, shutil, sys, tempfile, time
 from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
@@ -45,7 +45,7 @@ def qblock(x, bits, block=32):
     q = torch.where(scale > 0, (xb / scale).round().clamp(-qmax, qmax), torch.zeros_like(xb))
     return (q * scale).reshape(r, c)
 def write_variant(name, newD):
-    out = Path(f"/tmp/fr/var-{name}")
+    out = Path(tempfile.gettempdir()) / f"demo-var-{name}"
     if out.exists(): shutil.rmtree(out)
     shutil.copytree(CACHE, out)
     new = dict(sd)
@@ -71,4 +71,4 @@ for name in sys.argv[1:]:
     t = time.time()
     r = quality.evaluate(write_variant(name, newD))
     print(json.dumps({"variant": name, "rel_err_D": err, "ppl_ratio": r["ppl_ratio"], "moe_ppl": r["moe_ppl"], "dense_ppl": r["dense_ppl"], "top1": r["top1_agreement"], "active": r["active_fraction"], "answer": r["answer"], "eval_s": time.time() - t}), flush=True)
-    shutil.rmtree(f"/tmp/fr/var-{name}")
+    shutil.rmtree(Path(tempfile.gettempdir()) / f"demo-var-{name}")
