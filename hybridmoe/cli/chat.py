@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 from hybridmoe.cli.options import (
     LORA,
@@ -36,6 +38,10 @@ def run(args) -> int:
 
 
 def chat(model, tok, params, args) -> int:
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C stops a reply even where the chat was started with SIGINT ignored (a background
+        # job of a non-interactive shell), in which case Python would not turn it into an exception
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     while True:
