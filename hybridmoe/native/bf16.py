@@ -29,6 +29,12 @@ FLAGS += ["-pthread"]
 # (docs/notes/2026-11-24-measurements-in-code.md, "MAX_ROWS"). Beyond, prefill keeps oneDNN.
 MAX_ROWS = 32
 
+# Weight bytes below which a product stays on one thread whatever torch's count: waking the pool's
+# second thread costs as much as it saves on a matrix this small (the demo model's 576 x 576 took
+# 60 us on one thread and on two, its 192 x 576 25 and 31 us, its 1536 x 576 153 and 95 us;
+# docs/notes/2026-11-24-decode-overhead.md).
+THREADED_MIN_BYTES = 1 << 20
+
 # name -> (argument types, result type), each under a copy of its C prototype in bf16.c
 SIGNATURES = {
     # void hm_gemm_bf16(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O,
@@ -109,6 +115,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, workers: int | None = None) -> t
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [M, N]
     threads = workers or torch.get_num_threads()
+    if 2 * weight.numel() < THREADED_MIN_BYTES:
+        threads = 1
     args = (weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0])
     if threads > 1:
         library().hm_gemm_bf16_mt(*args, threads)
