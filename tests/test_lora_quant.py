@@ -25,29 +25,9 @@ from hybridmoe.quant.tensor import QTensor, dense
 from hybridmoe.train.forward import Batch, loss_sum
 from tests.adapters import every_group, random_adapter
 from tests.test_lora_reference import random_batch, rel_err
-from tests.tiny import TINY_COMMON, build_tiny
+from tests.tiny import build_tiny, build_wide_mixtral
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def build_wide_mixtral(out):
-    """A tiny Mixtral 256 wide, so that every matrix fills whole K-quant blocks of 256."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    cfg = MixtralConfig(
-        **{**TINY_COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
-        intermediate_size=256,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )
-    model = MixtralForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".gate.weight"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(out)
 
 
 # (architecture, format): every matrix of these tiny models fills the format's blocks

@@ -15,7 +15,7 @@ from hybridmoe.quant.tensor import QTensor
 from tests.contiguous_kv import SequenceKV, forward_step
 from tests.gguf_writer import Q, write_gguf
 from tests.held_out import held_out_stats
-from tests.tiny import TINY_COMMON, build_tiny
+from tests.tiny import build_tiny, build_wide_mixtral
 
 PROMPT = [5, 17, 42, 8, 30, 2, 64, 11]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -27,25 +27,7 @@ def tiny_gguf(tmp_path, arch: str, qtype) -> str:
 
 
 def wide_mixtral_gguf(tmp_path, qtype) -> str:
-    """A tiny Mixtral 256 wide, so that every matrix fills whole K-quant blocks of 256."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    cfg = MixtralConfig(
-        **{**TINY_COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
-        intermediate_size=256,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )
-    model = MixtralForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".gate.weight"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(tmp_path)
+    build_wide_mixtral(tmp_path, spread_norms=True)
     return str(write_gguf(tmp_path, tmp_path / f"wide-{qtype.name}.gguf", qtype))
 
 

@@ -232,3 +232,26 @@ def tiny_models(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+def build_wide_mixtral(out, spread_norms: bool = False) -> None:
+    """A tiny Mixtral 256 wide, so that every matrix fills whole K-quant blocks of 256; routers
+    spread (N(0, 0.5)) and, with spread_norms, norm weights drawn from U(0.5, 1.5)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        **{**TINY_COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
+        intermediate_size=256,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    model = MixtralForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if spread_norms and name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".gate.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
