@@ -31,34 +31,30 @@ ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
-   Every x row is computed the same way whatever R is, so a row's result does not depend on the
-   batch it came in. Missing weight rows (j >= c) re-read row o and are not stored. */
+   The four weight rows are read one after the other, each whole, so the weights stream in address
+   order: reading the four rows side by side (four streams a row apart) halved what one core reads
+   from RAM on Zen 4 (docs/notes/2026-11-24-gemv-streams.md). Every x row is computed the same way
+   whatever R is, so a row's result does not depend on the batch it came in. Missing weight rows
+   (j >= c) re-read row o and are not stored. */
 ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16_t *X, long ldx, long m,
-                         const int R, const int PF, float *Y, long ldy) {
-    const uint16_t *w[4], *x[4];
-    for (int j = 0; j < 4; j++) w[j] = W + (o + (j < c ? j : 0)) * I;
+                         const int R, float *Y, long ldy) {
+    const uint16_t *x[4];
     for (int r = 0; r < R; r++) x[r] = X + (m + r) * ldx;
     __m512 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    long i = 0;
-    for (; i + 32 <= I; i += 32) {
-        __m512bh wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + i);
-        if (PF)  /* the same columns two blocks on (prefetching past W's end is harmless) */
-            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w[j] + 8 * I + i), _MM_HINT_T0);
-        for (int r = 0; r < R; r++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x[r] + i);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+    const long tail = I % 32, end = I - tail;
+    const __mmask32 k = (__mmask32)((1ULL << tail) - 1);
+    for (int j = 0; j < 4; j++) {
+        const uint16_t *w = W + (o + (j < c ? j : 0)) * I;
+        for (int r = 0; r < R; r++) acc[r][j] = _mm512_setzero_ps();
+        for (long i = 0; i < end; i += 32) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
+            for (int r = 0; r < R; r++)
+                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, (__m512bh)_mm512_loadu_si512(x[r] + i));
         }
-    }
-    if (i < I) {  /* the row's last I % 32 elements, zeros past the end */
-        __mmask32 k = (__mmask32)((1ULL << (I - i)) - 1);
-        __m512bh wv[4];
-        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(k, w[j] + i);
-        for (int r = 0; r < R; r++) {
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(k, x[r] + i);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+        if (tail) {  /* the row's last I % 32 elements, zeros past the end */
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(k, w + end);
+            for (int r = 0; r < R; r++)
+                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, (__m512bh)_mm512_maskz_loadu_epi16(k, x[r] + end));
         }
     }
     for (int r = 0; r < R; r++) {
@@ -72,14 +68,11 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
 static void gemm(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M) {
     for (long o = 0; o < O; o += 4) {
         long c = O - o < 4 ? O - o : 4, m = 0;
-        if (M >= 4) {
-            block(W, I, o, c, X, ldx, 0, 4, 1, Y, ldy);
-            for (m = 4; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, 0, Y, ldy);
-        }
+        for (; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, Y, ldy);
         switch (M - m) {
-        case 3: block(W, I, o, c, X, ldx, m, 3, m == 0, Y, ldy); break;
-        case 2: block(W, I, o, c, X, ldx, m, 2, m == 0, Y, ldy); break;
-        case 1: block(W, I, o, c, X, ldx, m, 1, m == 0, Y, ldy); break;
+        case 3: block(W, I, o, c, X, ldx, m, 3, Y, ldy); break;
+        case 2: block(W, I, o, c, X, ldx, m, 2, Y, ldy); break;
+        case 1: block(W, I, o, c, X, ldx, m, 1, Y, ldy); break;
         }
     }
 }
