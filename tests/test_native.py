@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe import native
-from hybridmoe.experts.run.ffn import expert_ffn
+from hybridmoe.experts.run.ffn import combine_token, expert_ffn, experts_ffn, mix_token
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
 
@@ -116,6 +116,24 @@ def test_gemm_on_threads_gives_one_threads_bits(rows, cols, m, workers):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, cols, m", [(1536, 576, 1), (1537, 100, 5), (3, 1, 2)])
+def test_linear_in_one_call_is_the_fp32_product_plus_bias_rounded_once(rows, cols, m, threads):
+    """native.linear (bias added and rounded in C, on the pool's threads for a large weight) gives
+    the bits of gemm's fp32 product + the bias in fp32, rounded by torch."""
+    gen = torch.Generator().manual_seed(rows + m)
+    w, b, x = bf16(rows, cols, gen=gen), bf16(rows, gen=gen), bf16(m, cols, gen=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, plain = native.linear(x, w, b), native.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, (native.gemm(x, w) + b.float()).to(torch.bfloat16))
+    assert torch.equal(plain, native.gemm(x, w).to(torch.bfloat16))
+
+
+@needs_kernels
 @pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("hidden, inter", [(576, 48), (100, 96), (64, 5)])
 def test_a_layers_experts_in_one_call_equal_each_expert_alone(hidden, inter, workers):
@@ -130,6 +148,31 @@ def test_a_layers_experts_in_one_call_equal_each_expert_alone(hidden, inter, wor
     got = native.experts(xs, weights, workers)
     for x, (gate_up, down), y in zip(xs, weights, got):
         assert torch.equal(y, native.expert(x, gate_up, down))
+
+
+@needs_kernels
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("hidden, inter, k", [(576, 48, 8), (100, 96, 3), (64, 5, 1)])
+def test_a_tokens_experts_and_their_mix_in_one_call_equal_experts_then_combine(
+    hidden, inter, k, workers
+):
+    """mix_token (experts and their weighted sum in C) gives the bits of experts_ffn followed by
+    combine_token, the path it replaces for a decode token."""
+    gen = torch.Generator().manual_seed(hidden + k)
+    x = bf16(1, hidden, gen=gen)
+    ids = torch.randperm(16, generator=gen)[:k]  # [K] distinct experts in top-k order
+    weights = torch.rand(1, k, generator=gen)  # [1, K] fp32
+    store = {
+        int(e): ExpertWeights(
+            bf16(2 * inter, hidden, gen=gen) * 0.1, bf16(hidden, inter, gen=gen) * 0.1
+        )
+        for e in ids
+    }
+    ys = experts_ffn([(x, store[int(e)]) for e in ids], workers)  # [1, H] each, top-k order
+    ref = combine_token(x, ys, weights, ids[None])
+    order = sorted(range(k), key=ids.tolist().__getitem__)
+    got = mix_token(x, [store[int(ids[j])] for j in order], weights[0, order], workers)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
 
 
 @pytest.fixture

@@ -40,10 +40,12 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     if invariance.active():  # one kernel for every row count: a row never depends on the others
         rows = x.numel()
     if native.applies(x, weight, max_rows=rows) and not torch.is_grad_enabled():
-        y = native.gemm(x, weight)  # [M, N] fp32
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        if bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()):
+            y = native.linear(x, weight, bias)  # [M, N] bf16, F.linear's arithmetic in one call
+        else:
+            y = native.gemm(x, weight)  # [M, N] fp32
+            y = (y + bias.float()).to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     if (
         _ONEDNN
         and x.dim() == 2

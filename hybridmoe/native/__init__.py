@@ -14,7 +14,9 @@ __all__ = [
     "decode_attention",
     "expert",
     "experts",
+    "experts_mix",
     "gemm",
+    "linear",
     "prefill_applies",
     "prefill_attention",
 ]

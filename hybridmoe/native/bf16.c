@@ -30,6 +30,38 @@ ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+/* fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Where a product's rows go when they leave as bf16 (F.linear's output): Y[m, o] = bf16(sum + bias[o]),
+   the sum in fp32 plus the bf16 bias widened (exactly) to fp32, then rounded once, as torch's fp32
+   product, `y += bias.float()` and `.to(torch.bfloat16)` do. */
+typedef struct {
+    uint16_t *Y;
+    long ldy;
+    const uint16_t *bias; /* [O] bf16, or NULL */
+} out_bf16;
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long c) {
+    float v[4];
+    _mm_storeu_ps(v, s);
+    for (long j = 0; j < c; j++)
+        B->Y[m * B->ldy + o + j] = to_bf16(B->bias ? v[j] + from_bf16(B->bias[o + j]) : v[j]);
+}
+
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
    The four weight rows are read one after the other, each whole, so the weights stream in address
    order: reading the four rows side by side (four streams a row apart) halved what one core reads
@@ -37,7 +69,7 @@ ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
    whatever R is, so a row's result does not depend on the batch it came in. Missing weight rows
    (j >= c) re-read row o and are not stored. */
 ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16_t *X, long ldx, long m,
-                         const int R, float *Y, long ldy) {
+                         const int R, float *Y, long ldy, const out_bf16 *B) {
     const uint16_t *x[4];
     for (int r = 0; r < R; r++) x[r] = X + (m + r) * ldx;
     __m512 acc[4][4];
@@ -59,31 +91,31 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     }
     for (int r = 0; r < R; r++) {
         __m128 s = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+        if (B) {
+            store_bf16(B, s, m + r, o, c);
+            continue;
+        }
         _mm_mask_storeu_ps(Y + (m + r) * ldy + o, (__mmask8)((1u << c) - 1), s);
     }
 }
 
 /* Y[m, o] = sum_i W[o, i] X[m, i] for m < M, o < O.  W: [O, I] bf16 row-major; X: [M, I] bf16 with
    rows ldx apart; Y: [M, O] fp32 with rows ldy apart. */
-static void gemm(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M) {
+static void gemm_to(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M,
+                    const out_bf16 *B) {
     for (long o = 0; o < O; o += 4) {
         long c = O - o < 4 ? O - o : 4, m = 0;
-        for (; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, Y, ldy);
+        for (; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, Y, ldy, B);
         switch (M - m) {
-        case 3: block(W, I, o, c, X, ldx, m, 3, Y, ldy); break;
-        case 2: block(W, I, o, c, X, ldx, m, 2, Y, ldy); break;
-        case 1: block(W, I, o, c, X, ldx, m, 1, Y, ldy); break;
+        case 3: block(W, I, o, c, X, ldx, m, 3, Y, ldy, B); break;
+        case 2: block(W, I, o, c, X, ldx, m, 2, Y, ldy, B); break;
+        case 1: block(W, I, o, c, X, ldx, m, 1, Y, ldy, B); break;
         }
     }
 }
 
-/* fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+static void gemm(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M) {
+    gemm_to(W, X, ldx, Y, ldy, O, I, M, NULL);
 }
 
 void hm_gemm_bf16(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M) {
@@ -122,6 +154,7 @@ typedef struct {
     const uint16_t *W, *X;
     long ldx, ldy, O, I, M, rows;
     float *Y;
+    const out_bf16 *B; /* bf16 output instead of Y, or NULL */
     atomic_long next;
 } gemm_call;
 
@@ -132,17 +165,39 @@ static void gemm_region(void *arg, int t, int T) {
     long units = (c->O + c->rows - 1) / c->rows;
     for (long u; (u = next_unit(&c->next, units)) >= 0;) {
         long o = u * c->rows, n = min_l(c->rows, c->O - o);
-        gemm(c->W + o * c->I, c->X, c->ldx, c->Y + o, c->ldy, n, c->I, c->M);
+        out_bf16 b, *B = NULL;
+        if (c->B) {
+            b = (out_bf16){c->B->Y + o, c->B->ldy, c->B->bias ? c->B->bias + o : NULL};
+            B = &b;
+        }
+        gemm_to(c->W + o * c->I, c->X, c->ldx, c->Y ? c->Y + o : NULL, c->ldy, n, c->I, c->M, B);
     }
+}
+
+static void gemm_threads(gemm_call *c, int threads) {
+    atomic_init(&c->next, 0);
+    long units = (c->O + c->rows - 1) / c->rows;
+    if (threads <= 1 || units <= 1)
+        gemm_to(c->W, c->X, c->ldx, c->Y, c->ldy, c->O, c->I, c->M, c->B);
+    else
+        hm_parallel(gemm_region, c, (int)min_l(threads, units));
 }
 
 /* hm_gemm_bf16 on up to `threads` threads. */
 void hm_gemm_bf16_mt(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M,
                      int threads) {
-    gemm_call c = {W, X, ldx, ldy, O, I, M, unit_rows(I), Y};
-    atomic_init(&c.next, 0);
-    long units = (O + c.rows - 1) / c.rows;
-    hm_parallel(gemm_region, &c, (int)min_l(threads, units));
+    gemm_call c = {W, X, ldx, ldy, O, I, M, unit_rows(I), Y, NULL};
+    gemm_threads(&c, threads);
+}
+
+/* F.linear of bf16 rows as torch computes it (fp32 sums, the bias added in fp32, one rounding):
+   Y [M, O] bf16 with rows ldy apart, bias [O] bf16 or NULL; on up to `threads` threads, the same
+   bits on any count. */
+void hm_linear_bf16(const uint16_t *W, const uint16_t *X, long ldx, const uint16_t *bias, uint16_t *Y, long ldy,
+                    long O, long I, long M, int threads) {
+    out_bf16 b = {Y, ldy, bias};
+    gemm_call c = {W, X, ldx, 0, O, I, M, unit_rows(I), NULL, &b};
+    gemm_threads(&c, threads);
 }
 
 /* One expert's share of hm_experts_bf16; Python passes an int64 table [n, 8] of these fields. */
@@ -194,6 +249,20 @@ void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads) 
     c.units3 = (H + c.rows3 - 1) / c.rows3;
     for (int s = 0; s < 3; s++) atomic_init(&c.next[s], 0);
     hm_parallel(bexperts_region, &c, (int)min_l(threads, n * c.units1));
+}
+
+/* One token through its n experts (e, in increasing expert id, M = 1 each) and their weighted sum:
+   out [H] bf16 = sum_j bf16(y_j) * w_j, each term in fp32, added from 0 in the order of e, rounded
+   once; the bits of hm_experts_bf16's outputs rounded to bf16 and then combined as combine_token
+   (experts/run/ffn.py) does with torch. The product and the sum stay two roundings: no fused
+   multiply-add (the compiler would contract them). */
+__attribute__((optimize("fp-contract=off"))) void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threads, const float *w, uint16_t *out) {
+    hm_experts_bf16(e, n, H, I, threads);
+    for (long h = 0; h < H; h++) {
+        float acc = 0.0f;
+        for (long j = 0; j < n; j++) acc += from_bf16(to_bf16(e[j].y[h])) * w[j];
+        out[h] = to_bf16(acc);
+    }
 }
 
 /* ---- Decode attention: one query token per sequence over its paged bf16 K/V history. ----

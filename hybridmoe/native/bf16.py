@@ -47,6 +47,12 @@ SIGNATURES = {
     # void hm_gemm_bf16_mt(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy,
     #                      long O, long I, long M, int threads)
     "hm_gemm_bf16_mt": ([P, P, N, P, N, N, N, N, INT], None),
+    # void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threads,
+    #                          const float *w, uint16_t *out)
+    "hm_experts_mix_bf16": ([P, N, N, N, INT, P, P], None),
+    # void hm_linear_bf16(const uint16_t *W, const uint16_t *X, long ldx, const uint16_t *bias,
+    #                     uint16_t *Y, long ldy, long O, long I, long M, int threads)
+    "hm_linear_bf16": ([P, P, N, P, P, N, N, N, N, INT], None),
     # void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads)
     "hm_experts_bf16": ([P, N, N, N, INT], None),
     # int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, long ldk,
@@ -125,6 +131,53 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, workers: int | None = None) -> t
     return y
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for bf16 rows: x [M, K], weight [N, K], bias [N] (bf16) or None -> [M, N] bf16, with
+    torch's arithmetic (fp32 sums, the bias added in fp32, one rounding), in one call."""
+    x = _rows(x)  # [M, K]
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)  # [M, N]
+    threads = 1 if 2 * n * k < THREADED_MIN_BYTES else torch.get_num_threads()
+    library().hm_linear_bf16(
+        weight.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        n,
+        n,
+        k,
+        x.shape[0],
+        threads,
+    )
+    return y
+
+
+def _jobs(xs, weights, y, gu, h):
+    """hm_experts_bf16's table [n, 8] for tokens xs[j] [M_j, H] through weights[j], the outputs and
+    scratch of each laid out one expert after the other in y, gu and h."""
+    hidden, inter = weights[0][1].shape
+    yp, gp, hp = y.data_ptr(), gu.data_ptr(), h.data_ptr()
+    table, rows = [], {}  # rows: id(x) -> (pointer, row stride), each distinct x checked once
+    for x, (gate_up, down) in zip(xs, weights):
+        px = rows.get(id(x))
+        if px is None:
+            r = _rows(x)
+            px = rows[id(x)] = (r.data_ptr(), r.stride(0), r)
+        m = x.shape[0]
+        table += [gate_up.data_ptr(), down.data_ptr(), px[0], px[1], m, yp, gp, hp]
+        yp, gp, hp = yp + 4 * m * hidden, gp + 8 * m * inter, hp + 2 * m * inter
+    return torch.tensor(table, dtype=torch.int64)  # [n, 8]
+
+
+def _buffers(tokens: int, hidden: int, inter: int):
+    return (
+        torch.empty(tokens, hidden, dtype=torch.float32),  # [sum M_j, H], expert after expert
+        torch.empty(tokens, 2 * inter, dtype=torch.float32),  # gate and up of each token
+        torch.empty(tokens, inter, dtype=torch.bfloat16),  # silu(gate) * up of each token
+    )
+
+
 def experts(
     xs: list[torch.Tensor],
     weights: list[tuple[torch.Tensor, torch.Tensor]],
@@ -133,26 +186,34 @@ def experts(
 ) -> list[torch.Tensor]:
     """`expert` of each (tokens xs[j] [M_j, H] bf16, weights[j] = (gate_up [2I, H], down [H, I]))
     in one call over `workers` threads -> [M_j, H] each, the same bits as `expert`, rounded once
-    to `dtype`. Python
-    work is kept to a few calls per expert: a decode layer is small enough for it to show."""
+    to `dtype`. Python work is kept to a few calls per expert: a decode layer is small enough for
+    it to show."""
     hidden, inter = weights[0][1].shape
     counts = [x.shape[0] for x in xs]
-    tokens = sum(counts)
-    y = torch.empty(tokens, hidden, dtype=torch.float32)  # [sum M_j, H], expert after expert
-    gu = torch.empty(tokens, 2 * inter, dtype=torch.float32)  # gate and up of each token
-    h = torch.empty(tokens, inter, dtype=torch.bfloat16)  # silu(gate) * up of each token
-    yp, gp, hp = y.data_ptr(), gu.data_ptr(), h.data_ptr()
-    table, rows = [], {}  # rows: id(x) -> (pointer, row stride), each distinct x checked once
-    for x, (gate_up, down), m in zip(xs, weights, counts):
-        px = rows.get(id(x))
-        if px is None:
-            r = _rows(x)
-            px = rows[id(x)] = (r.data_ptr(), r.stride(0), r)
-        table += [gate_up.data_ptr(), down.data_ptr(), px[0], px[1], m, yp, gp, hp]
-        yp, gp, hp = yp + 4 * m * hidden, gp + 8 * m * inter, hp + 2 * m * inter
-    jobs = torch.tensor(table, dtype=torch.int64)  # [n, 8]
+    y, gu, h = _buffers(sum(counts), hidden, inter)
+    jobs = _jobs(xs, weights, y, gu, h)
     library().hm_experts_bf16(jobs.data_ptr(), len(xs), hidden, inter, workers)
     return list((y if dtype == torch.float32 else y.to(dtype)).split(counts))
+
+
+def experts_mix(
+    x: torch.Tensor,
+    weights: list[tuple[torch.Tensor, torch.Tensor]],
+    mix: torch.Tensor,
+    workers: int,
+) -> torch.Tensor:
+    """One token x [1, H] bf16 through its experts (weights in increasing expert id) and their sum
+    weighted by mix [n] (fp32) -> [1, H] bf16: the bits of `experts(..., torch.bfloat16)` then
+    experts/run/ffn.py's combine_token, in one call."""
+    hidden, inter = weights[0][1].shape
+    y, gu, h = _buffers(len(weights), hidden, inter)
+    jobs = _jobs([x] * len(weights), weights, y, gu, h)
+    out = torch.empty(1, hidden, dtype=torch.bfloat16)  # [1, H]
+    mix = mix.to(torch.float32).contiguous()  # [n]
+    library().hm_experts_mix_bf16(
+        jobs.data_ptr(), len(weights), hidden, inter, workers, mix.data_ptr(), out.data_ptr()
+    )
+    return out
 
 
 def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -136,9 +136,13 @@ class CPUExperts:
             self.pool = CPUPool(workers)
         return self.pool.submit(jobs)
 
+    def workers_now(self) -> int:
+        """The threads a layer's experts take now: `workers`, or torch's count."""
+        return self.workers or torch.get_num_threads()
+
     def start_call(self, call: Callable[[int], list[torch.Tensor]]) -> _CallBatch:
         """A layer's experts as one call(workers) that spreads them over its own threads."""
-        workers = self.workers or torch.get_num_threads()
+        workers = self.workers_now()
         return _CallBatch(lambda: call(workers))
 
     def close(self) -> None:

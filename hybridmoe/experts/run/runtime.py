@@ -34,6 +34,7 @@ from hybridmoe.experts.run.ffn import (
     expert_ffn,
     experts_ffn,
     group_by_expert,
+    mix_token,
 )
 from hybridmoe.experts.run.lora import RowLoRA, expert_rows
 from hybridmoe.experts.run.runtime_stats import RuntimeStats
@@ -280,9 +281,25 @@ class CPURuntime(BaseRuntime):
     ):
         super().__init__(shape, dtype, RuntimeStats("cpu", "cpu", 0), cpu_workers)
 
+    def _mix_token(self, layer, x, topk_ids, topk_weights):
+        """A decode token's experts and their weighted sum in one native call (ffn.mix_token), or
+        None where that does not apply: (output [1, H], expert ids, busy seconds)."""
+        if x.shape[0] != 1:
+            return None
+        t0 = time.perf_counter()
+        ids = topk_ids[0].tolist()
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        experts = [ids[k] for k in order]
+        inputs = [self.store.get(layer, e) for e in experts]
+        out = mix_token(x, inputs, topk_weights[0, order], self.cpu.workers_now())
+        return None if out is None else (out, experts, time.perf_counter() - t0)
+
     def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
         t0 = time.perf_counter()
-        if x.shape[0] == 1:
+        mixed = self._mix_token(layer, x, topk_ids, topk_weights) if lora is None else None
+        if mixed is not None:
+            out, experts, busy = mixed
+        elif x.shape[0] == 1:
             # Decode: one token, so no grouping, gathering or scattering.
             experts = topk_ids[0].tolist()
             row = [torch.zeros(1, dtype=torch.long)] * len(experts)
