@@ -175,6 +175,10 @@ class PagedKVContext:
             pool.index_copy_(0, self.slots, e.to(pool.dtype))
         return pools
 
+    def pools_of(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """`layer`'s pools if its first write has made them, else None."""
+        return self.cache.pools.get(layer)
+
     def histories(
         self, pools: tuple[torch.Tensor, ...], seqs=None
     ) -> list[tuple[torch.Tensor, ...]]:

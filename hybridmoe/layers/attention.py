@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe import native
-from hybridmoe.layers.linear import Linear
+from hybridmoe.layers.linear import Linear, native_rows
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary
+from hybridmoe.native import rows
 
 
 class KVContext(Protocol):
@@ -69,6 +70,20 @@ def causal_attention(
     return out.view(kv_heads, groups, n, -1).permute(2, 0, 1, 3).reshape(n, heads, -1)
 
 
+def _rows_of_cos(cos_sin, T: int, d: int) -> bool:
+    """Whether cos and sin are what the native rotary reads: [T, d] fp32 on the CPU, unit stride
+    along d, the same row stride, and the row library is there."""
+    cos, sin = cos_sin
+    return (
+        cos.shape == (T, d)
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.device.type == "cpu"
+        and cos.stride() == sin.stride()
+        and cos.stride(-1) == 1
+        and rows.library() is not None
+    )
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads and RoPE (Llama, Mixtral, Qwen3-MoE, OLMoE).
 
@@ -111,6 +126,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.kv_heads * self.head_dim, eps)
 
     def forward(self, x: torch.Tensor, cos_sin, ctx: KVContext) -> torch.Tensor:
+        table = self._block_table(x, cos_sin, ctx)
+        if table is not None:  # the whole block in one native call, the same bits
+            cos, sin = cos_sin
+            scale, eps = self.head_dim**-0.5, self.q_norm.eps if self.qk_norm else 0.0
+            return native.attention_block(table, x, cos, sin, ctx.slots, ctx.decode, scale, eps)
         T = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, h*d], [T, kvh*d], [T, kvh*d]
         if self.qk_norm == "full":
@@ -127,6 +147,43 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attend(q, k, v, ctx)  # [T, h, d]
         return self.o_proj(out.reshape(T, self.heads * self.head_dim))
+
+    def _block_table(self, x: torch.Tensor, cos_sin, ctx) -> torch.Tensor | None:
+        """native.attention_block's table [16] for this step, or None where the block does not
+        take it: a step whose rows all attend in the decode kernel (ctx.decode covers every
+        sequence) on bf16 rows the native linear takes, plain bf16 weights without adapters, Llama
+        or Qwen3 heads (no OLMoE norm over all heads, no clipping), pools made and on the CPU."""
+        decode = getattr(ctx, "decode", None)
+        if (
+            decode is None
+            or len(decode.seqs) != len(ctx.seq_lens)
+            or self.qk_norm == "full"
+            or self.clip_qkv is not None
+            or torch.is_grad_enabled()
+            or x.dim() != 2
+            or x.stride(-1) != 1
+            or not _rows_of_cos(cos_sin, x.shape[0], self.head_dim)
+        ):
+            return None
+        pools = ctx.pools_of(self.layer)
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        if pools is None or any(p.adapters for p in projections):
+            return None
+        weights = [p.weight for p in projections]
+        biases = [p.bias for p in projections]
+        norms = [self.q_norm.weight, self.k_norm.weight] if self.qk_norm else []
+        plain = [t for t in (*weights, *biases, *norms) if t is not None]
+        if not native.applies(x, *plain, *pools, max_rows=native_rows(x)):
+            return None
+        key = (weights[0].data_ptr(), pools[0].data_ptr())
+        if getattr(self, "_table_key", None) != key:
+            ptr = [0 if t is None else t.data_ptr() for t in (*weights, *biases)]
+            ptr += [t.data_ptr() for t in norms] or [0, 0]
+            ptr += [pools[0].data_ptr(), pools[1].data_ptr()]
+            ptr += [x.shape[1], self.heads, self.kv_heads, self.head_dim]
+            self._table = torch.tensor(ptr, dtype=torch.int64)  # [16]: bf16.c attn_block
+            self._table_key = key
+        return self._table
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: KVContext

@@ -30,16 +30,20 @@ from hybridmoe.tuning import FEW_ROWS, THREADED_NATIVE_ROWS
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def native_rows(x: torch.Tensor) -> int:
+    """The most rows of x that `linear` hands to the native bf16 kernel."""
+    if invariance.active():  # one kernel for every row count: a row never depends on the others
+        return x.numel()
+    return native.MAX_ROWS if torch.get_num_threads() == 1 else THREADED_NATIVE_ROWS
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with x: [M, K], weight: [N, K] -> [M, N]: a weight in blocks (QTensor) on the
     integer kernels; a dense one on oneDNN for a few fp32 rows, on the native kernel for a few bf16
     rows."""
     if isinstance(weight, QTensor):
         return qlinear(x, weight, bias)
-    rows = native.MAX_ROWS if torch.get_num_threads() == 1 else THREADED_NATIVE_ROWS
-    if invariance.active():  # one kernel for every row count: a row never depends on the others
-        rows = x.numel()
-    if native.applies(x, weight, max_rows=rows) and not torch.is_grad_enabled():
+    if native.applies(x, weight, max_rows=native_rows(x)) and not torch.is_grad_enabled():
         if bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()):
             y = native.linear(x, weight, bias)  # [M, N] bf16, F.linear's arithmetic in one call
         else:

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "rows.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -30,15 +31,6 @@ ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* fp32 -> bf16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* Where a product's rows go when they leave as bf16 (F.linear's output): Y[m, o] = bf16(sum + bias[o]),
    the sum in fp32 plus the bf16 bias widened (exactly) to fp32, then rounded once, as torch's fp32
    product, `y += bias.float()` and `.to(torch.bfloat16)` do. */
@@ -48,18 +40,11 @@ typedef struct {
     const uint16_t *bias; /* [O] bf16, or NULL */
 } out_bf16;
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long c) {
     float v[4];
     _mm_storeu_ps(v, s);
     for (long j = 0; j < c; j++)
-        B->Y[m * B->ldy + o + j] = to_bf16(B->bias ? v[j] + from_bf16(B->bias[o + j]) : v[j]);
+        B->Y[m * B->ldy + o + j] = bf16(B->bias ? v[j] + f32(B->bias[o + j]) : v[j]);
 }
 
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
@@ -131,7 +116,7 @@ void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const ui
     gemm(gate_up, X, ldx, scratch, 2 * I, 2 * I, H, M);  /* [M, 2I] */
     for (long m = 0; m < M; m++) {
         const float *g = scratch + m * 2 * I, *u = g + I;
-        for (long i = 0; i < I; i++) h[m * I + i] = to_bf16(g[i] / (1.0f + expf(-g[i])) * u[i]);
+        for (long i = 0; i < I; i++) h[m * I + i] = bf16(g[i] / (1.0f + expf(-g[i])) * u[i]);
     }
     gemm(down, h, I, Y, ldy, H, I, M);  /* [M, H] */
 }
@@ -230,7 +215,7 @@ static void bexperts_region(void *arg, int t, int T) {
         const bexpert_job *e = &c->e[u];
         for (long m = 0; m < e->M; m++) {
             const float *g = e->gu + m * 2 * I, *up = g + I;
-            for (long i = 0; i < I; i++) e->h[m * I + i] = to_bf16(g[i] / (1.0f + expf(-g[i])) * up[i]);
+            for (long i = 0; i < I; i++) e->h[m * I + i] = bf16(g[i] / (1.0f + expf(-g[i])) * up[i]);
         }
     }
     barrier(T);
@@ -254,14 +239,14 @@ void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads) 
 /* One token through its n experts (e, in increasing expert id, M = 1 each) and their weighted sum:
    out [H] bf16 = sum_j bf16(y_j) * w_j, each term in fp32, added from 0 in the order of e, rounded
    once; the bits of hm_experts_bf16's outputs rounded to bf16 and then combined as combine_token
-   (experts/run/ffn.py) does with torch. The product and the sum stay two roundings: no fused
-   multiply-add (the compiler would contract them). */
-__attribute__((optimize("fp-contract=off"))) void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threads, const float *w, uint16_t *out) {
+   (experts/run/ffn.py) does with torch (the product and the sum two roundings: the library is
+   built with -ffp-contract=off). */
+void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threads, const float *w, uint16_t *out) {
     hm_experts_bf16(e, n, H, I, threads);
     for (long h = 0; h < H; h++) {
         float acc = 0.0f;
-        for (long j = 0; j < n; j++) acc += from_bf16(to_bf16(e[j].y[h])) * w[j];
-        out[h] = to_bf16(acc);
+        for (long j = 0; j < n; j++) acc += f32(bf16(e[j].y[h])) * w[j];
+        out[h] = bf16(acc);
     }
 }
 
@@ -529,7 +514,7 @@ ALWAYS_INLINE float softmax_row(float *s, long keys, long seen, float scale, flo
         sum = _mm512_add_ps(sum, e);
     }
     *m = m_new;
-    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *l = fmaf(*l, alpha, _mm512_reduce_add_ps(sum));
     return alpha;
 }
 
@@ -636,4 +621,60 @@ int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint
     }
     free(Kp), free(Qp), free(Vf), free(S), free(O), free(ml);
     return 0;
+}
+
+/* ---- A decode step's attention block in one call ----
+
+   For the rows of a step whose sequences all bring one token (or every row alone, under batch
+   invariance), layers/attention.py's forward is: q, k, v = linear(x) (bf16, biases), per-head RMSNorm
+   of q and k (Qwen3), the rotary embedding, k and v written to the paged pools at the rows' slots,
+   hm_decode_attention_bf16 into bf16 rows, then o = linear(attention). Each step here is the C function
+   the Python path calls for it, in the same order with the same roundings, so the output is the same,
+   bit for bit; what it saves is ~20 torch and Python calls a layer (docs/notes/2026-11-24-gemv-streams.md). */
+
+typedef struct {
+    const uint16_t *wq, *wk, *wv, *wo; /* [h d, H], [kvh d, H], [kvh d, H], [H, h d] bf16 */
+    const uint16_t *bq, *bk, *bv, *bo; /* their biases [rows] bf16, or NULL */
+    const uint16_t *qn, *kn;           /* per-head RMSNorm weights [d] bf16 (q_norm, k_norm), or NULL */
+    uint16_t *kpool, *vpool;           /* [slots, kvh, d] bf16, contiguous */
+    long hidden, heads, kv_heads, d;
+} attn_block;
+
+static void linear_rows(const uint16_t *W, const uint16_t *bias, const uint16_t *X, long ldx, uint16_t *Y, long ldy,
+                        long O, long I, long M, int threads, long threaded_min_bytes) {
+    hm_linear_bf16(W, X, ldx, bias, Y, ldy, O, I, M, 2 * O * I < threaded_min_bytes ? 1 : threads);
+}
+
+/* x [T, H] bf16 (rows ldx apart) -> out [T, H] bf16 (rows ldo apart). C, S: [T, d] fp32 cos and sin, rows
+   ldc apart; slots [T] int64: each row's pool slot; tables .. n: hm_decode_attention_bf16's, covering
+   every row. Products of fewer than threaded_min_bytes of weights stay on one thread. Returns 0, or -1
+   if out of memory. */
+int hm_attention_block_bf16(const attn_block *a, const uint16_t *X, long ldx, long T, const float *C, const float *S,
+                            long ldc, const int64_t *slots, const int32_t *tables, const int32_t *table_starts,
+                            const int32_t *lengths, const int32_t *rows, long n, long block_size, float scale,
+                            float eps, uint16_t *out, long ldo, int threads, long threaded_min_bytes) {
+    const long H = a->hidden, d = a->d, hd = a->heads * d, kd = a->kv_heads * d;
+    uint16_t *buf = malloc(sizeof(uint16_t) * T * (3 * hd + 3 * kd));
+    if (!buf) return -1;
+    uint16_t *q = buf, *k = q + T * hd, *v = k + T * kd, *qr = v + T * kd, *kr = qr + T * hd, *att = kr + T * kd;
+    linear_rows(a->wq, a->bq, X, ldx, q, hd, hd, H, T, threads, threaded_min_bytes);  /* [T, h d] */
+    linear_rows(a->wk, a->bk, X, ldx, k, kd, kd, H, T, threads, threaded_min_bytes);  /* [T, kvh d] */
+    linear_rows(a->wv, a->bv, X, ldx, v, kd, kd, H, T, threads, threaded_min_bytes);  /* [T, kvh d] */
+    if (a->qn) { /* in place: each head's row is read whole before it is written */
+        for (long r = 0; r < T * a->heads; r++) rmsnorm_row(q + r * d, a->qn, q + r * d, d, eps);
+        for (long r = 0; r < T * a->kv_heads; r++) rmsnorm_row(k + r * d, a->kn, k + r * d, d, eps);
+    }
+    for (long t = 0; t < T; t++) {
+        for (long h = 0; h < a->heads; h++)
+            rotary_head(q + t * hd + h * d, C + t * ldc, S + t * ldc, qr + t * hd + h * d, d);
+        for (long h = 0; h < a->kv_heads; h++)
+            rotary_head(k + t * kd + h * d, C + t * ldc, S + t * ldc, kr + t * kd + h * d, d);
+        memcpy(a->kpool + slots[t] * kd, kr + t * kd, sizeof(uint16_t) * kd);
+        memcpy(a->vpool + slots[t] * kd, v + t * kd, sizeof(uint16_t) * kd);
+    }
+    int status = hm_decode_attention_bf16(qr, hd, a->kpool, kd, a->vpool, kd, tables, table_starts, lengths, rows, n,
+                                          block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1);
+    if (status == 0) linear_rows(a->wo, a->bo, att, hd, out, ldo, H, hd, T, threads, threaded_min_bytes);
+    free(buf);
+    return status;
 }

@@ -20,9 +20,10 @@ import torch
 from hybridmoe.native.build import INT, F, N, P, cpu_flags, load
 
 SOURCE = Path(__file__).with_name("bf16.c")
-HEADERS = (Path(__file__).with_name("pool.h"),)
+HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("rows.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
-FLAGS += ["-pthread"]
+# -ffp-contract=off: the floats as written (rows.h); the kernels ask for their FMAs by name
+FLAGS += ["-pthread", "-ffp-contract=off"]
 
 # Rows up to which the kernels take a call: one thread, weights from RAM, they beat oneDNN's bf16
 # linear at every row count up to 32 and are about even at 48, where they turn compute-bound
@@ -50,6 +51,15 @@ SIGNATURES = {
     # void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threads,
     #                          const float *w, uint16_t *out)
     "hm_experts_mix_bf16": ([P, N, N, N, INT, P, P], None),
+    # int hm_attention_block_bf16(const attn_block *a, const uint16_t *X, long ldx, long T,
+    #     const float *C, const float *S, long ldc, const int64_t *slots, const int32_t *tables,
+    #     const int32_t *table_starts, const int32_t *lengths, const int32_t *rows, long n,
+    #     long block_size, float scale, float eps, uint16_t *out, long ldo, int threads,
+    #     long threaded_min_bytes)
+    "hm_attention_block_bf16": (
+        [P, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, N, INT, N],
+        INT,
+    ),
     # void hm_linear_bf16(const uint16_t *W, const uint16_t *X, long ldx, const uint16_t *bias,
     #                     uint16_t *Y, long ldy, long O, long I, long M, int threads)
     "hm_linear_bf16": ([P, P, N, P, P, N, N, N, N, INT], None),
@@ -353,4 +363,47 @@ def prefill_attention(
     )
     if status != 0:
         raise MemoryError("prefill attention: no memory for its scratch")
+    return out
+
+
+def attention_block(
+    table: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    decode,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """A decode step's attention block in one call (bf16.c hm_attention_block_bf16): x [T, H] bf16
+    (unit stride) -> [T, H] bf16, the bits of layers/attention.py's forward. table: int64 [16], the
+    block's weights and pools (bf16.c attn_block); cos, sin: [T, d] fp32 (same row stride); slots:
+    int64 [T], each row's pool slot; decode: the step's DecodeTables, covering every row."""
+    hidden = x.shape[1]  # the o projection's rows: the model's width, as x's
+    out = torch.empty(x.shape[0], hidden, dtype=torch.bfloat16)  # [T, H]
+    status = library().hm_attention_block_bf16(
+        table.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        slots.data_ptr(),
+        decode.tables.data_ptr(),
+        decode.table_starts.data_ptr(),
+        decode.lengths.data_ptr(),
+        decode.rows.data_ptr(),
+        len(decode.rows),
+        decode.block_size,
+        scale,
+        eps,
+        out.data_ptr(),
+        hidden,
+        torch.get_num_threads(),
+        THREADED_MIN_BYTES,
+    )
+    if status != 0:
+        raise MemoryError("attention block: no memory for its scratch")
     return out

@@ -18,6 +18,7 @@ import torch
 from hybridmoe.native.build import F, N, P, load
 
 SOURCE = Path(__file__).with_name("rows.c")
+HEADERS = (Path(__file__).with_name("rows.h"),)
 FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off"]
 
 SIGNATURES = {
@@ -33,7 +34,7 @@ SIGNATURES = {
 @lru_cache(maxsize=1)
 def library():
     """The compiled functions, or None (native code off, no compiler)."""
-    return load(SOURCE, FLAGS, SIGNATURES)
+    return load(SOURCE, FLAGS, SIGNATURES, HEADERS)
 
 
 def _takes(*tensors: torch.Tensor) -> bool:

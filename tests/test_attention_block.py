@@ -1,0 +1,70 @@
+"""The attention block of a decode step in one native call (native.attention_block) against the
+layer's own path, step by step inside real engine runs: the same output bits and KV entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe import native
+from hybridmoe.layers.attention import Attention
+from tests.tiny import bf16_batch_greedy
+
+needs_kernels = pytest.mark.skipif(
+    not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16"
+)
+
+
+# q/k/v biases without o bias (Qwen2-MoE), per-head q/k norms (Qwen3-MoE), neither (Llama)
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "llama"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_block_in_one_call_gives_the_layers_bits(arch, threads, tmp_path, monkeypatch):
+    """Every decode step's attention runs both ways on the same input; the outputs and the KV
+    entries the two write must be equal, and the one-call path must have been taken."""
+    generate = bf16_batch_greedy(arch, tmp_path / arch)
+    fused_forward, compared = Attention.forward, []
+
+    def both(self, x, cos_sin, ctx):
+        table = self._block_table(x, cos_sin, ctx)
+        out = fused_forward(self, x, cos_sin, ctx)
+        if table is None:
+            return out
+        k_pool, v_pool = (p.clone() for p in ctx.pools_of(self.layer))
+        with monkeypatch.context() as m:
+            m.setattr(Attention, "_block_table", lambda *a: None)
+            ref = fused_forward(self, x, cos_sin, ctx)
+        k_ref, v_ref = ctx.pools_of(self.layer)
+        assert torch.equal(out, ref)
+        assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+        compared.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(Attention, "forward", both)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            generate()
+    finally:
+        torch.set_num_threads(before)
+    assert len(compared) > 20 and max(compared) > 1  # decode batches of several sequences too
+
+
+@needs_kernels
+def test_the_block_leaves_steps_with_a_prefill_chunk_to_the_layer(tmp_path, monkeypatch):
+    """A step that also brings a prompt chunk attends through the layer's own path."""
+    generate = bf16_batch_greedy("qwen2_moe", tmp_path / "m")
+    taken = []
+    table = Attention._block_table
+
+    def spy(self, x, cos_sin, ctx):
+        t = table(self, x, cos_sin, ctx)
+        taken.append((t is not None, max(ctx.seq_lens)))
+        return t
+
+    monkeypatch.setattr(Attention, "_block_table", spy)
+    with torch.inference_mode():
+        generate()
+    assert {longest for used, longest in taken if used} == {1}
+    assert any(not used for used, _ in taken)
