@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe import native
-from hybridmoe.experts.run.ffn import combine_token, expert_ffn, experts_ffn, mix_token
+from hybridmoe.experts.run.ffn import combine_token, expert_ffn, experts_ffn
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
 
@@ -156,22 +156,20 @@ def test_a_layers_experts_in_one_call_equal_each_expert_alone(hidden, inter, wor
 def test_a_tokens_experts_and_their_mix_in_one_call_equal_experts_then_combine(
     hidden, inter, k, workers
 ):
-    """mix_token (experts and their weighted sum in C) gives the bits of experts_ffn followed by
-    combine_token, the path it replaces for a decode token."""
+    """moe_token (the router's ids and weights as they come, experts sorted and mixed in C) gives
+    the bits of experts_ffn followed by combine_token, the path it replaces for a decode token."""
     gen = torch.Generator().manual_seed(hidden + k)
     x = bf16(1, hidden, gen=gen)
-    ids = torch.randperm(16, generator=gen)[:k]  # [K] distinct experts in top-k order
+    ids = torch.randperm(16, generator=gen)[:k][None]  # [1, K] distinct experts, top-k order
     weights = torch.rand(1, k, generator=gen)  # [1, K] fp32
-    store = {
-        int(e): ExpertWeights(
-            bf16(2 * inter, hidden, gen=gen) * 0.1, bf16(hidden, inter, gen=gen) * 0.1
-        )
-        for e in ids
-    }
-    ys = experts_ffn([(x, store[int(e)]) for e in ids], workers)  # [1, H] each, top-k order
-    ref = combine_token(x, ys, weights, ids[None])
-    order = sorted(range(k), key=ids.tolist().__getitem__)
-    got = mix_token(x, [store[int(ids[j])] for j in order], weights[0, order], workers)
+    store = [
+        ExpertWeights(bf16(2 * inter, hidden, gen=gen) * 0.1, bf16(hidden, inter, gen=gen) * 0.1)
+        for _ in range(16)
+    ]
+    ys = experts_ffn([(x, store[e]) for e in ids[0].tolist()], workers)  # [1, H] each
+    ref = combine_token(x, ys, weights, ids)
+    table = torch.tensor([[w.gate_up.data_ptr(), w.down.data_ptr()] for w in store])  # [E, 2]
+    got = native.moe_token(table, ids, weights, x, inter, workers)
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
 
 

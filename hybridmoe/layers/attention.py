@@ -22,7 +22,7 @@ from hybridmoe import native
 from hybridmoe.layers.linear import Linear, native_rows
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, apply_rotary
-from hybridmoe.native import rows
+from hybridmoe.native import rows as row_ops
 
 
 class KVContext(Protocol):
@@ -80,7 +80,7 @@ def _rows_of_cos(cos_sin, T: int, d: int) -> bool:
         and cos.device.type == "cpu"
         and cos.stride() == sin.stride()
         and cos.stride(-1) == 1
-        and rows.library() is not None
+        and row_ops.library() is not None
     )
 
 

@@ -15,11 +15,12 @@ __all__ = [
     "decode_attention",
     "expert",
     "experts",
-    "experts_mix",
     "gemm",
+    "moe_token",
     "linear",
     "prefill_applies",
     "prefill_attention",
+    "weights_apply",
 ]
 
 

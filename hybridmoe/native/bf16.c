@@ -250,6 +250,37 @@ void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threa
     }
 }
 
+/* One token's routed experts from the router's choice as it stands: ids [K] (int64, top-k order, distinct)
+   and weights w [K] (fp32) into experts [E, 2] (each expert's gate_up and down pointers, the layer's
+   table). The experts run in increasing id and are mixed as hm_experts_mix_bf16 mixes them; the scratch
+   is made here. Returns 0, or -1 if out of memory. */
+int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K, const uint16_t *x, long H,
+                      long I, int threads, uint16_t *out) {
+    long order[64];
+    if (K > 64) return -1;
+    for (long k = 0; k < K; k++) { /* insertion sort of k by ids[k] */
+        long j = k;
+        for (; j > 0 && ids[order[j - 1]] > ids[k]; j--) order[j] = order[j - 1];
+        order[j] = k;
+    }
+    bexpert_job e[64];
+    float ws[64], *y = malloc(sizeof(float) * K * (H + 2 * I));
+    uint16_t *h = malloc(sizeof(uint16_t) * K * I);
+    if (!y || !h) {
+        free(y), free(h);
+        return -1;
+    }
+    for (long j = 0; j < K; j++) {
+        const int64_t *p = experts + 2 * ids[order[j]];
+        e[j] = (bexpert_job){(const uint16_t *)p[0], (const uint16_t *)p[1], x, H, 1, y + j * H,
+                             y + K * H + j * 2 * I, h + j * I};
+        ws[j] = w[order[j]];
+    }
+    hm_experts_mix_bf16(e, K, H, I, threads, ws, out);
+    free(y), free(h);
+    return 0;
+}
+
 /* ---- Decode attention: one query token per sequence over its paged bf16 K/V history. ----
 
    torch's SDPA spends ~200 us per (layer, sequence) on the demo model's decode at 1100 positions

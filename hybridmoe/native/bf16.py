@@ -48,9 +48,6 @@ SIGNATURES = {
     # void hm_gemm_bf16_mt(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy,
     #                      long O, long I, long M, int threads)
     "hm_gemm_bf16_mt": ([P, P, N, P, N, N, N, N, INT], None),
-    # void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threads,
-    #                          const float *w, uint16_t *out)
-    "hm_experts_mix_bf16": ([P, N, N, N, INT, P, P], None),
     # int hm_attention_block_bf16(const attn_block *a, const uint16_t *X, long ldx, long T,
     #     const float *C, const float *S, long ldc, const int64_t *slots, const int32_t *tables,
     #     const int32_t *table_starts, const int32_t *lengths, const int32_t *rows, long n,
@@ -60,6 +57,9 @@ SIGNATURES = {
         [P, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, N, INT, N],
         INT,
     ),
+    # int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K,
+    #                       const uint16_t *x, long H, long I, int threads, uint16_t *out)
+    "hm_moe_token_bf16": ([P, P, P, N, P, N, N, INT, P], INT),
     # void hm_linear_bf16(const uint16_t *W, const uint16_t *X, long ldx, const uint16_t *bias,
     #                     uint16_t *Y, long ldy, long O, long I, long M, int threads)
     "hm_linear_bf16": ([P, P, N, P, P, N, N, N, N, INT], None),
@@ -108,10 +108,14 @@ def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
 def applies(x: torch.Tensor, *weights: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether the kernels take this call: up to max_rows bf16 rows on the CPU,
     contiguous bf16 weights."""
+    return _bf16_on_cpu(x) and x.numel() <= max_rows * x.shape[-1] and weights_apply(*weights)
+
+
+def weights_apply(*weights) -> bool:
+    """Whether the kernels read these weights: contiguous bf16 tensors on the CPU."""
     return (
-        _bf16_on_cpu(x, *weights)
-        and x.numel() <= max_rows * x.shape[-1]
-        and all(w.is_contiguous() for w in weights)
+        all(isinstance(w, torch.Tensor) and w.is_contiguous() for w in weights)
+        and _bf16_on_cpu(*weights)
         and available()
     )
 
@@ -206,23 +210,34 @@ def experts(
     return list((y if dtype == torch.float32 else y.to(dtype)).split(counts))
 
 
-def experts_mix(
+def moe_token(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
     x: torch.Tensor,
-    weights: list[tuple[torch.Tensor, torch.Tensor]],
-    mix: torch.Tensor,
+    inter: int,
     workers: int,
 ) -> torch.Tensor:
-    """One token x [1, H] bf16 through its experts (weights in increasing expert id) and their sum
-    weighted by mix [n] (fp32) -> [1, H] bf16: the bits of `experts(..., torch.bfloat16)` then
-    experts/run/ffn.py's combine_token, in one call."""
-    hidden, inter = weights[0][1].shape
-    y, gu, h = _buffers(len(weights), hidden, inter)
-    jobs = _jobs([x] * len(weights), weights, y, gu, h)
+    """One token x [1, H] bf16 through its routed experts and their weighted sum -> [1, H] bf16:
+    the bits of `experts` (rounded to bf16) then experts/run/ffn.py's combine_token. table: int64
+    [E, 2], each expert's gate_up [2I, H] and down [H, I] pointers; ids [1, K] int64 and weights
+    [1, K] fp32 as the router gives them (unsorted)."""
+    hidden = x.shape[1]
     out = torch.empty(1, hidden, dtype=torch.bfloat16)  # [1, H]
-    mix = mix.to(torch.float32).contiguous()  # [n]
-    library().hm_experts_mix_bf16(
-        jobs.data_ptr(), len(weights), hidden, inter, workers, mix.data_ptr(), out.data_ptr()
+    k = ids.shape[1]
+    status = library().hm_moe_token_bf16(
+        table.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        k,
+        x.data_ptr(),
+        hidden,
+        inter,
+        workers,
+        out.data_ptr(),
     )
+    if status != 0:
+        raise MemoryError("moe_token: no memory for its scratch")
     return out
 
 

@@ -75,18 +75,6 @@ def experts_ffn(
     return [y.to(x.dtype) for y, x in zip(ys, xs)]  # [n, H] each
 
 
-def mix_token(
-    x: torch.Tensor, inputs: list[ExpertWeights], mix: torch.Tensor, workers: int
-) -> torch.Tensor | None:
-    """One decode token x [1, H] through its experts (`inputs`, in increasing expert id) and their
-    sum weighted by mix [K] -> [1, H]: experts_ffn then combine_token, the same bits, in one native
-    call where the bf16 kernels take it; None where they do not (blocks, other dtypes)."""
-    w = inputs[0]
-    if isinstance(w.gate_up, QTensor) or not native.applies(x, w.gate_up, w.down):
-        return None
-    return native.experts_mix(x, [(w.gate_up, w.down) for w in inputs], mix, workers)
-
-
 def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """For each expert used, (expert id, token rows, k columns) of its assignments.
 

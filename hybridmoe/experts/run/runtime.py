@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from hybridmoe import native
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.cpu_pool import CPUExperts
 from hybridmoe.experts.run.expert_grad import TrainLoRA, expert_layer
@@ -34,7 +35,6 @@ from hybridmoe.experts.run.ffn import (
     expert_ffn,
     experts_ffn,
     group_by_expert,
-    mix_token,
 )
 from hybridmoe.experts.run.lora import RowLoRA, expert_rows
 from hybridmoe.experts.run.runtime_stats import RuntimeStats
@@ -280,19 +280,44 @@ class CPURuntime(BaseRuntime):
         self, shape: ExpertShape, dtype: torch.dtype = torch.float32, cpu_workers: int | None = None
     ):
         super().__init__(shape, dtype, RuntimeStats("cpu", "cpu", 0), cpu_workers)
+        self._tables: dict[int, tuple[int, torch.Tensor | None]] = {}  # _expert_table's
 
     def _mix_token(self, layer, x, topk_ids, topk_weights):
-        """A decode token's experts and their weighted sum in one native call (ffn.mix_token), or
-        None where that does not apply: (output [1, H], expert ids, busy seconds)."""
-        if x.shape[0] != 1:
+        """A decode token's experts and their weighted sum in one native call (native.moe_token:
+        the bits of experts_ffn then combine_token), or None where that does not apply: (output
+        [1, H], expert ids, busy seconds)."""
+        if not (
+            x.shape[0] == 1
+            and x.stride(-1) == 1
+            and topk_ids.dtype == torch.int64
+            and topk_weights.dtype == torch.float32
+            and topk_ids.is_contiguous()
+            and topk_weights.is_contiguous()
+            and native.applies(x)
+        ):
+            return None
+        table = self._expert_table(layer)
+        if table is None:
             return None
         t0 = time.perf_counter()
-        ids = topk_ids[0].tolist()
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        experts = [ids[k] for k in order]
-        inputs = [self.store.get(layer, e) for e in experts]
-        out = mix_token(x, inputs, topk_weights[0, order], self.cpu.workers_now())
-        return None if out is None else (out, experts, time.perf_counter() - t0)
+        inter = self.shape.intermediate
+        out = native.moe_token(table, topk_ids, topk_weights, x, inter, self.cpu.workers_now())
+        return out, topk_ids[0].tolist(), time.perf_counter() - t0
+
+    def _expert_table(self, layer: int) -> torch.Tensor | None:
+        """int64 [E, 2]: each of the layer's experts' gate_up and down pointers, where every expert
+        is a plain bf16 matrix pair; else None. Kept until the store changes."""
+        cached = self._tables.get(layer)
+        if cached is not None and cached[0] == self.store.version:
+            return cached[1]
+        pairs = [self.store.records.get((layer, e)) for e in range(self.shape.num_experts)]
+        plain = all(w is not None and native.weights_apply(w.gate_up, w.down) for w in pairs)
+        table = None
+        if plain:
+            ptrs = [[w.gate_up.data_ptr(), w.down.data_ptr()] for w in pairs]
+            table = torch.tensor(ptrs, dtype=torch.int64)  # [E, 2]
+        self._tables[layer] = (self.store.version, table)
+        return table
 
     def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
         t0 = time.perf_counter()

@@ -60,12 +60,14 @@ class ExpertStore:
         )
         self.records: dict[Key, ExpertWeights] = {}
         self._bytes = 0
+        self.version = 0  # counts puts: what was read of the records before a put may be stale
 
     def put(self, layer: int, expert: int, w_gate: Matrix, w_up: Matrix, w_down: Matrix) -> None:
         """Store one expert given its gate [I, H], up [I, H] and down [H, I] weights."""
         w = ExpertWeights(self._fused(w_gate, w_up), self._kept(w_down))
         self.records[(layer, expert)] = w
         self._bytes += w.nbytes()
+        self.version += 1
 
     def _fused(self, gate: Matrix, up: Matrix) -> Matrix:
         if isinstance(gate, QTensor) and isinstance(up, QTensor) and gate.fmt == up.fmt:

@@ -1,5 +1,6 @@
-"""The attention block of a decode step in one native call (native.attention_block) against the
-layer's own path, step by step inside real engine runs: the same output bits and KV entries."""
+"""A decode step's blocks in one native call each against the layers' own paths, step by step inside
+real engine runs: the attention block (native.attention_block: the same output bits and KV
+entries) and a token's routed experts with their mix (native.moe_token in CPURuntime)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import pytest
 import torch
 
 from hybridmoe import native
+from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.experts.run.runtime import CPURuntime
 from hybridmoe.layers.attention import Attention
-from tests.tiny import bf16_batch_greedy
+from hybridmoe.loader import load_model
+from tests.tiny import bf16_batch_greedy, build_tiny
 
 needs_kernels = pytest.mark.skipif(
     not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16"
@@ -68,3 +73,31 @@ def test_the_block_leaves_steps_with_a_prefill_chunk_to_the_layer(tmp_path, monk
         generate()
     assert {longest for used, longest in taken if used} == {1}
     assert any(not used for used, _ in taken)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_a_tokens_experts_in_one_call_give_the_runtimes_bits(arch, tmp_path, monkeypatch):
+    """Every MoE layer of every decode token runs both ways on the same input: the one-call path
+    (moe_token) and the runtime's experts_ffn + combine_token must give the same bits."""
+    build_tiny(arch, tmp_path / arch, seed=3)
+    model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
+    layer_of, compared = CPURuntime._layer, []
+
+    def both(self, layer, x, topk_ids, topk_weights, hint, lora=None):
+        fast = self._mix_token(layer, x, topk_ids, topk_weights)
+        out, report = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
+        if fast is None:
+            return out, report
+        with monkeypatch.context() as m:
+            m.setattr(CPURuntime, "_mix_token", lambda *a: None)
+            ref, _ = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
+        assert torch.equal(out, ref) and torch.equal(fast[0], ref)
+        compared.append(layer)
+        return out, report
+
+    monkeypatch.setattr(CPURuntime, "_layer", both)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with torch.inference_mode():
+        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
+    assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer
