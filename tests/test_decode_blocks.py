@@ -9,6 +9,7 @@ import torch
 
 from hybridmoe import native
 from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.run.runtime import CPURuntime
 from hybridmoe.layers.attention import Attention
@@ -101,3 +102,24 @@ def test_a_tokens_experts_in_one_call_give_the_runtimes_bits(arch, tmp_path, mon
     with torch.inference_mode():
         assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
     assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer
+
+
+@needs_kernels
+def test_the_blocks_table_follows_pools_that_moved(tmp_path):
+    """A new KV cache may put one layer pool where an old one was and the other elsewhere: the
+    table must then point at the new pools, not at memory that was freed."""
+    build_tiny("qwen2_moe", tmp_path / "m", seed=3)
+    model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
+    attn = model.layers[0].self_attn
+    cache = PagedKVCache(num_blocks=4, block_size=4)
+    ctx = PagedKVContext(cache, [[0, 1]], [5], [1])
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    cos_sin = model.rotary.cos_sin(torch.tensor([5]))
+    with torch.inference_mode():
+        attn(x, cos_sin, ctx)  # the first write makes the pools
+        k_pool, v_pool = cache.pools[0]
+        table = attn._block_table(x, cos_sin, ctx).clone()
+        assert table[10:12].tolist() == [k_pool.data_ptr(), v_pool.data_ptr()]
+        cache.pools[0] = (k_pool, v_pool.clone())  # same K pool, the V pool elsewhere
+        moved = attn._block_table(x, cos_sin, ctx)
+    assert moved[10:12].tolist() == [k_pool.data_ptr(), cache.pools[0][1].data_ptr()]

@@ -175,14 +175,15 @@ class Attention(nn.Module):
         plain = [t for t in (*weights, *biases, *norms) if t is not None]
         if not native.applies(x, *plain, *pools, max_rows=native_rows(x)):
             return None
-        key = (weights[0].data_ptr(), pools[0].data_ptr())
-        if getattr(self, "_table_key", None) != key:
-            ptr = [0 if t is None else t.data_ptr() for t in (*weights, *biases)]
-            ptr += [t.data_ptr() for t in norms] or [0, 0]
-            ptr += [pools[0].data_ptr(), pools[1].data_ptr()]
-            ptr += [x.shape[1], self.heads, self.kv_heads, self.head_dim]
+        ptr = [0 if t is None else t.data_ptr() for t in (*weights, *biases)]
+        ptr += [t.data_ptr() for t in norms] or [0, 0]
+        ptr += [pools[0].data_ptr(), pools[1].data_ptr()]
+        ptr += [x.shape[1], self.heads, self.kv_heads, self.head_dim]
+        # the table is remade whenever a tensor it points to is not where it was (a new KV cache
+        # may reuse one pool's address and not the other's)
+        if getattr(self, "_table_ptr", None) != ptr:
             self._table = torch.tensor(ptr, dtype=torch.int64)  # [16]: bf16.c attn_block
-            self._table_key = key
+            self._table_ptr = ptr
         return self._table
 
     def attend(
