@@ -101,23 +101,35 @@ def available() -> bool:
     return library() is not None
 
 
+# The checks below run a few times per layer of every decode step: plain loops over the cheapest
+# tensor attributes (`is_cpu`, `dtype is`), not generators over `device.type`, which cost several
+# times more (docs/notes/2026-11-24-gemv-streams.md).
+_BF16 = torch.bfloat16
+
+
 def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+    for t in tensors:
+        if t.dtype is not _BF16 or not t.is_cpu:
+            return False
+    return True
 
 
 def applies(x: torch.Tensor, *weights: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether the kernels take this call: up to max_rows bf16 rows on the CPU,
     contiguous bf16 weights."""
-    return _bf16_on_cpu(x) and x.numel() <= max_rows * x.shape[-1] and weights_apply(*weights)
+    if x.dtype is not _BF16 or not x.is_cpu or x.numel() > max_rows * x.shape[-1]:
+        return False
+    return weights_apply(*weights)
 
 
 def weights_apply(*weights) -> bool:
     """Whether the kernels read these weights: contiguous bf16 tensors on the CPU."""
-    return (
-        all(isinstance(w, torch.Tensor) and w.is_contiguous() for w in weights)
-        and _bf16_on_cpu(*weights)
-        and available()
-    )
+    for w in weights:
+        if not isinstance(w, torch.Tensor) or w.dtype is not _BF16 or not w.is_cpu:
+            return False
+        if not w.is_contiguous():
+            return False
+    return available()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
