@@ -1,5 +1,5 @@
 """A decode step's blocks in one native call each against the layers' own paths, step by step inside
-real engine runs: the attention block (native.attention_block: the same output bits and KV
+real engine runs: a layer's attention half (native.decoder_attention: the same output bits and KV
 entries) and a token's routed experts with their mix (native.moe_token in CPURuntime)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.run.runtime import CPURuntime
 from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.loader import load_model
 from tests.tiny import bf16_batch_greedy, build_tiny
 
@@ -25,28 +26,31 @@ needs_kernels = pytest.mark.skipif(
 @needs_kernels
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "llama"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_block_in_one_call_gives_the_layers_bits(arch, threads, tmp_path, monkeypatch):
-    """Every decode step's attention runs both ways on the same input; the outputs and the KV
-    entries the two write must be equal, and the one-call path must have been taken."""
+def test_a_layers_attention_half_in_one_call_gives_the_layers_bits(
+    arch, threads, tmp_path, monkeypatch
+):
+    """The input norm, the attention block, the residual sum and the post-attention norm in one
+    call (Attention.decoder_half) against the modules one by one, on every decode step's input:
+    the same outputs and the same KV entries written."""
     generate = bf16_batch_greedy(arch, tmp_path / arch)
-    fused_forward, compared = Attention.forward, []
+    forward, compared = DecoderLayer.forward, []
 
     def both(self, x, cos_sin, ctx):
-        table = self._block_table(x, cos_sin, ctx)
-        out = fused_forward(self, x, cos_sin, ctx)
-        if table is None:
-            return out
-        k_pool, v_pool = (p.clone() for p in ctx.pools_of(self.layer))
-        with monkeypatch.context() as m:
-            m.setattr(Attention, "_block_table", lambda *a: None)
-            ref = fused_forward(self, x, cos_sin, ctx)
-        k_ref, v_ref = ctx.pools_of(self.layer)
-        assert torch.equal(out, ref)
-        assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
-        compared.append(x.shape[0])
-        return out
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        half = self.self_attn.decoder_half(x, norms, cos_sin, ctx)
+        if half is not None:
+            k_pool, v_pool = (p.clone() for p in ctx.pools_of(self.self_attn.layer))
+            with monkeypatch.context() as m:
+                m.setattr(Attention, "_block_table", lambda *a: None)
+                x_ref = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx)
+            assert torch.equal(half[0], x_ref)
+            assert torch.equal(half[1], self.post_attention_layernorm(x_ref))
+            k_ref, v_ref = ctx.pools_of(self.self_attn.layer)
+            assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+            compared.append(x.shape[0])
+        return forward(self, x, cos_sin, ctx)
 
-    monkeypatch.setattr(Attention, "forward", both)
+    monkeypatch.setattr(DecoderLayer, "forward", both)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -272,3 +272,14 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     assert _available_in_subprocess({"XDG_CACHE_HOME": str(tmp_path)}) == "True"
     assert [p.stat().st_mtime_ns for p in (tmp_path / "hybridmoe" / "native").iterdir()] == [stamp]
+
+
+@needs_kernels
+def test_a_library_exposes_only_the_functions_it_types():
+    """An untyped ctypes function takes every argument as a C int, cutting pointers: the loaded
+    library must not offer one."""
+    lib = native.bf16.library()
+    assert callable(lib.hm_gemm_bf16)
+    assert lib.hm_gemm_bf16.argtypes and len(lib.hm_gemm_bf16.argtypes) == 8
+    with pytest.raises(AttributeError):
+        getattr(lib, "hm_experts_mix_bf16")  # noqa: B009 (in the .so, not typed in bf16.py)

@@ -126,11 +126,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.kv_heads * self.head_dim, eps)
 
     def forward(self, x: torch.Tensor, cos_sin, ctx: KVContext) -> torch.Tensor:
-        table = self._block_table(x, cos_sin, ctx)
-        if table is not None:  # the whole block in one native call, the same bits
-            cos, sin = cos_sin
-            scale, eps = self.head_dim**-0.5, self.q_norm.eps if self.qk_norm else 0.0
-            return native.attention_block(table, x, cos, sin, ctx.slots, ctx.decode, scale, eps)
         T = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, h*d], [T, kvh*d], [T, kvh*d]
         if self.qk_norm == "full":
@@ -148,8 +143,26 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, ctx)  # [T, h, d]
         return self.o_proj(out.reshape(T, self.heads * self.head_dim))
 
+    def decoder_half(self, x: torch.Tensor, norms, cos_sin, ctx) -> tuple | None:
+        """A decoder layer's attention half in one native call where the block takes this step
+        (_block_table) and norms = (input norm, post-attention norm) are bf16 RMSNorms of one eps:
+        (x + self(input_norm(x)), post_norm of that) [T, H] each, the bits of
+        layers/decoder.py's steps; else None."""
+        table = self._block_table(x, cos_sin, ctx)
+        first, post = norms
+        if table is None or first.eps != post.eps:
+            return None
+        in_w, post_w = first.weight, post.weight
+        if not native.weights_apply(in_w, post_w):
+            return None
+        cos, sin = cos_sin
+        scale, eps = self.head_dim**-0.5, self.q_norm.eps if self.qk_norm else 0.0
+        return native.decoder_attention(
+            table, (in_w, post_w, first.eps), x, cos, sin, ctx.slots, ctx.decode, scale, eps
+        )
+
     def _block_table(self, x: torch.Tensor, cos_sin, ctx) -> torch.Tensor | None:
-        """native.attention_block's table [16] for this step, or None where the block does not
+        """native.decoder_attention's table [16] for this step, or None where the block does not
         take it: a step whose rows all attend in the decode kernel (ctx.decode covers every
         sequence) on bf16 rows the native linear takes, plain bf16 weights without adapters, Llama
         or Qwen3 heads (no OLMoE norm over all heads, no clipping), pools made and on the CPU."""

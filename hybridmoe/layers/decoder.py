@@ -24,6 +24,13 @@ class DecoderLayer(nn.Module):
         setattr(self, ffn_name, ffn)
 
     def forward(self, x, cos_sin, ctx):
+        half = getattr(self.self_attn, "decoder_half", None)  # Attention's, not MLA's
+        if half is not None and not self.training:
+            norms = (self.input_layernorm, self.post_attention_layernorm)
+            both = half(x, norms, cos_sin, ctx)  # a decode step's first half in one native call
+            if both is not None:
+                x, h = both
+                return x + getattr(self, self.ffn_name)(h)
         train = (
             self.training
         )  # a training step keeps the blocks' inputs alone (layers/recompute.py)

@@ -7,12 +7,12 @@ The names load bf16.py (and torch) when first read, so that the torch-free modul
 __all__ = [
     "MAX_ROWS",
     "applies",
-    "attention_block",
     "attention_applies",
     "available",
     "cpu_has_avx512_bf16",
     "cpu_has_native_bf16",
     "decode_attention",
+    "decoder_attention",
     "expert",
     "experts",
     "gemm",

@@ -680,7 +680,7 @@ static void linear_rows(const uint16_t *W, const uint16_t *bias, const uint16_t 
    ldc apart; slots [T] int64: each row's pool slot; tables .. n: hm_decode_attention_bf16's, covering
    every row. Products of fewer than threaded_min_bytes of weights stay on one thread. Returns 0, or -1
    if out of memory. */
-int hm_attention_block_bf16(const attn_block *a, const uint16_t *X, long ldx, long T, const float *C, const float *S,
+static int attention_block(const attn_block *a, const uint16_t *X, long ldx, long T, const float *C, const float *S,
                             long ldc, const int64_t *slots, const int32_t *tables, const int32_t *table_starts,
                             const int32_t *lengths, const int32_t *rows, long n, long block_size, float scale,
                             float eps, uint16_t *out, long ldo, int threads, long threaded_min_bytes) {
@@ -707,5 +707,29 @@ int hm_attention_block_bf16(const attn_block *a, const uint16_t *X, long ldx, lo
                                           block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1);
     if (status == 0) linear_rows(a->wo, a->bo, att, hd, out, ldo, H, hd, T, threads, threaded_min_bytes);
     free(buf);
+    return status;
+}
+
+/* The attention half of a decoder layer (layers/decoder.py) around attention_block: h = RMSNorm(x)
+   with in_w, the block on h, x_out = x + its output (bf16 sum, as torch adds bf16 tensors), h_out =
+   RMSNorm(x_out) with post_w, the feed-forward's input; both norms with norm_eps. x_out, h_out: [T, H]
+   bf16 contiguous. Returns 0, or -1 if out of memory. */
+int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const uint16_t *post_w, float norm_eps,
+                              const uint16_t *X, long ldx, long T, const float *C, const float *S, long ldc,
+                              const int64_t *slots, const int32_t *tables, const int32_t *table_starts,
+                              const int32_t *lengths, const int32_t *rows, long n, long block_size, float scale,
+                              float eps, uint16_t *x_out, uint16_t *h_out, int threads, long threaded_min_bytes) {
+    const long H = a->hidden;
+    uint16_t *h = malloc(sizeof(uint16_t) * 2 * T * H), *o = h + T * H;
+    if (!h) return -1;
+    for (long t = 0; t < T; t++) rmsnorm_row(X + t * ldx, in_w, h + t * H, H, norm_eps);
+    int status = attention_block(a, h, H, T, C, S, ldc, slots, tables, table_starts, lengths, rows, n,
+                                         block_size, scale, eps, o, H, threads, threaded_min_bytes);
+    if (status == 0)
+        for (long t = 0; t < T; t++) {
+            for (long i = 0; i < H; i++) x_out[t * H + i] = bf16(f32(X[t * ldx + i]) + f32(o[t * H + i]));
+            rmsnorm_row(x_out + t * H, post_w, h_out + t * H, H, norm_eps);
+        }
+    free(h);
     return status;
 }

@@ -48,13 +48,14 @@ SIGNATURES = {
     # void hm_gemm_bf16_mt(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy,
     #                      long O, long I, long M, int threads)
     "hm_gemm_bf16_mt": ([P, P, N, P, N, N, N, N, INT], None),
-    # int hm_attention_block_bf16(const attn_block *a, const uint16_t *X, long ldx, long T,
+    # int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w,
+    #     const uint16_t *post_w, float norm_eps, const uint16_t *X, long ldx, long T,
     #     const float *C, const float *S, long ldc, const int64_t *slots, const int32_t *tables,
     #     const int32_t *table_starts, const int32_t *lengths, const int32_t *rows, long n,
-    #     long block_size, float scale, float eps, uint16_t *out, long ldo, int threads,
+    #     long block_size, float scale, float eps, uint16_t *x_out, uint16_t *h_out, int threads,
     #     long threaded_min_bytes)
-    "hm_attention_block_bf16": (
-        [P, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, N, INT, N],
+    "hm_decoder_attention_bf16": (
+        [P, P, P, F, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, P, INT, N],
         INT,
     ),
     # int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K,
@@ -393,8 +394,9 @@ def prefill_attention(
     return out
 
 
-def attention_block(
+def decoder_attention(
     table: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float],
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -402,15 +404,21 @@ def attention_block(
     decode,
     scale: float,
     eps: float,
-) -> torch.Tensor:
-    """A decode step's attention block in one call (bf16.c hm_attention_block_bf16): x [T, H] bf16
-    (unit stride) -> [T, H] bf16, the bits of layers/attention.py's forward. table: int64 [16], the
-    block's weights and pools (bf16.c attn_block); cos, sin: [T, d] fp32 (same row stride); slots:
-    int64 [T], each row's pool slot; decode: the step's DecodeTables, covering every row."""
-    hidden = x.shape[1]  # the o projection's rows: the model's width, as x's
-    out = torch.empty(x.shape[0], hidden, dtype=torch.bfloat16)  # [T, H]
-    status = library().hm_attention_block_bf16(
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's attention half in one call (bf16.c hm_decoder_attention_bf16): x [T, H]
+    bf16 -> (x + attention(RMSNorm(x)), RMSNorm of that) [T, H] bf16 each, the bits of
+    layers/decoder.py's steps. norms: the input and post-attention norms' weights [H] bf16 and
+    their eps; table: the block's weights and pools (bf16.c attn_block, Attention._block_table);
+    cos, sin: [T, d] fp32; slots: int64 [T], each row's pool slot; decode: the step's
+    DecodeTables, covering every row."""
+    in_w, post_w, norm_eps = norms
+    x_out = torch.empty(x.shape, dtype=torch.bfloat16)  # [T, H]
+    h_out = torch.empty(x.shape, dtype=torch.bfloat16)  # [T, H]
+    status = library().hm_decoder_attention_bf16(
         table.data_ptr(),
+        in_w.data_ptr(),
+        post_w.data_ptr(),
+        norm_eps,
         x.data_ptr(),
         x.stride(0),
         x.shape[0],
@@ -426,11 +434,11 @@ def attention_block(
         decode.block_size,
         scale,
         eps,
-        out.data_ptr(),
-        hidden,
+        x_out.data_ptr(),
+        h_out.data_ptr(),
         torch.get_num_threads(),
         THREADED_MIN_BYTES,
     )
     if status != 0:
-        raise MemoryError("attention block: no memory for its scratch")
-    return out
+        raise MemoryError("decoder attention: no memory for its scratch")
+    return x_out, h_out

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import types
 from functools import lru_cache
 from pathlib import Path
 
@@ -63,9 +64,10 @@ def load(
     flags: list[str],
     signatures: dict[str, tuple[list, object]],
     headers: tuple[Path, ...] = (),
-) -> ctypes.CDLL | None:
-    """`source` (which includes `headers`) compiled with `flags` (once, then from the cache) and its
-    functions typed by `signatures` (name -> (argument types, result type)); None where the native
+) -> types.SimpleNamespace | None:
+    """`source` (which includes `headers`) compiled with `flags` (once, then from the cache): its
+    functions named in `signatures` (name -> (argument types, result type)), typed, as the
+    attributes of the result (no other); None where the native
     kernels are switched off (HYBRIDMOE_NATIVE=0) or no compiler can build them."""
     if not env.native_enabled():
         return None
@@ -78,7 +80,11 @@ def load(
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError):
         return None
+    typed = {}
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
-    return lib
+        typed[name] = fn
+    # only the typed functions: ctypes would call an undeclared one with every argument as a C int,
+    # cutting pointers to 32 bits
+    return types.SimpleNamespace(**typed)
