@@ -40,39 +40,68 @@ typedef struct {
     const uint16_t *bias; /* [O] bf16, or NULL */
 } out_bf16;
 
+/* Four sums s (c of them real) leave as bf16(s + bias), rounded to nearest even as bf16() rounds (NaN
+   stays NaN), in SIMD: a prefill's products are compute-bound, and a scalar loop here cost a third
+   of their time. */
 ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long c) {
-    float v[4];
-    _mm_storeu_ps(v, s);
-    for (long j = 0; j < c; j++)
-        B->Y[m * B->ldy + o + j] = bf16(B->bias ? v[j] + f32(B->bias[o + j]) : v[j]);
+    const __mmask8 k = (__mmask8)((1u << c) - 1);
+    if (B->bias) { /* bf16 -> fp32 is the bits shifted up: exact */
+        __m128i b = _mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(k, B->bias + o));
+        s = _mm_add_ps(s, _mm_castsi128_ps(_mm_slli_epi32(b, 16)));
+    }
+    const __m128i u = _mm_castps_si128(s), hi = _mm_srli_epi32(u, 16);
+    __m128i r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(_mm_and_si128(hi, _mm_set1_epi32(1)),
+                                                              _mm_set1_epi32(0x7fff))), 16);
+    const __mmask8 nan = _mm_cmpgt_epi32_mask(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
+    r = _mm_mask_mov_epi32(r, nan, _mm_or_si128(hi, _mm_set1_epi32(0x40)));
+    _mm_mask_storeu_epi16(B->Y + m * B->ldy + o, k, _mm_cvtepi32_epi16(r));
 }
 
+/* acc[r][j] += W[o + j, i..i+32) . X[m + r, i..i+32) for one chunk of 32 columns (k: the columns that
+   exist, for the row's tail). */
+#define CHUNK(J, LOAD_W, LOAD_X)                                                               \
+    do {                                                                                       \
+        __m512bh wv = (__m512bh)LOAD_W;                                                        \
+        for (int r = 0; r < R; r++) acc[r][J] = _mm512_dpbf16_ps(acc[r][J], wv, (__m512bh)LOAD_X); \
+    } while (0)
+
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
-   The four weight rows are read one after the other, each whole, so the weights stream in address
-   order: reading the four rows side by side (four streams a row apart) halved what one core reads
-   from RAM on Zen 4 (docs/notes/2026-11-24-gemv-streams.md). Every x row is computed the same way
-   whatever R is, so a row's result does not depend on the batch it came in. Missing weight rows
-   (j >= c) re-read row o and are not stored. */
+   One x row (decode of one sequence: the weights stream from RAM and nothing else counts) reads the
+   four weight rows one after the other, each whole: read side by side (four streams a row apart)
+   they came from RAM at half the rate on Zen 4 (docs/notes/2026-11-24-gemv-streams.md). Several x
+   rows (decode batches, prefill chunks of a few tokens per expert) read the four rows side by side,
+   so each weight chunk loaded serves 4R products (the row-by-row order loads x R times as often,
+   which made those products ~25% slower), and the first group of x rows asks for the next four
+   rows' lines ahead in address order, which restores most of the streaming rate (the later groups
+   find the rows in L1; asking again cost a prefill ~10%). Every accumulator sums the same chunks in the
+   same order either way, so a row's result does not depend on the batch it came in. Missing weight
+   rows (j >= c) re-read row o and are not stored. */
 ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16_t *X, long ldx, long m,
-                         const int R, float *Y, long ldy, const out_bf16 *B) {
-    const uint16_t *x[4];
+                         const int R, const int PF, float *Y, long ldy, const out_bf16 *B) {
+    const uint16_t *x[4], *w[4];
     for (int r = 0; r < R; r++) x[r] = X + (m + r) * ldx;
+    for (int j = 0; j < 4; j++) w[j] = W + (o + (j < c ? j : 0)) * I;
     __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const long tail = I % 32, end = I - tail;
     const __mmask32 k = (__mmask32)((1ULL << tail) - 1);
-    for (int j = 0; j < 4; j++) {
-        const uint16_t *w = W + (o + (j < c ? j : 0)) * I;
-        for (int r = 0; r < R; r++) acc[r][j] = _mm512_setzero_ps();
+    if (R == 1) {
+        for (int j = 0; j < 4; j++) {
+            for (long i = 0; i < end; i += 32)
+                CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
+            if (tail) CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
+        }
+    } else {
+        const char *next = (const char *)(W + (o + 4) * I);  /* the next block's 8 I bytes, 256 a chunk */
         for (long i = 0; i < end; i += 32) {
-            __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
-            for (int r = 0; r < R; r++)
-                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, (__m512bh)_mm512_loadu_si512(x[r] + i));
+            if (PF)
+                for (int b = 0; b < 256; b += 64) _mm_prefetch(next + 8 * i + b, _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
         }
-        if (tail) {  /* the row's last I % 32 elements, zeros past the end */
-            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(k, w + end);
-            for (int r = 0; r < R; r++)
-                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, (__m512bh)_mm512_maskz_loadu_epi16(k, x[r] + end));
-        }
+        if (tail)
+            for (int j = 0; j < 4; j++)
+                CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
     }
     for (int r = 0; r < R; r++) {
         __m128 s = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
@@ -83,6 +112,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
         _mm_mask_storeu_ps(Y + (m + r) * ldy + o, (__mmask8)((1u << c) - 1), s);
     }
 }
+#undef CHUNK
 
 /* Y[m, o] = sum_i W[o, i] X[m, i] for m < M, o < O.  W: [O, I] bf16 row-major; X: [M, I] bf16 with
    rows ldx apart; Y: [M, O] fp32 with rows ldy apart. */
@@ -90,11 +120,11 @@ static void gemm_to(const uint16_t *W, const uint16_t *X, long ldx, float *Y, lo
                     const out_bf16 *B) {
     for (long o = 0; o < O; o += 4) {
         long c = O - o < 4 ? O - o : 4, m = 0;
-        for (; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, Y, ldy, B);
+        for (; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, m == 0, Y, ldy, B);
         switch (M - m) {
-        case 3: block(W, I, o, c, X, ldx, m, 3, Y, ldy, B); break;
-        case 2: block(W, I, o, c, X, ldx, m, 2, Y, ldy, B); break;
-        case 1: block(W, I, o, c, X, ldx, m, 1, Y, ldy, B); break;
+        case 3: block(W, I, o, c, X, ldx, m, 3, m == 0, Y, ldy, B); break;
+        case 2: block(W, I, o, c, X, ldx, m, 2, m == 0, Y, ldy, B); break;
+        case 1: block(W, I, o, c, X, ldx, m, 1, 0, Y, ldy, B); break;
         }
     }
 }
