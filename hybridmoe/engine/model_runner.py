@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridmoe import invariance
+from hybridmoe import invariance, native
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from hybridmoe.engine.scheduler import Batch
 from hybridmoe.layers import lora
 from hybridmoe.layers.lora import RowAdapters
+from hybridmoe.native.threads import kernels_only
 
 
 def overlap_unsupported(model) -> str | None:
@@ -86,8 +87,9 @@ class ModelRunner:
         """One forward pass over `batch` on this thread: logits [n, V], one row per sequence whose
         every token is then in the cache, in batch order."""
         inputs = self._inputs(batch)
-        with self._threads(len(inputs.ids)):
-            return self._run(inputs, decode_rows(batch, inputs.ctx.starts))
+        decode = decode_rows(batch, inputs.ctx.starts)
+        with self._threads(len(inputs.ids)), self._decode_threads(len(inputs.ids), len(decode)):
+            return self._run(inputs, decode)
 
     def start(self, batch: Batch) -> Future:
         """The same pass on the prefill thread (overlap_prefill): a future of (logits [n, V],
@@ -125,6 +127,16 @@ class ModelRunner:
         with lora.using(inputs.adapters), invariance.rows_alone(self.config.deterministic):
             hidden = self.model(inputs.ids, inputs.positions, inputs.ctx, decode)  # [T, H]
             return self.model.logits(hidden[inputs.rows]).cpu()  # [n, V], sampled on the host
+
+    @contextmanager
+    def _decode_threads(self, num_tokens: int, num_decode: int):
+        """A pass of decode tokens only, few enough for the native kernels (native.MAX_ROWS):
+        torch's small ops on one thread, the kernels on all (native/threads.py)."""
+        if num_decode == num_tokens <= native.MAX_ROWS:
+            with kernels_only():
+                yield
+        else:
+            yield
 
     @contextmanager
     def _threads(self, num_tokens: int):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.native.build import INT, F, N, P, cpu_flags, load
+from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
 HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("rows.h"))
@@ -147,7 +148,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, workers: int | None = None) -> t
     x = _rows(x)  # [M, K]
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [M, N]
-    threads = workers or torch.get_num_threads()
+    threads = workers or kernel_threads()
     if 2 * weight.numel() < THREADED_MIN_BYTES:
         threads = 1
     args = (weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0])
@@ -164,7 +165,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x = _rows(x)  # [M, K]
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)  # [M, N]
-    threads = 1 if 2 * n * k < THREADED_MIN_BYTES else torch.get_num_threads()
+    threads = 1 if 2 * n * k < THREADED_MIN_BYTES else kernel_threads()
     library().hm_linear_bf16(
         weight.data_ptr(),
         x.data_ptr(),
@@ -436,7 +437,7 @@ def decoder_attention(
         eps,
         x_out.data_ptr(),
         h_out.data_ptr(),
-        torch.get_num_threads(),
+        kernel_threads(),
         THREADED_MIN_BYTES,
     )
     if status != 0:

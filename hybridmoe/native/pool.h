@@ -5,7 +5,11 @@
    that the OS deschedules on a shared machine leaves its units to the others instead of holding everyone
    at a fixed split; stages that depend on each other are separated by barrier().
 
-   The threads are made at first use and kept, waiting on a condition variable between regions. One region
+   The threads are made at first use and kept. Between regions a worker first spins for a while (a decode
+   step opens a region every ~50-100 us: waking a sleeping thread through the kernel cost more than
+   the second thread saved, and on a busy machine a woken thread may wait a whole time slice for a
+   core), then sleeps on a condition variable; the caller likewise spins briefly for the workers to
+   finish before it sleeps. One region
    runs at a time: a second caller (another Python thread) that finds the pool busy runs its work alone on
    its own thread (T = 1), which gives the same results, since every output element is computed whole by
    one thread. After fork() the child makes its own threads. */
@@ -31,8 +35,8 @@ static struct {
     pthread_t threads[POOL_MAX];
     int made;              /* threads made so far (thread t of a region is threads[t - 1]) */
     pid_t pid;             /* the process that made them */
-    long generation;       /* bumped per region; a worker runs each generation once */
-    int running;           /* workers still inside the region */
+    atomic_long generation; /* bumped per region; a worker runs each generation once */
+    atomic_int running;     /* workers still inside the region */
     int T;
     region_fn fn;
     void *arg;
@@ -56,21 +60,29 @@ static void barrier(int T) {
     }
 }
 
+/* Pause instructions a thread spins for before it sleeps: about half a millisecond on Zen 4. */
+#define SPIN_WAIT 20000
+
 static void *worker(void *p) {
     int t = (int)(long)p;
     long seen = 0;
-    pthread_mutex_lock(&pool.mu);
     for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.mu);
-        seen = pool.generation;
-        if (t >= pool.T) continue;  /* not in this region */
+        for (long spins = 0; atomic_load(&pool.generation) == seen && spins < SPIN_WAIT; spins++)
+            __builtin_ia32_pause();
+        pthread_mutex_lock(&pool.mu);
+        while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.start, &pool.mu);
+        seen = atomic_load(&pool.generation);
         region_fn fn = pool.fn;
         void *arg = pool.arg;
         int T = pool.T;
         pthread_mutex_unlock(&pool.mu);
+        if (t >= T) continue;  /* not in this region */
         fn(arg, t, T);
-        pthread_mutex_lock(&pool.mu);
-        if (--pool.running == 0) pthread_cond_signal(&pool.done);
+        if (atomic_fetch_sub(&pool.running, 1) == 1) {
+            pthread_mutex_lock(&pool.mu);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
+        }
     }
     return NULL;
 }
@@ -81,7 +93,7 @@ static int pool_grow(int T) {
     if (pool.pid != getpid()) {  /* first use, or a child after fork(): the parent's threads are gone */
         pool.pid = getpid();
         pool.made = 0;
-        pool.generation = 0;
+        atomic_store(&pool.generation, 0);
     }
     while (pool.made < T - 1) {
         pthread_attr_t attr;
@@ -111,15 +123,18 @@ static void hm_parallel(region_fn fn, void *arg, int T) {
     pool.fn = fn;
     pool.arg = arg;
     pool.T = T;
-    pool.running = T - 1;
+    atomic_store(&pool.running, T - 1);
     atomic_store(&pool.bar.count, 0);
-    pool.generation++;
+    atomic_fetch_add(&pool.generation, 1);
     pthread_cond_broadcast(&pool.start);
     pthread_mutex_unlock(&pool.mu);
     fn(arg, 0, T);
-    pthread_mutex_lock(&pool.mu);
-    while (pool.running > 0) pthread_cond_wait(&pool.done, &pool.mu);
-    pthread_mutex_unlock(&pool.mu);
+    for (long spins = 0; atomic_load(&pool.running) > 0 && spins < SPIN_WAIT; spins++) __builtin_ia32_pause();
+    if (atomic_load(&pool.running) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        while (atomic_load(&pool.running) > 0) pthread_cond_wait(&pool.done, &pool.mu);
+        pthread_mutex_unlock(&pool.mu);
+    }
     pthread_mutex_unlock(&pool.busy);
 }
 

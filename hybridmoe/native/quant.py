@@ -16,6 +16,7 @@ import torch
 
 from hybridmoe import env
 from hybridmoe.native.build import INT, N, P, cpu_flags, load
+from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("quant.c")
 HEADERS = (Path(__file__).with_name("pool.h"),)
@@ -73,8 +74,9 @@ def _check(status: int, what: str) -> None:
 
 
 def threads() -> int:
-    """Threads a kernel call may use: torch's intra-op count (set by --threads)."""
-    return torch.get_num_threads()
+    """Threads a kernel call may use: torch's intra-op count (set by --threads), or what
+    native/threads.py's kernels_only kept for the kernels."""
+    return kernel_threads()
 
 
 def linear(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from hybridmoe import invariance, tuning
+from hybridmoe.native.threads import kernel_threads
 
 Job = Callable[[], torch.Tensor]
 
@@ -128,7 +129,7 @@ class CPUExperts:
         """Start `jobs`, which stream `nbytes` of weights in all (`heavy`: work that dwarfs any
         hand-off whatever the bytes, a training step's experts); `.result()` -> (outputs, busy
         seconds)."""
-        workers = self.workers or torch.get_num_threads()
+        workers = self.workers or kernel_threads()
         if min(workers, len(jobs)) <= 1 or (nbytes < tuning.WORKERS_MIN_BYTES and not heavy):
             return _InlineBatch(jobs)
         if self.pool is None or self.pool.workers != workers:
@@ -138,7 +139,7 @@ class CPUExperts:
 
     def workers_now(self) -> int:
         """The threads a layer's experts take now: `workers`, or torch's count."""
-        return self.workers or torch.get_num_threads()
+        return self.workers or kernel_threads()
 
     def start_call(self, call: Callable[[int], list[torch.Tensor]]) -> _CallBatch:
         """A layer's experts as one call(workers) that spreads them over its own threads."""
