@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import hybridmoe.native.split_kernels as split_kernels
 from hybridmoe import tuning
 from hybridmoe.experts.plan.cache import ExpertCache, placement
 from hybridmoe.experts.plan.cost_model import CostModel
@@ -85,6 +86,15 @@ class _Times:
         # CostModel.t_act's terms: seconds per row crossing the bus, and per layer (two copies).
         self._row = cost.hidden * cost.act_bytes / cost.bw_pcie if cost.has_gpu else 0.0
         self._fixed = 2.0 * cost.c_act if cost.has_gpu else 0.0
+        self.native = self._bind() if cost.has_gpu else None  # the split in C (split.c)
+
+    def _bind(self):
+        lib = split_kernels.library()
+        if lib is None:
+            return None
+        constants = {"t_copy": self.copy, "slowdown": self.slowdown, "row": self._row}
+        constants.update(fixed=self._fixed, late_subsets=tuning.LATE_SUBSETS)
+        return split_kernels.Split(lib, self.cpu, self.gpu, constants)
 
     def cpu_beside_copies(self, work: float, copying: float) -> float:
         """Seconds `work` seconds of CPU experts take when copies stream for the first
@@ -429,11 +439,34 @@ class Planner:
     def _best_split(self, plan: Plan, late, options, stranded, now) -> tuple[float, list, int]:
         """Which late experts and how many leading copy options run on the GPU: (makespan - value,
         the late ones, b) of the best choice. The stranded misses stay on the CPU whatever is
-        chosen."""
+        chosen. In C where it is built (split.c: the same bits), else `_best_split_reference`."""
+        native = self.times.native
+        if native is not None:
+            ready_at, layer = self.cache.ready_at, plan.layer
+            found = native.best(
+                now,
+                self.copy_free,
+                self.times.tokens,
+                [r.n_tokens for r in plan.gpu_hits],
+                [r.n_tokens for r in late],
+                [ready_at[(layer, r.expert)] for r in late],
+                [o.routed.n_tokens for o in options],
+                [o.gain for o in options],
+                [r.n_tokens for r in stranded],
+            )
+            if found is not None:
+                cost, on, b = found
+                if len(late) > tuning.LATE_SUBSETS:  # prefixes: how many lead
+                    return cost, late[:on], b
+                return cost, [r for j, r in enumerate(late) if on >> j & 1], b
+        return self._best_split_reference(plan, late, options, stranded, now)
+
+    def _best_split_reference(self, plan: Plan, late, options, stranded, now):
+        """_best_split in Python: the reference of split.c, and where C is not built."""
         tm = self.times
         opt_cpu = [tm.cpu(o.routed.n_tokens) for o in options]
         opt_gpu = [tm.gpu(o.routed.n_tokens) for o in options]
-        base_cpu = sum(opt_cpu) + sum(tm.cpu(r.n_tokens) for r in stranded)
+        base_cpu = _added(opt_cpu) + _added(tm.cpu(r.n_tokens) for r in stranded)
         # The token rows of the CPU experts (their activation transfer), left after b options.
         opt_rows = _suffix_sum([o.routed.n_tokens for o in options])
         stranded_rows = sum(r.n_tokens for r in stranded)
@@ -464,7 +497,7 @@ class Planner:
         them as they land (the best order for one machine with release times), so an exact
         Pareto front over the three figures; beyond `tuning.LATE_SUBSETS` experts, prefixes."""
         tm = self.times
-        start = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
+        start = now + _added(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
         front = [(start, 0.0, 0, ())]
         exact = len(late) <= tuning.LATE_SUBSETS
         for r in late:
@@ -477,7 +510,7 @@ class Planner:
             else:  # prefixes: the first a on the GPU, the rest on the CPU
                 front.append(grown[-1])
         if not exact:
-            cpu_left = [sum(tm.cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
+            cpu_left = [_added(tm.cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
             rows = _suffix_sum([r.n_tokens for r in late])
             front = [(g, cpu_left[a], rows[a], on) for a, (g, _, _, on) in enumerate(front)]
         return front
@@ -559,6 +592,15 @@ def _undominated(points: list[tuple]) -> list[tuple]:
         if not any(q[1] <= p[1] and q[2] <= p[2] for q in kept):
             kept.append(p)
     return kept
+
+
+def _added(values) -> float:
+    """The values added left to right in doubles, as split.c adds them (sum() compensates its
+    rounding from Python 3.12 on)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
 
 
 def _suffix_sum(values: list[int]) -> list[int]:
