@@ -141,14 +141,17 @@ static long best_of(const split_t *s, double now, double copy_start, long tokens
 }
 
 /* Planner._best_split: which in-flight experts and how many leading copy options go to the GPU.
- * tok: token counts [n_hits | n_late | n_opt | n_str] (GPU hits, in-flight experts soonest ready
- * first, copy options in order, misses left on the CPU); ready [n_late]; gain [n_opt]. Writes
- * out[0] = makespan - value, out[1] = the in-flight experts on the GPU (a bit each; beyond
- * late_subsets, how many leading ones); returns b, or -1 where it cannot run (memory, a token
- * count past the table). */
-long hm_best_split(const split_t *s, double now, double copy_free, long tokens, long n_hits,
-                   long n_late, long n_opt, long n_str, const long *tok, const double *ready,
-                   const double *gain, double *out) {
+ * n: [tokens, n_hits, n_late, n_opt, n_str] (the layer's token rows; how many GPU hits, in-flight
+ * experts soonest ready first, copy options in order, misses left on the CPU), then their token
+ * counts in that order; x: [now, copy_free], then the in-flight experts' ready times [n_late], the
+ * options' gains [n_opt]. Writes out[0] = makespan - value, out[1] = the in-flight experts on the
+ * GPU (a bit each; beyond late_subsets, how many leading ones); returns b, or -1 where it cannot
+ * run (memory, a token count past the table). */
+long hm_best_split(const split_t *s, const long *n, const double *x, double *out) {
+    long tokens = n[0], n_hits = n[1], n_late = n[2], n_opt = n[3], n_str = n[4];
+    const long *tok = n + 5;
+    double now = x[0], copy_free = x[1];
+    const double *ready = x + 2, *gain = ready + n_late;
     for (long i = 0; i < n_hits + n_late + n_opt + n_str; i++)
         if (tok[i] < 0 || tok[i] >= s->n_table) return -1;
     int exact = n_late <= s->late_subsets;

@@ -25,10 +25,8 @@ _D = ctypes.c_double
 
 # name -> (argument types, result type), each under a copy of its C prototype in split.c
 SIGNATURES = {
-    # long hm_best_split(const split_t *s, double now, double copy_free, long tokens, long n_hits,
-    #                    long n_late, long n_opt, long n_str, const long *tok,
-    #                    const double *ready, const double *gain, double *out)
-    "hm_best_split": ([P, _D, _D, N, N, N, N, N, P, P, P, P], N),
+    # long hm_best_split(const split_t *s, const long *n, const double *x, double *out)
+    "hm_best_split": ([P, P, P, P], N),
 }
 
 
@@ -57,6 +55,7 @@ class Split:
 
     def __init__(self, lib, cpu_of, gpu_of, constants: dict):
         self.lib, self._cpu_of, self._gpu_of = lib, cpu_of, gpu_of
+        self._call = lib.hm_best_split
         self.struct = SplitT(**constants)
         self.p = ctypes.addressof(self.struct)
         self._out = array("d", [0.0, 0.0])  # [2]: the cost, the in-flight experts on the GPU
@@ -71,30 +70,19 @@ class Split:
         self._size = self.struct.n_table = size
         self.struct.cpu, self.struct.gpu = self.cpu.ctypes.data, self.gpu.ctypes.data
 
-    def best(self, now, copy_free, tokens, hits, late, ready, options, gains, stranded):
+    def best(self, now, copy_free, tokens, sizes, counts, floats):
         """(makespan - value, in-flight experts on the GPU: a bit each, or beyond late_subsets
-        how many leading ones, b: leading options copied), or None where C cannot say. hits,
-        late, options, stranded: token counts; ready: of the late [n_late]; gains [n_opt]."""
-        tok = array("l", hits + late + options + stranded)
-        ready, gains = array("d", ready), array("d", gains)
-        args = (
-            self.p,
-            now,
-            copy_free,
-            tokens,
-            len(hits),
-            len(late),
-            len(options),
-            len(stranded),
-            tok.buffer_info()[0],
-            ready.buffer_info()[0],
-            gains.buffer_info()[0],
-            self._out_at,
-        )
-        b = self.lib.hm_best_split(*args)
-        if b < 0 and tok and max(tok) >= self._size:
-            self._grow(max(tok) + 1)
-            b = self.lib.hm_best_split(*args)
+        how many leading ones, b: leading options copied), or None where C cannot say. sizes:
+        (GPU hits, in-flight experts, copy options, stranded misses); counts: their token counts,
+        in that order; floats: the in-flight experts' ready times, then the options' gains."""
+        n = array("l", (tokens, *sizes))  # [5 + experts]: hm_best_split's n
+        n.extend(counts)
+        x = array("d", (now, copy_free))  # [2 + late + options]: its x
+        x.extend(floats)
+        b = self._call(self.p, n.buffer_info()[0], x.buffer_info()[0], self._out_at)
+        if b < 0 and max(counts, default=0) >= self._size:
+            self._grow(max(counts) + 1)
+            b = self._call(self.p, n.buffer_info()[0], x.buffer_info()[0], self._out_at)
         if b < 0:
             return None
         return self._out[0], int(self._out[1]), b

@@ -126,7 +126,7 @@ class _Times:
         return (min(rows, self.tokens) + rows) * self._row + self._fixed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made a few times per plan, and frozen ones init slowly
 class _Option:
     """One way to run a missed expert on the GPU: its copy and what that leaves in the cache."""
 
@@ -322,8 +322,9 @@ class Planner:
 
     def protected(self, now: float, plan: Plan) -> set[Key]:
         """Keys no copy may evict now: used on the GPU by this plan, or still being copied."""
-        keys = self.cache.in_flight(now)
-        keys.update((plan.layer, r.expert) for r in plan.gpu_hits + plan.gpu_copied)
+        keys, layer = self.cache.in_flight(now), plan.layer
+        keys.update([(layer, r.expert) for r in plan.gpu_hits])
+        keys.update([(layer, r.expert) for r in plan.gpu_copied])
         return keys
 
     # ---- steps of plan() ---------------------------------------------------------------------
@@ -389,20 +390,19 @@ class Planner:
         fastest first (the order in which the best split of work between two unrelated machines
         takes jobs; it differs only where the GPU is slower than the CPU for some token counts).
         Among equals (decode: all one token) the policy's favourite first."""
-        tm, policy = self.times, self.policy
-        experts = [r.expert for r in misses]
-        favourite = dict(zip(experts, (-x for x in policy.copy_priorities(layer, experts))))
-        by_cpu = sorted(misses, key=lambda r: (-tm.cpu(r.n_tokens), favourite[r.expert]))
+        tm, n = self.times, range(len(misses))
+        unloved = [-x for x in self.policy.copy_priorities(layer, [r.expert for r in misses])]
+        cpu = [tm.cpu(r.n_tokens) for r in misses]
+        by_cpu = sorted(n, key=lambda i: (-cpu[i], unloved[i]))  # indices into misses
         orders = [by_cpu]
         if len({r.n_tokens for r in misses}) > 1:  # else (decode at batch 1) the same order
-            by_ratio = sorted(
-                misses,
-                key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
-            )
+            ratio = [tm.gpu(r.n_tokens) / t for r, t in zip(misses, cpu)]
+            by_ratio = sorted(n, key=lambda i: (ratio[i], unloved[i]))
             if by_ratio != by_cpu:
                 orders.append(by_ratio)
         best = None
         for order in orders:
+            order = [misses[i] for i in order]
             options, stranded = self._copy_options(layer, order, now, plan)
             cost, chosen_late, b = self._best_split(plan, late, options, stranded, now)
             if best is None or cost < best[0] - 1e-12:
@@ -414,17 +414,18 @@ class Planner:
         and gain) or staged in a buffer that is not kept; and those that can run only on the CPU.
         A copy is staged where the cache has no room, or where admitting it would cost more cache
         value than it leaves (the victim is likelier to be used)."""
-        policy = self.policy
+        policy, weight = self.policy, self.config.value_weight
         tokens = sum(r.n_tokens for r in order) / self.predictor.top_k
         stage, admit = policy.may_stage(tokens), policy.keeps_copies
-        protect = self.protected(now, plan) | {(layer, r.expert) for r in order}
+        protect = self.protected(now, plan)
+        protect.update([(layer, r.expert) for r in order])
         rooms = policy.rooms(layer, protect, now, self.cache.free_count()) if admit else iter(())
         room = next(rooms, _NO_ROOM)
         options, stranded = [], []
         for r in order:
             key, how, gain = (layer, r.expert), None, 0.0
             if room is not _NO_ROOM:  # a free slot (None) or a victim
-                gain = self.config.value_weight * policy.admit_gain(key, room, now)
+                gain = weight * policy.admit_gain(key, room, now)
                 if gain >= 0.0 or not stage:
                     how = ("evict", room)
                     room = next(rooms, _NO_ROOM)
@@ -442,18 +443,12 @@ class Planner:
         chosen. In C where it is built (split.c: the same bits), else `_best_split_reference`."""
         native = self.times.native
         if native is not None:
-            ready_at, layer = self.cache.ready_at, plan.layer
-            found = native.best(
-                now,
-                self.copy_free,
-                self.times.tokens,
-                [r.n_tokens for r in plan.gpu_hits],
-                [r.n_tokens for r in late],
-                [ready_at[(layer, r.expert)] for r in late],
-                [o.routed.n_tokens for o in options],
-                [o.gain for o in options],
-                [r.n_tokens for r in stranded],
-            )
+            ready_at, layer, hits = self.cache.ready_at, plan.layer, plan.gpu_hits
+            sizes = (len(hits), len(late), len(options), len(stranded))
+            copied = [o.routed for o in options]
+            counts = [r.n_tokens for r in (*hits, *late, *copied, *stranded)]
+            floats = [ready_at[(layer, r.expert)] for r in late] + [o.gain for o in options]
+            found = native.best(now, self.copy_free, self.times.tokens, sizes, counts, floats)
             if found is not None:
                 cost, on, b = found
                 if len(late) > tuning.LATE_SUBSETS:  # prefixes: how many lead
