@@ -246,7 +246,7 @@ class Planner:
         if self._unprepared is not None:
             raise RuntimeError("plan(defer=True) must be followed by prepare(plan)")
         if tokens is None:
-            tokens = -(-sum(r.n_tokens for r in routed) // self.predictor.top_k)
+            tokens = -(-sum([r.n_tokens for r in routed]) // self.predictor.top_k)
         self.times.tokens = tokens = max(tokens, 1)
         self.epoch += 1
         self._locate(layer)
@@ -392,13 +392,14 @@ class Planner:
         Among equals (decode: all one token) the policy's favourite first."""
         tm, n = self.times, range(len(misses))
         unloved = [-x for x in self.policy.copy_priorities(layer, [r.expert for r in misses])]
-        cpu = [tm.cpu(r.n_tokens) for r in misses]
-        by_cpu = sorted(n, key=lambda i: (-cpu[i], unloved[i]))  # indices into misses
-        orders = [by_cpu]
-        if len({r.n_tokens for r in misses}) > 1:  # else (decode at batch 1) the same order
+        if len({r.n_tokens for r in misses}) < 2:  # decode at batch 1: one CPU time, one order
+            orders = [sorted(n, key=unloved.__getitem__)]  # indices into misses
+        else:
+            cpu = [tm.cpu(r.n_tokens) for r in misses]
             ratio = [tm.gpu(r.n_tokens) / t for r, t in zip(misses, cpu)]
+            orders = [sorted(n, key=lambda i: (-cpu[i], unloved[i]))]
             by_ratio = sorted(n, key=lambda i: (ratio[i], unloved[i]))
-            if by_ratio != by_cpu:
+            if by_ratio != orders[0]:
                 orders.append(by_ratio)
         best = None
         for order in orders:
@@ -415,7 +416,7 @@ class Planner:
         A copy is staged where the cache has no room, or where admitting it would cost more cache
         value than it leaves (the victim is likelier to be used)."""
         policy, weight = self.policy, self.config.value_weight
-        tokens = sum(r.n_tokens for r in order) / self.predictor.top_k
+        tokens = sum([r.n_tokens for r in order]) / self.predictor.top_k
         stage, admit = policy.may_stage(tokens), policy.keeps_copies
         protect = self.protected(now, plan)
         protect.update([(layer, r.expert) for r in order])
