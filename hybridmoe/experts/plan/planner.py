@@ -36,7 +36,8 @@ CPU time saved; every pair of prefixes (a of the first, b of the second go to th
 and the best kept (list scheduling on two resources; within 5% of a brute force over every subset
 on the named hardware profiles, tests/test_planner.py). Misses the cache has no room for stay on
 the CPU, and are charged there, with the activation round trip of the CPU experts' rows
-(CostModel.t_act: what the hybrid runtime moves).
+(CostModel.t_act: what the hybrid runtime moves). That search runs in C where a compiler built it
+(native/split.c), with the same bits and ties as its Python reference (`_best_split_reference`).
 Then the policy's background candidates (admissions, prefetches) are queued on the copy stream
 while it is idle, or its backlog ends `policy.background_slack` copies before this layer does.
 """
