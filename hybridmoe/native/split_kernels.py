@@ -65,8 +65,8 @@ class Split:
     def _grow(self, n: int) -> None:
         """Tables of at least n token counts, 0..n-1 (twice as many as before at least)."""
         size = max(n, 2 * getattr(self, "_size", 0))
-        self.cpu = np.array([self._cpu_of(max(t, 1)) for t in range(size)])  # [size] seconds
-        self.gpu = np.array([self._gpu_of(max(t, 1)) for t in range(size)])  # [size] seconds
+        self.cpu = np.array([self._cpu_of(t) for t in range(size)])  # [size] seconds
+        self.gpu = np.array([self._gpu_of(t) for t in range(size)])  # [size] seconds
         self._size = self.struct.n_table = size
         self.struct.cpu, self.struct.gpu = self.cpu.ctypes.data, self.gpu.ctypes.data
 
