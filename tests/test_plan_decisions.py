@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import hybridmoe.native.predictor_kernels as predictor_kernels
+import hybridmoe.native.split_kernels as split_kernels
 from tests.plan_decisions import RUNS, name, record
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "plan_decisions.json").read_text())
@@ -18,11 +19,13 @@ RECORDED = json.loads((Path(__file__).parent / "data" / "plan_decisions.json").r
 @pytest.mark.parametrize("native", [True, False], ids=["c-kernels", "numpy"])
 @pytest.mark.parametrize("run", RUNS, ids=name)
 def test_every_plan_is_the_one_the_plain_planner_made(run, native, monkeypatch):
-    """With the predictor's C kernels and with its numpy path alike."""
+    """With the C kernels (the predictor's, the split's) and with the numpy and Python paths
+    alike."""
     if not native:
         monkeypatch.setattr(predictor_kernels, "library", lambda: None)
-    elif predictor_kernels.library() is None:
-        pytest.fail("the predictor's C kernels did not build (no C compiler?)")
+        monkeypatch.setattr(split_kernels, "library", lambda: None)
+    elif predictor_kernels.library() is None or split_kernels.library() is None:
+        pytest.fail("the planner's C kernels did not build (no C compiler?)")
     want = RECORDED[name(run)]
     got = record(*run)
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)

@@ -36,7 +36,8 @@ CPU time saved; every pair of prefixes (a of the first, b of the second go to th
 and the best kept (list scheduling on two resources; within 5% of a brute force over every subset
 on the named hardware profiles, tests/test_planner.py). Misses the cache has no room for stay on
 the CPU, and are charged there, with the activation round trip of the CPU experts' rows
-(CostModel.t_act: what the hybrid runtime moves).
+(CostModel.t_act: what the hybrid runtime moves). That search runs in C where a compiler built it
+(native/split.c), with the same bits and ties as its Python reference (`_best_split_reference`).
 Then the policy's background candidates (admissions, prefetches) are queued on the copy stream
 while it is idle, or its backlog ends `policy.background_slack` copies before this layer does.
 """
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import hybridmoe.native.split_kernels as split_kernels
 from hybridmoe import tuning
 from hybridmoe.experts.plan.cache import ExpertCache, placement
 from hybridmoe.experts.plan.cost_model import CostModel
@@ -85,6 +87,15 @@ class _Times:
         # CostModel.t_act's terms: seconds per row crossing the bus, and per layer (two copies).
         self._row = cost.hidden * cost.act_bytes / cost.bw_pcie if cost.has_gpu else 0.0
         self._fixed = 2.0 * cost.c_act if cost.has_gpu else 0.0
+        self.native = self._bind() if cost.has_gpu else None  # the split in C (split.c)
+
+    def _bind(self):
+        lib = split_kernels.library()
+        if lib is None:
+            return None
+        constants = {"t_copy": self.copy, "slowdown": self.slowdown, "row": self._row}
+        constants.update(fixed=self._fixed, late_subsets=tuning.LATE_SUBSETS)
+        return split_kernels.Split(lib, self.cpu, self.gpu, constants)
 
     def cpu_beside_copies(self, work: float, copying: float) -> float:
         """Seconds `work` seconds of CPU experts take when copies stream for the first
@@ -116,7 +127,7 @@ class _Times:
         return (min(rows, self.tokens) + rows) * self._row + self._fixed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made a few times per plan, and frozen ones init slowly
 class _Option:
     """One way to run a missed expert on the GPU: its copy and what that leaves in the cache."""
 
@@ -236,7 +247,7 @@ class Planner:
         if self._unprepared is not None:
             raise RuntimeError("plan(defer=True) must be followed by prepare(plan)")
         if tokens is None:
-            tokens = -(-sum(r.n_tokens for r in routed) // self.predictor.top_k)
+            tokens = -(-sum([r.n_tokens for r in routed]) // self.predictor.top_k)
         self.times.tokens = tokens = max(tokens, 1)
         self.epoch += 1
         self._locate(layer)
@@ -312,8 +323,9 @@ class Planner:
 
     def protected(self, now: float, plan: Plan) -> set[Key]:
         """Keys no copy may evict now: used on the GPU by this plan, or still being copied."""
-        keys = self.cache.in_flight(now)
-        keys.update((plan.layer, r.expert) for r in plan.gpu_hits + plan.gpu_copied)
+        keys, layer = self.cache.in_flight(now), plan.layer
+        keys.update([(layer, r.expert) for r in plan.gpu_hits])
+        keys.update([(layer, r.expert) for r in plan.gpu_copied])
         return keys
 
     # ---- steps of plan() ---------------------------------------------------------------------
@@ -379,20 +391,20 @@ class Planner:
         fastest first (the order in which the best split of work between two unrelated machines
         takes jobs; it differs only where the GPU is slower than the CPU for some token counts).
         Among equals (decode: all one token) the policy's favourite first."""
-        tm, policy = self.times, self.policy
-        experts = [r.expert for r in misses]
-        favourite = dict(zip(experts, (-x for x in policy.copy_priorities(layer, experts))))
-        by_cpu = sorted(misses, key=lambda r: (-tm.cpu(r.n_tokens), favourite[r.expert]))
-        orders = [by_cpu]
-        if len({r.n_tokens for r in misses}) > 1:  # else (decode at batch 1) the same order
-            by_ratio = sorted(
-                misses,
-                key=lambda r: (tm.gpu(r.n_tokens) / tm.cpu(r.n_tokens), favourite[r.expert]),
-            )
-            if by_ratio != by_cpu:
+        tm, n = self.times, range(len(misses))
+        unloved = [-x for x in self.policy.copy_priorities(layer, [r.expert for r in misses])]
+        if len({r.n_tokens for r in misses}) < 2:  # decode at batch 1: one CPU time, one order
+            orders = [sorted(n, key=unloved.__getitem__)]  # indices into misses
+        else:
+            cpu = [tm.cpu(r.n_tokens) for r in misses]
+            ratio = [tm.gpu(r.n_tokens) / t for r, t in zip(misses, cpu)]
+            orders = [sorted(n, key=lambda i: (-cpu[i], unloved[i]))]
+            by_ratio = sorted(n, key=lambda i: (ratio[i], unloved[i]))
+            if by_ratio != orders[0]:
                 orders.append(by_ratio)
         best = None
         for order in orders:
+            order = [misses[i] for i in order]
             options, stranded = self._copy_options(layer, order, now, plan)
             cost, chosen_late, b = self._best_split(plan, late, options, stranded, now)
             if best is None or cost < best[0] - 1e-12:
@@ -404,17 +416,18 @@ class Planner:
         and gain) or staged in a buffer that is not kept; and those that can run only on the CPU.
         A copy is staged where the cache has no room, or where admitting it would cost more cache
         value than it leaves (the victim is likelier to be used)."""
-        policy = self.policy
-        tokens = sum(r.n_tokens for r in order) / self.predictor.top_k
+        policy, weight = self.policy, self.config.value_weight
+        tokens = sum([r.n_tokens for r in order]) / self.predictor.top_k
         stage, admit = policy.may_stage(tokens), policy.keeps_copies
-        protect = self.protected(now, plan) | {(layer, r.expert) for r in order}
+        protect = self.protected(now, plan)
+        protect.update([(layer, r.expert) for r in order])
         rooms = policy.rooms(layer, protect, now, self.cache.free_count()) if admit else iter(())
         room = next(rooms, _NO_ROOM)
         options, stranded = [], []
         for r in order:
             key, how, gain = (layer, r.expert), None, 0.0
             if room is not _NO_ROOM:  # a free slot (None) or a victim
-                gain = self.config.value_weight * policy.admit_gain(key, room, now)
+                gain = weight * policy.admit_gain(key, room, now)
                 if gain >= 0.0 or not stage:
                     how = ("evict", room)
                     room = next(rooms, _NO_ROOM)
@@ -429,11 +442,28 @@ class Planner:
     def _best_split(self, plan: Plan, late, options, stranded, now) -> tuple[float, list, int]:
         """Which late experts and how many leading copy options run on the GPU: (makespan - value,
         the late ones, b) of the best choice. The stranded misses stay on the CPU whatever is
-        chosen."""
+        chosen. In C where it is built (split.c: the same bits), else `_best_split_reference`."""
+        native = self.times.native
+        if native is not None:
+            ready_at, layer, hits = self.cache.ready_at, plan.layer, plan.gpu_hits
+            sizes = (len(hits), len(late), len(options), len(stranded))
+            copied = [o.routed for o in options]
+            counts = [r.n_tokens for r in (*hits, *late, *copied, *stranded)]
+            floats = [ready_at[(layer, r.expert)] for r in late] + [o.gain for o in options]
+            found = native.best(now, self.copy_free, self.times.tokens, sizes, counts, floats)
+            if found is not None:
+                cost, on, b = found
+                if len(late) > tuning.LATE_SUBSETS:  # prefixes: how many lead
+                    return cost, late[:on], b
+                return cost, [r for j, r in enumerate(late) if on >> j & 1], b
+        return self._best_split_reference(plan, late, options, stranded, now)
+
+    def _best_split_reference(self, plan: Plan, late, options, stranded, now):
+        """_best_split in Python: the reference of split.c, and where C is not built."""
         tm = self.times
         opt_cpu = [tm.cpu(o.routed.n_tokens) for o in options]
         opt_gpu = [tm.gpu(o.routed.n_tokens) for o in options]
-        base_cpu = sum(opt_cpu) + sum(tm.cpu(r.n_tokens) for r in stranded)
+        base_cpu = _added(opt_cpu) + _added(tm.cpu(r.n_tokens) for r in stranded)
         # The token rows of the CPU experts (their activation transfer), left after b options.
         opt_rows = _suffix_sum([o.routed.n_tokens for o in options])
         stranded_rows = sum(r.n_tokens for r in stranded)
@@ -464,7 +494,7 @@ class Planner:
         them as they land (the best order for one machine with release times), so an exact
         Pareto front over the three figures; beyond `tuning.LATE_SUBSETS` experts, prefixes."""
         tm = self.times
-        start = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
+        start = now + _added(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
         front = [(start, 0.0, 0, ())]
         exact = len(late) <= tuning.LATE_SUBSETS
         for r in late:
@@ -477,7 +507,7 @@ class Planner:
             else:  # prefixes: the first a on the GPU, the rest on the CPU
                 front.append(grown[-1])
         if not exact:
-            cpu_left = [sum(tm.cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
+            cpu_left = [_added(tm.cpu(r.n_tokens) for r in late[a:]) for a in range(len(late) + 1)]
             rows = _suffix_sum([r.n_tokens for r in late])
             front = [(g, cpu_left[a], rows[a], on) for a, (g, _, _, on) in enumerate(front)]
         return front
@@ -559,6 +589,15 @@ def _undominated(points: list[tuple]) -> list[tuple]:
         if not any(q[1] <= p[1] and q[2] <= p[2] for q in kept):
             kept.append(p)
     return kept
+
+
+def _added(values) -> float:
+    """The values added left to right in doubles, as split.c adds them (sum() compensates its
+    rounding from Python 3.12 on)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
 
 
 def _suffix_sum(values: list[int]) -> list[int]:
