@@ -100,6 +100,12 @@ LLAMA_CPP_OFFLOAD_BATCH = 32
 # that the next layer's demand copies do not queue behind them (better for value and hybrimoe).
 BACKGROUND_SLACK = 1.0
 
+# The value policy's: its background copies may run on through the gap between layers (dense part,
+# planning) until this many copy-times before the next layer's plan. 1: a copy queued last ends
+# before the next layer's experts start, so it never slows them through DRAM (0.25 won on the
+# tuning traces but lost on the held-out machines: docs/notes/2026-11-24-value-policy-2.md).
+VALUE_BACKGROUND_SLACK = 1.0
+
 # The value policy copies a candidate in only if its expected distance to next use is this much
 # shorter than its victim's (avoids churn between near-equals).
 VALUE_MARGIN = 0.1

@@ -1,7 +1,9 @@
 """Every decision a planner makes over a few synthetic runs, as short digests: the record that keeps
 a faster planner honest. `tests/data/plan_decisions.json` holds the digests the planner of commit
-d407732 (before the value policy's planning was made cheaper) gave; tests/test_plan_decisions.py
-checks that today's planner gives the same, plan by plan.
+d407732 (before the value policy's planning was made cheaper) gave, the value policy's re-recorded
+when its background copies began to run through the gap between layers (issue 15: a change of
+decisions, not of speed); tests/test_plan_decisions.py checks that today's planner gives the same,
+plan by plan.
 
 Regenerate only for a change meant to alter decisions, and say so in its commit:
     python -m tests.plan_decisions > tests/data/plan_decisions.json

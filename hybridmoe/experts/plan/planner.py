@@ -209,6 +209,10 @@ class Planner:
         self.ordinal = predictor.ordinal
         self.copy_free = 0.0  # when the copy stream has finished everything queued
         self.layer_time = 0.0  # EMA of layer makespans
+        # EMA of the time between one layer's end and the next one's plan (its dense part,
+        # planning): the copy stream works on through it.
+        self.gap = 0.0
+        self._last_end: float | None = None
         self.step = -1  # steps begun (begin_step), from 0
         self.position = 0  # step * L + ordinal of the layer being planned
         self._prefetched: set[Key] = set()
@@ -251,6 +255,7 @@ class Planner:
         self.times.tokens = tokens = max(tokens, 1)
         self.epoch += 1
         self._locate(layer)
+        self._time_gap(now)
         plan = Plan(layer=layer, now=now, tokens=tokens)
         hits, late, misses = self._classify(layer, routed, now, plan)
         if not self.uses_gpu:  # nothing to predict for: everything runs on the CPU
@@ -304,8 +309,20 @@ class Planner:
         self.layer_time = (
             measured if self.layer_time == 0 else (1 - a) * self.layer_time + a * measured
         )
+        self._last_end = plan.now + measured
+
+    def _time_gap(self, now: float) -> None:
+        if self._last_end is None:
+            return
+        gap, a = max(0.0, now - self._last_end), self.config.layer_time_alpha
+        self.gap = gap if self.gap == 0 else (1 - a) * self.gap + a * gap
 
     # ---- helpers for policies ----------------------------------------------------------------
+    @property
+    def layer_period(self) -> float:
+        """Seconds from one layer's plan to the next one's: its experts, then the gap."""
+        return self.layer_time + self.gap
+
     def distance(self, layer: int) -> int:
         """MoE layers from the one being planned until `layer` runs next (1..L; L = itself)."""
         L = len(self.layers)
@@ -545,8 +562,12 @@ class Planner:
     def _background(self, layer: int, now: float, plan: Plan) -> None:
         """Copies the policy wants for later (admissions, prefetches)."""
         # An idle stream always takes one; a busy one only while its backlog ends `slack` copies
-        # before this layer does (so the next layer's demand copies do not queue behind it).
+        # before this layer does (so the next layer's demand copies do not queue behind it), or,
+        # for a policy that `copies_in_gap`, before the next layer's plan (this layer's end plus
+        # the measured gap between layers: the stream works on through the dense part).
         end = plan.makespan - self.policy.background_slack * self.cost.t_copy()
+        if self.policy.copies_in_gap:
+            end += self.gap
         if self.copy_free > now and self.copy_free >= end:
             return
         protect = self.protected(now, plan)

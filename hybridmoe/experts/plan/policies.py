@@ -46,6 +46,9 @@ class Policy:
     pin_placement = False  # placed experts pinned (static sets) or only a warm start
     # Background copies are queued only if they finish this many copy-times before the layer ends.
     background_slack = tuning.BACKGROUND_SLACK
+    # Whether that deadline is the next layer's start (this layer's end plus the gap between
+    # layers: dense part, planning) rather than this layer's end.
+    copies_in_gap = False
     # Whether the policy's predictor learns cross-layer co-occurrence (ours); a peer keeps the
     # signals its paper describes (HybriMoE: the next router, or recency/frequency without it).
     cross_layer = False
@@ -306,6 +309,12 @@ class ValuePolicy(Policy):
     name = "value"
     cross_layer = True
     uses_predictor = True
+    # A copy costs stream time whether it is a demand copy or a background one; a background copy
+    # of a likely expert is worth more than the last demand copies of a layer, which save little
+    # beyond the DRAM they take from the CPU. So value keeps the stream busy through the gap
+    # between layers as well.
+    copies_in_gap = True
+    background_slack = tuning.VALUE_BACKGROUND_SLACK
 
     def distance(self, key: Key, now: float, arrive: float | None = None) -> float:
         # Used at the next visit with p (which may carry the cross-layer signal, good for that one
@@ -317,8 +326,8 @@ class ValuePolicy(Policy):
         d = self.planner.distance(key[0])
         if (
             arrive is not None
-            and self.planner.layer_time > 0
-            and arrive > now + d * self.planner.layer_time
+            and self.planner.layer_period > 0
+            and arrive > now + d * self.planner.layer_period
         ):
             d += self.L  # the copy would miss this visit
         return d + self.L * (1.0 - p) / q
@@ -435,7 +444,7 @@ class ValuePolicy(Policy):
         """`distance` of the keys (layer ordinal rows[j], expert cols[j]) [n]."""
         P, Q = self.predictor.matrices()
         d = self.planner.distances()[rows]
-        t = self.planner.layer_time
+        t = self.planner.layer_period
         if arrive is not None and t > 0:
             d = d + self.L * (arrive > now + d * t)  # the copy would miss this visit
         p = np.maximum(P[rows, cols], 1e-3)
