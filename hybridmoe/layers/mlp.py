@@ -11,7 +11,7 @@ class GatedMLP(nn.Module):
 
     In a training step a dense layer's MLP keeps only its input and runs again in the backward
     (layers/recompute.py); with `keep` (shared experts, which are narrow) it keeps its gate and up
-    products and its down input instead, [T, 3I] in the activations' dtype, and is not run again:
+    products instead, [T, 2I] in the activations' dtype, and is not run again:
     the memory that recomputing would save is bought back elsewhere (docs/finetune.md, "Memory")."""
 
     def __init__(self, hidden: int, intermediate: int, keep: bool = False):
@@ -23,11 +23,35 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.keep:
-            return self._forward(x)
+            return self._kept(x)
         return recompute(self.training, self._forward, x)  # a training step keeps x alone
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+    def _kept(self, x: torch.Tensor) -> torch.Tensor:
+        """_forward, the backward keeping gate and up [T, I] each and making the down input
+        silu(gate) * up again from them (an elementwise op) rather than keeping it too."""
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I] each
+        h = silu_mul(gate, up)  # [T, I]
+        if not h.requires_grad:
+            return self.down_proj(h)
+
+        def pack(t: torch.Tensor):
+            return _Remade(gate, up) if t is h else t
+
+        def unpack(p):
+            return F.silu(p.gate) * p.up if isinstance(p, _Remade) else p
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return self.down_proj(h)  # [T, H]
+
+
+class _Remade:
+    """A saved down input, kept as the gate and up products it is made from."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor):
+        self.gate, self.up = gate, up
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
