@@ -52,6 +52,8 @@ def causal_attention(
     if n > 1 and not torch.is_grad_enabled() and native.prefill_applies(q, k, v):
         return native.prefill_attention(q, k, v, scale)
     length, kv_heads = k.shape[0], k.shape[1]
+    if torch.is_grad_enabled() and n == length:
+        return _whole_sequence(q, k, v, scale)
     groups = heads // kv_heads
     # query head h uses KV head h // groups (as transformers' repeat_kv);
     # row order is (group, position)
@@ -82,6 +84,21 @@ def _rows_of_cos(cos_sin, T: int, d: int) -> bool:
         and cos.stride(-1) == 1
         and row_ops.library() is not None
     )
+
+
+def _whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """causal_attention of a whole sequence (a training step: no cache, n == L) with the
+    differentiable flash kernel's own causal mask and grouped heads: no [g*n, L] mask or stacked
+    copy of q for the backward to keep, and the blocks above the diagonal skipped."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, h, n, dv]
+    return out[0].transpose(0, 1)  # [n, h, dv]
 
 
 class Attention(nn.Module):

@@ -31,8 +31,12 @@ class DecoderLayer(nn.Module):
             if both is not None:
                 x, h = both
                 return x + getattr(self, self.ffn_name)(h)
-        train = (
-            self.training
-        )  # a training step keeps the blocks' inputs alone (layers/recompute.py)
-        x = x + recompute(train, lambda h: self.self_attn(self.input_layernorm(h), cos_sin, ctx), x)
-        return x + getattr(self, self.ffn_name)(recompute(train, self.post_attention_layernorm, x))
+        # a training step keeps the attention block's input alone and runs it again in the
+        # backward (layers/recompute.py); the norms keep only their inputs, and the feed-forward
+        # says what it keeps (layers/mlp.py). Keeping the attention's activations too took the
+        # demo's peak over issue 17's bound (docs/notes/2026-11-24-finetune-demo-speed.md).
+        attn = recompute(
+            self.training, lambda h: self.self_attn(self.input_layernorm(h), cos_sin, ctx), x
+        )
+        x = x + attn
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))

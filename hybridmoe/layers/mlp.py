@@ -7,16 +7,73 @@ from hybridmoe.layers.recompute import recompute
 
 
 class GatedMLP(nn.Module):
-    """Dense SwiGLU feed-forward: down(silu(gate x) * up x). Dense layers and shared experts."""
+    """Dense SwiGLU feed-forward: down(silu(gate x) * up x). Dense layers and shared experts.
 
-    def __init__(self, hidden: int, intermediate: int):
+    In a training step a dense layer's MLP keeps only its input and runs again in the backward
+    (layers/recompute.py); with `keep` (shared experts, which are narrow) it keeps its gate and up
+    products instead, [T, 2I] in the activations' dtype, and is not run again:
+    the memory that recomputing would save is bought back elsewhere (docs/finetune.md, "Memory")."""
+
+    def __init__(self, hidden: int, intermediate: int, keep: bool = False):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=False)
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.keep = keep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.keep:
+            return self._kept(x)
         return recompute(self.training, self._forward, x)  # a training step keeps x alone
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+    def _kept(self, x: torch.Tensor) -> torch.Tensor:
+        """_forward, the backward keeping gate and up [T, I] each and making the down input
+        silu(gate) * up again from them (an elementwise op) rather than keeping it too."""
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I] each
+        h = silu_mul(gate, up)  # [T, I]
+        if not h.requires_grad:
+            return self.down_proj(h)
+
+        def pack(t: torch.Tensor):
+            return _Remade(gate, up) if t is h else t
+
+        def unpack(p):
+            return F.silu(p.gate) * p.up if isinstance(p, _Remade) else p
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return self.down_proj(h)  # [T, H]
+
+
+class _Remade:
+    """A saved down input, kept as the gate and up products it is made from."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor):
+        self.gate, self.up = gate, up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, elementwise; while gradients are recorded, as `_SiluMul`."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMul.apply(gate, up)
+    return F.silu(gate) * up
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up keeping gate and up alone (autograd over the two ops also kept silu(gate)),
+    its backward from the formula in their dtype: silu'(z) = sig(z) (1 + z (1 - sig(z)))."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        dgate = dh * up * sig * (1 + gate * (1 - sig))
+        dup = dh * gate * sig
+        return dgate, dup

@@ -1,12 +1,14 @@
-"""Activations made again in the backward instead of kept: a training step's dense blocks.
+"""Activations made again in the backward instead of kept: a training step's attention blocks and
+dense MLPs.
 
-A block's intermediate tensors (the norms' fp32 copies, q/k/v, the attention's inputs, a shared
-expert's gate and up) are most of what a training step would otherwise keep from its forward until
-its backward, for every layer at once. Wrapped in `recompute`, a block keeps only its input; the
-backward runs it again, one block at a time (torch.utils.checkpoint, non-reentrant, with the RNG
-state, so dropout draws the same masks). The routed experts are not wrapped: their backward
+A block's intermediate tensors (q/k/v, the attention's inputs and output, a dense MLP's gate and
+up) are most of what a training step would otherwise keep from its forward until its backward, for
+every layer at once. Wrapped in `recompute`, a block keeps only its input; the backward runs it
+again, one block at a time (torch.utils.checkpoint, non-reentrant, with the RNG state, so dropout
+draws the same masks). The routed experts are not wrapped: their backward
 (experts/run/expert_grad.py) keeps a few small tensors and runs on the expert runtime, which counts
-each layer once per step.
+each layer once per step. Shared experts and norms keep what their backward needs instead
+(layers/mlp.py, layers/norm.py).
 """
 
 from __future__ import annotations

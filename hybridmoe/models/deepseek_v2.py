@@ -50,7 +50,7 @@ class DeepseekMoE(SparseMoE):
             self.n_group = self.topk_group = 1  # V2's plain greedy ignores any group settings
         shared = cfg.get("n_shared_experts", default=0)
         self.shared_experts = (
-            GatedMLP(shape.hidden, shared * shape.intermediate) if shared else None
+            GatedMLP(shape.hidden, shared * shape.intermediate, keep=True) if shared else None
         )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

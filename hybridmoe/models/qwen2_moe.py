@@ -20,7 +20,7 @@ class SharedExpertMoE(SparseMoE):
 
     def __init__(self, shape, renormalize, layer, runtime, shared_intermediate: int):
         super().__init__(shape, renormalize, layer, runtime)
-        self.shared_expert = GatedMLP(shape.hidden, shared_intermediate)
+        self.shared_expert = GatedMLP(shape.hidden, shared_intermediate, keep=True)
         self.shared_expert_gate = nn.Linear(shape.hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
