@@ -21,7 +21,8 @@ from torch import nn
 from hybridmoe import native
 from hybridmoe.layers.linear import Linear, native_rows
 from hybridmoe.layers.norm import RMSNorm
-from hybridmoe.layers.rotary import Rotary, apply_rotary
+from hybridmoe.layers.packed_attention import packed_attention
+from hybridmoe.layers.rotary import Rotary, apply_rotary, tables
 from hybridmoe.native import rows as row_ops
 
 
@@ -109,6 +110,8 @@ class Attention(nn.Module):
     what Llama, Qwen3-MoE and OLMoE do; Qwen2-MoE has q/k/v biases and none on o_proj).
     """
 
+    keeps_activations = True  # a training step keeps them rather than run again (decoder.py)
+
     def __init__(
         self,
         cfg,
@@ -155,7 +158,8 @@ class Attention(nn.Module):
         v = v.view(T, self.kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
+        # a training step's rotary runs in q's dtype: the tables cast once for every layer
+        cos, sin = tables(cos_sin, q.dtype) if torch.is_grad_enabled() else cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attend(q, k, v, ctx)  # [T, h, d]
         return self.o_proj(out.reshape(T, self.heads * self.head_dim))
@@ -228,6 +232,8 @@ class Attention(nn.Module):
         history whose blocks are not consecutive (docs/notes/2026-11-24-measurements-in-code.md,
         "Attention.attend")."""
         scale = self.head_dim**-0.5
+        if torch.is_grad_enabled() and getattr(ctx, "whole_sequences", False):
+            return packed_attention(q, k, v, ctx.seq_lens, scale)  # a training step
         out = q.new_empty(q.shape)  # [T, h, d]
         seqs = range(len(ctx.seq_lens))
         decode = getattr(
