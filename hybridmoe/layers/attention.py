@@ -110,8 +110,6 @@ class Attention(nn.Module):
     what Llama, Qwen3-MoE and OLMoE do; Qwen2-MoE has q/k/v biases and none on o_proj).
     """
 
-    keeps_activations = True  # a training step keeps them rather than run again (decoder.py)
-
     def __init__(
         self,
         cfg,

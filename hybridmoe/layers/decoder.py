@@ -31,18 +31,14 @@ class DecoderLayer(nn.Module):
             if both is not None:
                 x, h = both
                 return x + getattr(self, self.ffn_name)(h)
-        # in a training step the standard attention keeps its activations (q, k, v, its output
-        # once: layers/packed_attention.py) and the normed rows are made again from x where the
-        # backward needs them (layers/norm.py through_norm); MLA, not measured so, keeps its input
-        # alone and runs again in the backward (layers/recompute.py). The feed-forward says what
-        # it keeps (layers/mlp.py). docs/notes/2026-11-25-finetune-attention-kept.md
-        x = x + self._attention(x, cos_sin, ctx)
+        # a training step keeps the attention block's input alone and runs it again in the
+        # backward (layers/recompute.py): keeping its activations too (q, k, v and its output,
+        # about 3 MB a layer on the demo) gave no step time measurably shorter and took the
+        # demo's peak to its bound (docs/notes/2026-11-25-finetune-attention-kept.md). The
+        # post-attention norm's rows are made again from x where the backward needs them
+        # (layers/norm.py through_norm); the feed-forward says what it keeps (layers/mlp.py).
+        attn = recompute(
+            self.training, lambda h: self.self_attn(self.input_layernorm(h), cos_sin, ctx), x
+        )
+        x = x + attn
         return x + through_norm(self.post_attention_layernorm, x, getattr(self, self.ffn_name))
-
-    def _attention(self, x, cos_sin, ctx):
-        def attend(h):
-            return self.self_attn(h, cos_sin, ctx)
-
-        if getattr(self.self_attn, "keeps_activations", False):
-            return through_norm(self.input_layernorm, x, attend)
-        return recompute(self.training, lambda y: attend(self.input_layernorm(y)), x)
