@@ -226,7 +226,9 @@ class Attention(nn.Module):
         Sequences that bring one token take the native kernel, reading K and V from the paged pools
         through their block tables, when the context offers that view (`decode`) and the kernel
         takes these tensors (bf16 on the CPU, native.available()); the others, and every sequence of
-        any other context, causal_attention over their history. The kernel needs no gather of a
+        any other context, causal_attention over their history; a training pass's whole sequences
+        (a context with `whole_sequences`, gradients on) go to packed_attention in one Function.
+        The kernel needs no gather of a
         history whose blocks are not consecutive (docs/notes/2026-11-24-measurements-in-code.md,
         "Attention.attend")."""
         scale = self.head_dim**-0.5
