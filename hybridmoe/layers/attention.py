@@ -21,7 +21,8 @@ from torch import nn
 from hybridmoe import native
 from hybridmoe.layers.linear import Linear, native_rows
 from hybridmoe.layers.norm import RMSNorm
-from hybridmoe.layers.rotary import Rotary, apply_rotary
+from hybridmoe.layers.packed_attention import packed_attention
+from hybridmoe.layers.rotary import Rotary, apply_rotary, tables
 from hybridmoe.native import rows as row_ops
 
 
@@ -155,7 +156,8 @@ class Attention(nn.Module):
         v = v.view(T, self.kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
+        # a training step's rotary runs in q's dtype: the tables cast once for every layer
+        cos, sin = tables(cos_sin, q.dtype) if torch.is_grad_enabled() else cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attend(q, k, v, ctx)  # [T, h, d]
         return self.o_proj(out.reshape(T, self.heads * self.head_dim))
@@ -224,10 +226,14 @@ class Attention(nn.Module):
         Sequences that bring one token take the native kernel, reading K and V from the paged pools
         through their block tables, when the context offers that view (`decode`) and the kernel
         takes these tensors (bf16 on the CPU, native.available()); the others, and every sequence of
-        any other context, causal_attention over their history. The kernel needs no gather of a
+        any other context, causal_attention over their history; a training pass's whole sequences
+        (a context with `whole_sequences`, gradients on) go to packed_attention in one Function.
+        The kernel needs no gather of a
         history whose blocks are not consecutive (docs/notes/2026-11-24-measurements-in-code.md,
         "Attention.attend")."""
         scale = self.head_dim**-0.5
+        if torch.is_grad_enabled() and getattr(ctx, "whole_sequences", False):
+            return packed_attention(q, k, v, ctx.seq_lens, scale)  # a training step
         out = q.new_empty(q.shape)  # [T, h, d]
         seqs = range(len(ctx.seq_lens))
         decode = getattr(

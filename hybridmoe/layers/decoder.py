@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.norm import RMSNorm, through_norm
 from hybridmoe.layers.recompute import recompute
 
 
@@ -32,11 +32,13 @@ class DecoderLayer(nn.Module):
                 x, h = both
                 return x + getattr(self, self.ffn_name)(h)
         # a training step keeps the attention block's input alone and runs it again in the
-        # backward (layers/recompute.py); the norms keep only their inputs, and the feed-forward
-        # says what it keeps (layers/mlp.py). Keeping the attention's activations too took the
-        # demo's peak over issue 17's bound (docs/notes/2026-11-24-finetune-demo-speed.md).
+        # backward (layers/recompute.py): keeping its activations too (q, k, v and its output,
+        # about 3 MB a layer on the demo) gave no step time measurably shorter and took the
+        # demo's peak to its bound (docs/notes/2026-11-25-finetune-attention-kept.md). The
+        # post-attention norm's rows are made again from x where the backward needs them
+        # (layers/norm.py through_norm); the feed-forward says what it keeps (layers/mlp.py).
         attn = recompute(
             self.training, lambda h: self.self_attn(self.input_layernorm(h), cos_sin, ctx), x
         )
         x = x + attn
-        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
+        return x + through_norm(self.post_attention_layernorm, x, getattr(self, self.ffn_name))

@@ -21,37 +21,50 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.keep = keep
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H], times `scale` [T, 1] where given (Qwen2-MoE's shared-expert gate)."""
         if self.keep:
-            return self._kept(x)
-        return recompute(self.training, self._forward, x)  # a training step keeps x alone
+            return self._kept(x, scale)
+        y = recompute(self.training, self._forward, x)  # a training step keeps x alone
+        return y if scale is None else scale * y
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
-    def _kept(self, x: torch.Tensor) -> torch.Tensor:
-        """_forward, the backward keeping gate and up [T, I] each and making the down input
-        silu(gate) * up again from them (an elementwise op) rather than keeping it too."""
+    def _kept(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """forward, the backward keeping gate and up [T, I] each and making the down input
+        silu(gate) * up again from them (an elementwise op) rather than keeping it too. A row
+        scale is taken into the down input, down(scale h) = scale down(h), so that the scale's
+        gradient <g, down(h)> = <down^T g, h> needs h, made again, not the output [T, H]."""
         gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I] each
         h = silu_mul(gate, up)  # [T, I]
         if not h.requires_grad:
-            return self.down_proj(h)
+            y = self.down_proj(h)
+            return y if scale is None else scale * y
+        scaled = None  # h * scale [T, I], made below
 
         def pack(t: torch.Tensor):
-            return _Remade(gate, up) if t is h else t
+            if t is h or t is scaled:
+                return _Remade(gate, up, None if t is h else scale)
+            return t
 
         def unpack(p):
-            return F.silu(p.gate) * p.up if isinstance(p, _Remade) else p
+            return p.get() if isinstance(p, _Remade) else p
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return self.down_proj(h)  # [T, H]
+            scaled = h if scale is None else h * scale
+            return self.down_proj(scaled)  # [T, H]
 
 
 class _Remade:
-    """A saved down input, kept as the gate and up products it is made from."""
+    """A saved down input, kept as the gate and up products (and row scale) it is made from."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor):
-        self.gate, self.up = gate, up
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None):
+        self.gate, self.up, self.scale = gate, up, scale
+
+    def get(self) -> torch.Tensor:
+        h = F.silu(self.gate) * self.up
+        return h if self.scale is None else h * self.scale
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """RMS norm, and its backward written out: a training step keeps only the norm's input."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -60,3 +62,43 @@ class _RMSNorm(torch.autograd.Function):
             dw = (g.float() * n.to(x.dtype).float()).reshape(-1, n.shape[-1]).sum(0)
             dw = dw.to(weight.dtype)
         return dx, dw, None
+
+
+def through_norm(norm: RMSNorm, x: torch.Tensor, fn: Callable) -> torch.Tensor:
+    """fn(norm(x)), x [T, n]. While gradients are recorded, the normed rows [T, n] that fn's
+    backward keeps (its LoRA factors' input, the routed experts' input) are not kept: they are
+    made again from x, which the norm keeps anyway, when the backward first asks for them, once
+    for all the ops that saved them."""
+    h = norm(x)  # [T, n]
+    if not h.requires_grad:
+        return fn(h)
+    remade = _Remade(norm, x, h)
+
+    def pack(t: torch.Tensor):
+        return remade if remade.made_as(t) else t
+
+    def unpack(p):
+        return p.get() if isinstance(p, _Remade) else p
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(h)
+
+
+class _Remade:
+    """norm(x), saved as x and made again on demand; holds x, never the normed rows of the
+    forward."""
+
+    def __init__(self, norm: RMSNorm, x: torch.Tensor, h: torch.Tensor):
+        self.norm, self.x = norm, x
+        self.key = (h.data_ptr(), h.shape, h.stride(), h.dtype)
+        self.h: torch.Tensor | None = None
+
+    def made_as(self, t: torch.Tensor) -> bool:
+        """Whether t is the forward's normed rows (the same memory, shape and layout)."""
+        return (t.data_ptr(), t.shape, t.stride(), t.dtype) == self.key
+
+    def get(self) -> torch.Tensor:
+        if self.h is None:
+            with torch.no_grad():
+                self.h = rms_norm(self.x, self.norm.weight, self.norm.eps)
+        return self.h

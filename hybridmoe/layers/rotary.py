@@ -102,7 +102,28 @@ class Rotary:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, dim]
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return CosSin((emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling))
+
+
+class CosSin(tuple):
+    """(cos, sin) [T, dim] fp32 of one pass, as Rotary makes them, with their copies in another
+    dtype made once for all the layers of the pass: a training step's rotary computes in the
+    activations' dtype, and its backward keeps the tables it multiplied by."""
+
+    def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) in `dtype`."""
+        made = self.__dict__.setdefault("_cast", {})
+        if dtype not in made:
+            made[dtype] = tuple(t.to(dtype) for t in self)
+        return made[dtype]
+
+
+def tables(cos_sin, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_sin in `dtype`, once per pass where it is Rotary's."""
+    if isinstance(cos_sin, CosSin):
+        return cos_sin.cast(dtype)
+    cos, sin = cos_sin
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ class SharedExpertMoE(SparseMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = super().forward(x)  # [T, H]
         gate = linear(x, self.shared_expert_gate.weight)  # [T, 1]
-        shared = torch.sigmoid(gate) * self.shared_expert(x)  # [T, 1] * [T, H]
+        shared = self.shared_expert(x, scale=torch.sigmoid(gate))  # [T, H] times [T, 1]
         return routed + shared
 
 

@@ -24,6 +24,8 @@ class Sequences:
     """The KVContext of a training pass (layers/attention.py): no cache, each sequence's history
     is its own entries of this pass."""
 
+    whole_sequences = True  # every sequence is all here: layers/packed_attention.py applies
+
     def __init__(self, seq_lens: list[int]):
         self.seq_lens = list(seq_lens)
 
