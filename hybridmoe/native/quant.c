@@ -46,6 +46,8 @@ enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
    (docs/notes/2026-11-24-prefill-tiles.md). */
 #define GROUP 4
 #define TILE_BYTES 16384
+/* Weight rows a one-token K-quant product takes side by side. */
+#define ONE_ROWS 2
 /* Tokens whose activations one unit's tiles meet before the next tokens: about 64 x 6 KB (blocks of 32,
    K = 2048) stays in L2 while a unit's tiles pass, where a prefill chunk's whole set (3 MB at 512 tokens)
    came from L3 for every tile. And the fewest rows a unit has, so that those activations serve several
@@ -55,9 +57,11 @@ enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 /* Weight bytes of one unit of work handed to a thread: large enough that taking a unit (an atomic add)
    costs nothing beside it, small enough that 2..16 threads get many units each from one expert. */
 #define UNIT_BYTES 65536
-/* How far ahead of the weights being read they are asked into L1: the hardware prefetcher alone left a
-   Q4_K row product at 12 GB/s from RAM against 15 with it (docs/notes/2026-11-24-quant-kernels.md). */
-#define PREFETCH 512
+/* How far ahead of the weights being read a one-token K-quant product asks for them (into L2): its work
+   per byte leaves too few loads in flight for the hardware prefetcher to keep up with a stream from RAM.
+   8 KB ahead took a one-token Q4_K product from 14 to 18 GB/s and Q6_K from 17 to 22; asking into L1 as
+   well added nothing, and Q8_0's simpler loop lost by it (docs/notes/2026-11-25-one-token-kernels.md). */
+#define FAR 8192
 
 /* Bytes per block of `fmt` and its elements, 0 for an unknown format. */
 static long block_bytes(int fmt) {
@@ -80,9 +84,9 @@ static long block_elems(int fmt) { return is_k(fmt) ? 256 : 32; }
    Q4_0's nibbles carry an offset of 8. */
 static int offset_of(int fmt) { return fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0; }
 
-/* Ask for `bytes` from p on into L1. */
-static inline void prefetch(const uint8_t *p, long bytes) {
-    for (long c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + c, _MM_HINT_T0);
+/* Ask for `bytes` from p + FAR on into L2. */
+ALWAYS_INLINE void prefetch_far(const uint8_t *p, long bytes) {
+    for (long c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + FAR + c, _MM_HINT_T1);
 }
 
 static uint16_t ld16(const uint8_t *p) {
@@ -272,7 +276,6 @@ AVX2 ALWAYS_INLINE void dot32_avx2_t(const int fmt, const int R, const uint8_t *
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (long b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bb;
-            if ((b & 7) == 0) prefetch(blk + PREFETCH, 8 * bb);
             __m256i q = unpack32(fmt, blk);
             __m256 w = _mm256_set1_ps(half_at(blk));
             __m256 wm = fmt == Q4_1 ? _mm256_set1_ps(half_at(blk + 2)) : _mm256_setzero_ps();
@@ -338,7 +341,6 @@ AVX512 ALWAYS_INLINE void dot32_512_t(const int fmt, const int R, const uint8_t 
         for (long g = 0; g < nb; g += 8) {
             const uint8_t *gb = row + g * bb;
             int c = nb - g < 8 ? (int)(nb - g) : 8;
-            prefetch(gb + PREFETCH, 8 * bb);
             __m512 ws = scales8(gb, bb, 0, c);
             __m512 wms = fmt == Q4_1 ? scales8(gb, bb, 2, c) : _mm512_setzero_ps();
             for (int p = 0; 2 * p + 1 < c; p++) {
@@ -484,7 +486,6 @@ AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
         for (long s = 0; s < ns; s++) {
             const uint8_t *p = row + s * bb;
-            prefetch(p + PREFETCH, bb);
             __m256i q[8], sc[8];
             unpack_k(fmt, p, q);
             kscales k = kscales_of(fmt, p);
@@ -561,9 +562,63 @@ AVX512 ALWAYS_INLINE void scales_k512(const kscales *k, __m512i sc[4]) {
     for (int i = 0; i < 4; i++) sc[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(j8, _mm512_set1_epi16((short)(4 * i))), w);
 }
 
+/* k_result of acc's 16 lanes and accm's 8, in registers: the same additions in the same order. */
+AVX512 ALWAYS_INLINE float reduce512(__m256 a, __m256 b) {
+    __m256 v = _mm256_add_ps(a, b);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));  /* h0 + h2, h1 + h3 */
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+AVX512 ALWAYS_INLINE float k_result512(__m512 acc, __m256 accm) {
+    return reduce512(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)) +
+           reduce512(accm, _mm256_setzero_ps());
+}
+
+/* One super-block p of a row against one token's activations x (its 256 bytes as 4 registers), bsum
+   and dx: what dotk_512_t adds for it. */
+AVX512 ALWAYS_INLINE void k_step512(const int fmt, const uint8_t *p, const __m512i x[4], __m256i bsum, float dx,
+                                    __m512 *acc, __m256 *accm) {
+    __m512i q[4], sc[4];
+    prefetch_far(p, block_bytes(fmt));
+    unpack_k512(fmt, p, q);
+    kscales k = kscales_of(fmt, p);
+    scales_k512(&k, sc);
+    __m512i A = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) A = _mm512_add_epi32(A, _mm512_madd_epi16(sc[i], _mm512_maddubs_epi16(q[i], x[i])));
+    __m256i C = _mm256_madd_epi16(k.mnw, bsum);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(k.d * dx), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * dx), *accm);
+}
+
+/* Rows n..n+RR of Y for token row m alone (decode): the rows side by side, so that their independent
+   work overlaps and they share the activation loads. */
+AVX512 ALWAYS_INLINE void dotk_512_rows(const int fmt, const int RR, const uint8_t *W, long ldw, long n,
+                                        const acts *a, long m, float *Y) {
+    const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
+    __m512 acc[ONE_ROWS];
+    __m256 accm[ONE_ROWS];
+    for (int j = 0; j < RR; j++) acc[j] = _mm512_setzero_ps(), accm[j] = _mm256_setzero_ps();
+    for (long s = 0; s < ns; s++) {
+        long sb = m * ns + s;
+        const int8_t *xs = a->qs + m * K + s * 256;
+        __m512i x[4];
+        for (int i = 0; i < 4; i++) x[i] = _mm512_loadu_si512((const void *)(xs + 64 * i));
+        __m256i bsum = _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16));
+        for (int j = 0; j < RR; j++) k_step512(fmt, W + (n + j) * ldw + s * bb, x, bsum, a->dx[sb], &acc[j], &accm[j]);
+    }
+    for (int j = 0; j < RR; j++) Y[n + j] = k_result512(acc[j], accm[j]);
+}
+
 AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
                                      const acts *a, const long *mi, float *Y, long ldy) {
     const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
+    if (R == 1) {  /* one token: the same arithmetic per row, rows in pairs */
+        long n = n0;
+        for (; n + ONE_ROWS <= n1; n += ONE_ROWS) dotk_512_rows(fmt, ONE_ROWS, W, ldw, n, a, mi[0], Y);
+        for (; n < n1; n++) dotk_512_rows(fmt, 1, W, ldw, n, a, mi[0], Y);
+        return;
+    }
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = W + n * ldw;
         __m512 acc[GROUP];
@@ -574,7 +629,6 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
         }
         for (long s = 0; s < ns; s++) {
             const uint8_t *p = row + s * bb;
-            prefetch(p + PREFETCH, bb);
             __m512i q[4], sc[4];
             unpack_k512(fmt, p, q);
             kscales k = kscales_of(fmt, p);
@@ -606,16 +660,12 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
 typedef void (*dot_fn)(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
                        float *Y, long ldy);
 
-#define R_CASES(T, F)                                                 \
-    switch (R) {                                                      \
-    case 1: T(F, 1, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
-    case 2: T(F, 2, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
-    case 3: T(F, 3, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
-    case 4: T(F, 4, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
-    case 5: T(F, 5, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
-    case 6: T(F, 6, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
-    case 7: T(F, 7, W, ldw, n0, n1, a, mi, Y, ldy); break;            \
-    default: T(F, 8, W, ldw, n0, n1, a, mi, Y, ldy); break;           \
+#define R_CASES(T, F)                                            \
+    switch (R) {                                                 \
+    case 1: T(F, 1, W, ldw, n0, n1, a, mi, Y, ldy); break;       \
+    case 2: T(F, 2, W, ldw, n0, n1, a, mi, Y, ldy); break;       \
+    case 3: T(F, 3, W, ldw, n0, n1, a, mi, Y, ldy); break;       \
+    default: T(F, GROUP, W, ldw, n0, n1, a, mi, Y, ldy); break;  \
     }
 #define PATHS(F, T2, T512)                                                                                  \
     AVX2 static void dot_avx2_##F(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, \
