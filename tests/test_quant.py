@@ -64,7 +64,7 @@ def quantised_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.nda
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("rows_x", [1, 3, 11])
+@pytest.mark.parametrize("rows_x", [1, 3, 11, 70])  # 70: AVX-512's panels, past a chunk of 64
 def test_every_format_matches_gguf_within_the_activation_bound(name, rows_x):
     fmt, rng = FORMATS[name], np.random.default_rng(hash((name, rows_x)) % 2**32)
     n, k = 37, 768  # 768: whole super-blocks of 256 and an odd count (24) of blocks of 32
@@ -95,13 +95,23 @@ def test_bf16_activations_are_the_same_values():
     )
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
-    fmt, rng = FORMATS["q6_k"], np.random.default_rng(6)
-    raw = torch.from_numpy(random_blocks(fmt, 24, 512, rng))
-    x = torch.randn(13, 512)
-    batch = kernels.linear(x, fmt.ggml, raw, 512)
-    for i in (0, 7, 12):
-        assert torch.equal(batch[i : i + 1], kernels.linear(x[i : i + 1], fmt.ggml, raw, 512))
+# 96: an odd count of blocks of 32, which AVX-512's panels leave to the one-row kernel
+@pytest.mark.parametrize(
+    "name,k", [(n, 512) for n in FORMATS] + [(n, 96) for n in FORMATS if FORMATS[n].block == 32]
+)
+def test_a_rows_result_does_not_depend_on_its_batch(name, k):
+    fmt, rng = FORMATS[name], np.random.default_rng(6)
+    raw = torch.from_numpy(random_blocks(fmt, 39, k, rng))  # 39: panels of 4 rows and 3 left over
+    x = torch.randn(70, k)
+    for path in PATHS:
+        batch = kernels.linear(x, fmt.ggml, raw, k, path)
+        for i in (0, 7, 12, 63, 64, 69):
+            assert torch.equal(
+                batch[i : i + 1], kernels.linear(x[i : i + 1], fmt.ggml, raw, k, path)
+            )
+            assert torch.equal(
+                batch[i : i + 9][:1], kernels.linear(x[i : i + 9], fmt.ggml, raw, k, path)[:1]
+            )
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_k", "q6_k"])
@@ -163,7 +173,7 @@ def test_a_layers_experts_in_one_call_equal_each_alone_on_any_thread_count(forma
     weights = [random_expert(rng, hidden, inter, *formats) for _ in range(5)]
     token = torch.randn(1, hidden)
     # decode (one token shared by several experts) and a batch's uneven groups, bf16 and fp32
-    xs = [token, token, torch.randn(7, hidden), torch.randn(2, hidden), token]
+    xs = [token, token, torch.randn(11, hidden), torch.randn(2, hidden), token]
     alone = [kernels.expert(x, *w) for x, w in zip(xs, weights)]
     for path in PATHS:
         for workers in (1, 2, 3):

@@ -701,7 +701,9 @@ static dot_fn dot_for(int fmt, int isa) {
 /* One weight matrix against quantised activations: rows [n0, n1) of Y [M, ldy] for tokens mi[0..M) (the
    activation rows; NULL: 0..M-1). Rows go in tiles of TILE_BYTES, each tile met by every group of GROUP
    tokens while it is in L1. */
-typedef struct {
+typedef struct product product;
+typedef void (*panel_fn)(const product *p, long n0, long n1);
+struct product {
     dot_fn dot;
     const uint8_t *W;
     long ldw;
@@ -710,9 +712,10 @@ typedef struct {
     long M;
     float *Y;
     long ldy;
-} product;
+    panel_fn panel; /* the many-token path, or NULL */
+};
 
-static void product_rows(const product *p, long n0, long n1) {
+static void product_tiles(const product *p, long n0, long n1) {
     long tile = TILE_BYTES / p->ldw > 0 ? TILE_BYTES / p->ldw : 1;
     for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
         long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
@@ -726,6 +729,136 @@ static void product_rows(const product *p, long n0, long n1) {
             }
         }
     }
+}
+
+/* ---- panels: many tokens (prefill) on AVX-512 ------------------------------------------------------- */
+
+/* With many tokens (prefill), blocks of 32: a unit's rows are unpacked once into a panel in cache (Q8_0
+   flipped to unsigned, nibbles split, fp16 scales widened and spread over their lanes), PANEL_ROWS rows
+   side by side, then met by the tokens PANEL_TOKENS at a time in registers: an outer product in which
+   each weight register serves PANEL_TOKENS outputs and each token's registers PANEL_ROWS. dot32_512_t
+   re-unpacked every row for every group of tokens and re-read each token's activations for every row.
+   Every output is still one row's dot product with one token in the order of its blocks, through the
+   same float operations as dot32_512_t, so no bit changes: a product takes this path from
+   PANEL_MIN_TOKENS tokens on (docs/notes/2026-11-25-prefill-panels.md). */
+#define PANEL_ROWS 4
+#define PANEL_TOKENS 4
+#define PANEL_MIN_TOKENS 8
+
+/* Blocks of 32: a panel holds, per pair of blocks and row, [q of b | q of b + 1] (as unpack_pair) and
+   [w_b x 8 | w_{b+1} x 8] (and Q4_1's minimums likewise): PANEL_ROWS x S registers per pair. */
+static int panel32_regs(int fmt) { return fmt == Q4_1 ? 3 : 2; }
+
+AVX512 ALWAYS_INLINE void pack32(const int fmt, const uint8_t *W, long ldw, long n, long nb, __m512i *pk) {
+    const long bb = block_bytes(fmt);
+    const int S = panel32_regs(fmt);
+    for (long b = 0; b < nb; b += 2) {
+        __m512i *out = pk + (b / 2) * PANEL_ROWS * S;
+        for (int i = 0; i < PANEL_ROWS; i++) {
+            const uint8_t *blk = W + (n + i) * ldw + b * bb;
+            out[S * i] = unpack_pair(fmt, blk, bb);
+            out[S * i + 1] = _mm512_castps_si512(
+                _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(blk)), _mm512_set1_ps(half_at(blk + bb))));
+            if (fmt == Q4_1)
+                out[S * i + 2] = _mm512_castps_si512(_mm512_mask_blend_ps(
+                    0xFF00, _mm512_set1_ps(half_at(blk + 2)), _mm512_set1_ps(half_at(blk + bb + 2))));
+        }
+    }
+}
+
+/* Rows n..n+PANEL_ROWS of Y (their panel pk) for the RN tokens mi[0..RN). The offset is folded into the
+   integer sum's start (-So), which gives the same exact lane sums as subtracting it after. */
+AVX512 ALWAYS_INLINE void panel32_t(const int fmt, const int RN, const __m512i *pk, const acts *a, const long *mi,
+                                    float *Y, long ldy, long n) {
+    const long K = a->K, nb = K / 32;
+    const int S = panel32_regs(fmt);
+    __m512 acc[PANEL_ROWS][PANEL_TOKENS];
+    for (int i = 0; i < PANEL_ROWS; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b += 2) {
+        const __m512i *blk = pk + (b / 2) * PANEL_ROWS * S;
+        __m512i x[PANEL_TOKENS], nso[PANEL_TOKENS];
+        __m512 dx[PANEL_TOKENS], sf[PANEL_TOKENS];
+        for (int j = 0; j < RN; j++) {
+            long l = (mi[j] * nb + b) * 8;
+            x[j] = _mm512_loadu_si512((const void *)(a->qs + mi[j] * K + b * 32));
+            dx[j] = _mm512_loadu_ps(a->dx + l);
+            nso[j] = offset_of(fmt) ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512((const void *)(a->So + l)))
+                                    : _mm512_setzero_si512();
+            if (fmt == Q4_1) sf[j] = _mm512_loadu_ps(a->Sf + l);
+        }
+        for (int i = 0; i < PANEL_ROWS; i++) {
+            __m512i q = blk[S * i];
+            __m512 w = _mm512_castsi512_ps(blk[S * i + 1]);
+            for (int j = 0; j < RN; j++) {
+                __m512i L = _mm512_dpbusd_epi32(nso[j], q, x[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L), _mm512_mul_ps(w, dx[j]), acc[i][j]);
+                if (fmt == Q4_1) acc[i][j] = _mm512_fmadd_ps(sf[j], _mm512_castsi512_ps(blk[S * i + 2]), acc[i][j]);
+            }
+        }
+    }
+    float lanes[16];
+    for (int i = 0; i < PANEL_ROWS; i++)
+        for (int j = 0; j < RN; j++) {
+            _mm512_storeu_ps(lanes, acc[i][j]);
+            Y[j * ldy + n + i] = reduce(lanes, lanes + 8);
+        }
+}
+
+/* Rows [n0, n1) of a product in panels; rows that do not fill one go through product_tiles. */
+AVX512 ALWAYS_INLINE void panel32_rows(const int fmt, const product *p, long n0, long n1) {
+    const long nb = p->a->K / 32, per = nb / 2 * PANEL_ROWS * panel32_regs(fmt);  /* registers per panel */
+    const long full = (n1 - n0) / PANEL_ROWS * PANEL_ROWS;
+    __m512i *pk = full ? aligned_alloc(64, (size_t)(full / PANEL_ROWS * per) * 64) : NULL;
+    if (!pk) {
+        product_tiles(p, n0, n1);
+        return;
+    }
+    for (long n = n0; n < n0 + full; n += PANEL_ROWS) pack32(fmt, p->W, p->ldw, n, nb, pk + (n - n0) / PANEL_ROWS * per);
+    for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
+        long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
+        for (long n = n0; n < n0 + full; n += PANEL_ROWS) {
+            const __m512i *panel = pk + (n - n0) / PANEL_ROWS * per;
+            for (long m = m0; m < m1; m += PANEL_TOKENS) {
+                long idx[PANEL_TOKENS];
+                int R = (int)min_l(m1 - m, PANEL_TOKENS);
+                for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
+                float *Y = p->Y + m * p->ldy;
+                switch (R) {
+                case 1: panel32_t(fmt, 1, panel, p->a, idx, Y, p->ldy, n); break;
+                case 2: panel32_t(fmt, 2, panel, p->a, idx, Y, p->ldy, n); break;
+                case 3: panel32_t(fmt, 3, panel, p->a, idx, Y, p->ldy, n); break;
+                default: panel32_t(fmt, PANEL_TOKENS, panel, p->a, idx, Y, p->ldy, n); break;
+                }
+            }
+        }
+    }
+    free(pk);
+    if (n0 + full < n1) product_tiles(p, n0 + full, n1);
+}
+
+#define PANELS(F) \
+    AVX512 static void panel_512_##F(const product *p, long n0, long n1) { panel32_rows(F, p, n0, n1); }
+PANELS(Q8_0)
+PANELS(Q4_0)
+PANELS(Q4_1)
+
+/* The panel path of a product, or NULL where it has none: AVX-512 only, from PANEL_MIN_TOKENS tokens,
+   blocks of 32 in whole pairs. (The K-quants have none: their unpacking is already a small share of a
+   token's work, and panels of them measured level or slower, docs/notes/2026-11-25-prefill-panels.md.) */
+static panel_fn panel_for(int fmt, int isa, long M, long K) {
+    if (isa != PATH_AVX512 || M < PANEL_MIN_TOKENS || is_k(fmt) || K / 32 % 2) return NULL;
+    switch (fmt) {
+    case Q8_0: return panel_512_Q8_0;
+    case Q4_0: return panel_512_Q4_0;
+    case Q4_1: return panel_512_Q4_1;
+    }
+    return NULL;
+}
+
+static void product_rows(const product *p, long n0, long n1) {
+    if (p->panel) p->panel(p, n0, n1);
+    else product_tiles(p, n0, n1);
 }
 
 /* Rows of one unit of work: about UNIT_BYTES of weights, fewer as more tokens share them, at least
@@ -768,7 +901,7 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
     if (check_shape(fmt, ldw, K)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, M, K)) return -2;
-    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy}, N, unit_rows(ldw, M)};
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K)}, N, unit_rows(ldw, M)};
     atomic_init(&c.next, 0);
     long units = (N + c.rows - 1) / c.rows;
     hm_parallel(linear_region, &c, (int)min_l(threads, units));
@@ -806,14 +939,15 @@ static void gate_up_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long per = (c->I + c->rows1[i] - 1) / c->rows1[i], up = u >= per, n0 = (u % per) * c->rows1[i];
     product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], NULL,
-                 e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I};
+                 e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H)};
     product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
 static void down_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long n0 = u * c->rows3[i];
-    product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H};
+    product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H,
+                 panel_for((int)e->fmt_d, c->isa, e->M, c->I)};
     product_rows(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
