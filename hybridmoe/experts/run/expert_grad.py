@@ -155,6 +155,7 @@ class _ExpertLayer(torch.autograd.Function):
         ctx.kept = None
         if gb is not None:
             f.gate_up_in_grads(gb, xf, dx, grads[0])
+        grads = f.grads_out(grads)
         return (dx.to(x.dtype), dw.to(topk_weights.dtype), *grads, None, None, None, None, None)
 
 
@@ -189,11 +190,18 @@ class _Factors:
         return (xf @ self.gu_a.reshape(e * r, h).T).view(-1, e, r)  # [T, E, r]
 
     def zero_grads(self) -> list[torch.Tensor | None]:
-        """Zero gradients for (gu_a, gu_b, d_a, d_b); each expert's job fills its own rows."""
-        return [None if p is None else torch.zeros_like(p) for p in self.fields()]
+        """Zero gradients for (gu_a, gu_b, d_a, d_b), the B's transposed ([E, r, out]: made as
+        [r, out] per expert, see "rank first"); each expert's job fills its own rows."""
+        ps = (self.gu_a, self.gu_b, self.d_a, self.d_b)
+        return [
+            None if p is None else torch.zeros(p.shape if i % 2 == 0 else p.transpose(1, 2).shape)
+            for i, p in enumerate(ps)
+        ]
 
-    def fields(self):
-        return (self.gu_a, self.gu_b, self.d_a, self.d_b)
+    @staticmethod
+    def grads_out(grads) -> list[torch.Tensor | None]:
+        """zero_grads' tensors, filled, as the parameters' gradients (B's as [E, out, r])."""
+        return [g if g is None or i % 2 == 0 else g.transpose(1, 2) for i, g in enumerate(grads)]
 
     def gate_up_in_grads(self, gb, xf, dx, grad_a) -> None:
         """The gate_up LoRA's part of the input gradient and its A gradient for the whole layer:
@@ -248,7 +256,7 @@ def _expert_forward(xs, xa, rows, wk, w: ExpertWeights, f: _Factors, e: int):
     y = _through(h.to(f.dtype), w.down)[:n].float()  # [n, H]
     ha = None
     if f.down:
-        ha = h @ f.d_a[e].T  # [m, r]
+        ha = (f.d_a[e] @ h.T).T  # [m, r], made as [r, m] (rank first)
         y.addmm_(ha[:n], f.d_b[e].T, alpha=s)
     return y.mul_(wk), (gu.to(f.dtype), ha)
 
@@ -275,6 +283,11 @@ def _back(g: torch.Tensor, w: Matrix) -> torch.Tensor:
     return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
+# Rank first: the fp32 products whose result has r (rank) columns and many rows run as their
+# transpose, [r, m] rather than [m, r]: the CPU's sgemm is several times slower with so few output
+# columns (docs/notes/2026-11-25-finetune-expert-overhead.md).
+
+
 def _expert_backward(g, wk, kept, xa, rows, w: ExpertWeights, f: _Factors, e, grads, gb):
     """One expert's rows: g = dLoss/d(layer output) [T, H] (fp32 when down has a LoRA), wk the
     rows' routing weights [n, 1], what the forward kept. Returns dx [n, H] through the frozen
@@ -292,17 +305,17 @@ def _expert_backward(g, wk, kept, xa, rows, w: ExpertWeights, f: _Factors, e, gr
     # y = down(h); dLoss/dy = wk * g. The routing weight's gradient is <g, y> = <g down, h>.
     dh = _back(ge.to(f.dtype), w.down).float()  # [m, I]
     if f.down:
-        gdb = ge @ f.d_b[e]  # [m, r]
+        gdb = (f.d_b[e].T @ ge.T).T  # [m, r], made as [r, m] (rank first)
         dh.addmm_(gdb, f.d_a[e], alpha=s)
         grads[2][e].addmm_((gdb * wk).T, h, alpha=s)  # [r, I]
-        grads[3][e].addmm_(ge.T, ha * wk, alpha=s)  # [H, r]
+        grads[3][e].addmm_((ha * wk).T, ge, alpha=s)  # [r, H]: B's gradient transposed
     dw = (dh * h).sum(dim=-1)  # [m]
     dh.mul_(wk)
     dgate = dh * up * sig * (1 + gate * (1 - sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
     dgu = torch.cat([dgate, dh * sg], dim=-1)  # [m, 2I]
     dx = _back(dgu.to(f.dtype), w.gate_up)[:n].float()  # [n, H]
     if f.gate_up:
-        gbe = dgu @ f.gu_b[e]  # [m, r]
+        gbe = (f.gu_b[e].T @ dgu.T).T  # [m, r], made as [r, m] (rank first)
         gb[:, e].index_put_((rows,), gbe[:n])
-        grads[1][e].addmm_(dgu.T, xa[padded, e], alpha=s)  # [2I, r]
+        grads[1][e].addmm_(xa[padded, e].T, dgu, alpha=s)  # [r, 2I]: B's gradient transposed
     return dx, dw[:n]
