@@ -131,15 +131,13 @@ class _ExpertLayer(torch.autograd.Function):
         f = ctx.f
         xf = x.float()  # [T, H]
         xa = f.layer_in(xf)  # [T, E, r] or None: made again rather than kept
-        # the LoRA products take grad_out in fp32, the frozen ones in the store's dtype
-        g = grad_out.float() if f.down else grad_out.to(f.dtype)  # [T, H]
         grads = f.zero_grads()
         gb = torch.zeros(len(x), *f.gu_a.shape[:2]) if f.gate_up else None  # [T, E, r]
         jobs = [
             _normal(
                 partial(
-                    _expert_backward, g, topk_weights[rows, cols, None].float(), kept, xa, rows,
-                    ctx.store.get(ctx.layer, e), f, e, grads, gb,
+                    _expert_backward, grad_out, topk_weights[rows, cols, None].float(), kept, xa,
+                    rows, ctx.store.get(ctx.layer, e), f, e, grads, gb,
                 )
             )
             for (e, rows, cols), kept in zip(ctx.groups, ctx.kept)
@@ -289,14 +287,14 @@ def _back(g: torch.Tensor, w: Matrix) -> torch.Tensor:
 
 
 def _expert_backward(g, wk, kept, xa, rows, w: ExpertWeights, f: _Factors, e, grads, gb):
-    """One expert's rows: g = dLoss/d(layer output) [T, H] (fp32 when down has a LoRA), wk the
-    rows' routing weights [n, 1], what the forward kept. Returns dx [n, H] through the frozen
+    """One expert's rows: g = dLoss/d(layer output) [T, H], wk the rows' routing weights [n, 1],
+    what the forward kept. Returns dx [n, H] through the frozen
     weights and the down LoRA, and d(routing weight) [n]; writes expert e's LoRA gradients into
     `grads` and its dLoss/d(gate_up) B_e into gb [T, E, r] (_Factors.gate_up_in_grads does the
     rest for the whole layer)."""
     n, s = len(rows), f.scaling
     padded, wk = _padded(rows, wk)  # [m], [m, 1] (0 on padding: it adds to no gradient)
-    ge = g[padded]  # [m, H]
+    ge = g[padded]  # [m, H], gathered in g's dtype (bf16 in a bf16 step: half the bytes)
     gu, ha = kept
     gate, up = gu.float().chunk(2, dim=-1)  # [m, I] each
     sig = torch.sigmoid(gate)
@@ -305,6 +303,7 @@ def _expert_backward(g, wk, kept, xa, rows, w: ExpertWeights, f: _Factors, e, gr
     # y = down(h); dLoss/dy = wk * g. The routing weight's gradient is <g, y> = <g down, h>.
     dh = _back(ge.to(f.dtype), w.down).float()  # [m, I]
     if f.down:
+        ge = ge.float()  # the LoRA products in fp32
         gdb = (f.d_b[e].T @ ge.T).T  # [m, r], made as [r, m] (rank first)
         dh.addmm_(gdb, f.d_a[e], alpha=s)
         grads[2][e].addmm_((gdb * wk).T, h, alpha=s)  # [r, I]
