@@ -92,7 +92,7 @@ class ExpertLoRA(nn.Module):
 Factors = tuple[torch.Tensor, torch.Tensor] | None
 
 
-def _frozen(x: torch.Tensor, weight: Matrix) -> torch.Tensor:
+def frozen(x: torch.Tensor, weight: Matrix) -> torch.Tensor:
     """x [n, in] through a store weight [out, in] -> [n, out]: blocks on the integer kernels, in x's
     dtype, as expert_ffn runs them; a dense weight in its dtype, on the native kernel for a few
     bf16 rows, as expert_ffn, else F.linear."""
@@ -109,7 +109,7 @@ def gate_up(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert e's [gate; up] pre-activations [n, 2I] for x [n, H] with its gate_up LoRA `f`, and
     the LoRA's x A^T [n, r] (None without one); in the store's dtype, as under autocast."""
-    gu = _frozen(x, w.gate_up)  # [n, 2I]
+    gu = frozen(x, w.gate_up)  # [n, 2I]
     if f is None:
         return gu, None
     xa = F.linear(x.to(gu.dtype), f[0][e])  # [n, r]
@@ -121,7 +121,7 @@ def down(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert e's down projection of h [n, I] with its LoRA `f` -> [n, H], and the LoRA's h A^T
     [n, r] (None without one)."""
-    y = _frozen(h, w.down)  # [n, H]
+    y = frozen(h, w.down)  # [n, H]
     if f is None:
         return y, None
     ha = F.linear(h.to(y.dtype), f[0][e])  # [n, r]
