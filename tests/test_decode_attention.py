@@ -103,6 +103,33 @@ def test_kernel_matches_softmax_attention_in_float64(heads, kv_heads, d, dv, blo
 
 
 @needs_kernels
+def test_the_sequences_shared_over_threads_give_the_same_bits():
+    """A prefill chunk's rows come as sequences of lengths 1..n: shared out over the kernels'
+    threads, each is computed alone, so one thread and two give the same bits."""
+    lengths = list(range(1, 40)) + [300, 2, 129]
+    gen = torch.Generator().manual_seed(11)
+    q, k_pool, v_pool, tables = paged_batch(8, 2, 64, 64, 16, gen, lengths=lengths)
+    outs, before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # the kernels take torch's thread count (native/threads.py)
+            torch.set_num_threads(threads)
+            out = torch.zeros(len(q), 8, 64)  # [2S, h, dv] fp32
+            run_kernel(q, k_pool, v_pool, tables, lengths, 16, 0.125, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    s = len(lengths) - 2  # and the result is attention: one sequence against float64
+    want = reference(
+        q[2 * s + 1],
+        history(k_pool, tables[s], lengths[s], 16),
+        history(v_pool, tables[s], lengths[s], 16),
+        0.125,
+    )
+    assert (outs[1][2 * s + 1].double() - want).abs().max() < 1e-5
+
+
+@needs_kernels
 def test_large_scores_do_not_overflow_the_softmax():
     gen = torch.Generator().manual_seed(5)
     q, k_pool, v_pool, tables = paged_batch(4, 2, 64, 64, 16, gen, lengths=[3, 300])

@@ -470,29 +470,54 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
    Q + rows[s] * ldq ([heads, d] bf16), its output row out + rows[s] * ldo ([heads, dv], fp32 or bf16);
    it attends to positions 0..lengths[s]-1, position l at pool slot table[l / block_size] * block_size
    + l % block_size with table = tables + table_starts[s]. K: [slots, kv_heads, d] bf16 with slot
-   rows ldk apart, V: [slots, kv_heads, dv] with rows ldv apart. Returns 0, or -1 if out of memory. */
+   rows ldk apart, V: [slots, kv_heads, dv] with rows ldv apart. The sequences are shared out over
+   `threads` threads, one at a time from a counter (a chunk of prefill rows, each its own sequence,
+   has lengths 1, 2, ..., n); each is computed alone, so the bits do not depend on the count.
+   Returns 0, or -1 if out of memory. */
+typedef struct {
+    const uint16_t *Q, *K, *V;
+    long ldq, ldk, ldv, n, block_size, heads, kv_heads, d, dv, ldo, most;
+    const int32_t *tables, *table_starts, *lengths, *rows;
+    float scale;
+    void *out;
+    int out_bf16;
+    atomic_long next;
+    atomic_int failed;
+} decode_call;
+
+static void decode_region(void *arg, int t, int T) {
+    decode_call *c = arg;
+    (void)t, (void)T;
+    long *slots = malloc(sizeof(long) * c->most);
+    float *S = malloc(sizeof(float) * c->heads * ((c->most + 15) & ~15L)), *O = malloc(sizeof(float) * c->heads * c->dv);
+    if (!slots || !S || !O) {
+        atomic_store(&c->failed, 1);
+        free(slots), free(S), free(O);
+        return;
+    }
+    for (long s; (s = next_unit(&c->next, c->n)) >= 0;) {
+        const int32_t *table = c->tables + c->table_starts[s];
+        long L = c->lengths[s], row = c->rows[s];
+        for (long l = 0, b = 0; l < L; b++)  /* no division per position */
+            for (long i = 0; i < c->block_size && l < L; i++) slots[l++] = (long)table[b] * c->block_size + i;
+        void *o = c->out_bf16 ? (void *)((uint16_t *)c->out + row * c->ldo) : (void *)((float *)c->out + row * c->ldo);
+        attend_one(c->Q + row * c->ldq, c->K, c->ldk, c->V, c->ldv, slots, L, c->heads, c->kv_heads, c->d, c->dv,
+                   c->scale, o, c->out_bf16, S, O);
+    }
+    free(slots), free(S), free(O);
+}
+
 int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, long ldk, const uint16_t *V,
                              long ldv, const int32_t *tables, const int32_t *table_starts, const int32_t *lengths,
                              const int32_t *rows, long n, long block_size, long heads, long kv_heads, long d,
-                             long dv, float scale, void *out, long ldo, int out_bf16) {
-    long most = 1;
-    for (long s = 0; s < n; s++) most = lengths[s] > most ? lengths[s] : most;
-    long *slots = malloc(sizeof(long) * most);
-    float *S = malloc(sizeof(float) * heads * ((most + 15) & ~15L)), *O = malloc(sizeof(float) * heads * dv);
-    if (!slots || !S || !O) {
-        free(slots), free(S), free(O);
-        return -1;
-    }
-    for (long s = 0; s < n; s++) {
-        const int32_t *table = tables + table_starts[s];
-        long L = lengths[s];
-        for (long l = 0, b = 0; l < L; b++)  /* no division per position */
-            for (long i = 0; i < block_size && l < L; i++) slots[l++] = (long)table[b] * block_size + i;
-        void *o = out_bf16 ? (void *)((uint16_t *)out + rows[s] * ldo) : (void *)((float *)out + rows[s] * ldo);
-        attend_one(Q + rows[s] * ldq, K, ldk, V, ldv, slots, L, heads, kv_heads, d, dv, scale, o, out_bf16, S, O);
-    }
-    free(slots), free(S), free(O);
-    return 0;
+                             long dv, float scale, void *out, long ldo, int out_bf16, int threads) {
+    decode_call c = {Q, K, V, ldq, ldk, ldv, n, block_size, heads, kv_heads, d, dv, ldo, 1,
+                     tables, table_starts, lengths, rows, scale, out, out_bf16};
+    for (long s = 0; s < n; s++) c.most = lengths[s] > c.most ? lengths[s] : c.most;
+    atomic_init(&c.next, 0);
+    atomic_init(&c.failed, 0);
+    hm_parallel(decode_region, &c, (int)min_l(threads, n));
+    return atomic_load(&c.failed) ? -1 : 0;
 }
 
 /* ---- Prefill attention: a chunk of n queries over its L positions, causal, bf16 K/V. ----
@@ -734,7 +759,7 @@ static int attention_block(const attn_block *a, const uint16_t *X, long ldx, lon
         memcpy(a->vpool + slots[t] * kd, v + t * kd, sizeof(uint16_t) * kd);
     }
     int status = hm_decode_attention_bf16(qr, hd, a->kpool, kd, a->vpool, kd, tables, table_starts, lengths, rows, n,
-                                          block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1);
+                                          block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1, threads);
     if (status == 0) linear_rows(a->wo, a->bo, att, hd, out, ldo, H, hd, T, threads, threaded_min_bytes);
     free(buf);
     return status;

@@ -70,9 +70,10 @@ SIGNATURES = {
     # int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, long ldk,
     #     const uint16_t *V, long ldv, const int32_t *tables, const int32_t *table_starts,
     #     const int32_t *lengths, const int32_t *rows, long n, long block_size, long heads,
-    #     long kv_heads, long d, long dv, float scale, void *out, long ldo, int out_bf16)
+    #     long kv_heads, long d, long dv, float scale, void *out, long ldo, int out_bf16,
+    #     int threads)
     "hm_decode_attention_bf16": (
-        [P, N, P, N, P, N, P, P, P, P, N, N, N, N, N, N, F, P, N, INT],
+        [P, N, P, N, P, N, P, P, P, P, N, N, N, N, N, N, F, P, N, INT, INT],
         INT,
     ),
     # int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint16_t *K,
@@ -310,7 +311,8 @@ def decode_attention(
     or fp32, rows contiguous. Sequence s (int32 tensors [S]): query and output row rows[s],
     positions 0..lengths[s]-1, position l at slot table[l // block_size] * block_size
     + l % block_size where table = tables[table_starts[s]:]. Scores and sums in fp32; query head i
-    uses KV head i // (h // kvh).
+    uses KV head i // (h // kvh). The sequences are shared over the kernels' threads (a prefill
+    chunk's rows come here as sequences of lengths 1..n); the bits do not depend on the count.
     """
     if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
         q = q.contiguous()
@@ -338,6 +340,7 @@ def decode_attention(
         out.data_ptr(),
         out.stride(0),
         out.dtype == torch.bfloat16,
+        kernel_threads(),
     )
     if status != 0:
         raise MemoryError("decode attention: no memory for its scratch")
