@@ -575,44 +575,63 @@ AVX512 ALWAYS_INLINE float k_result512(__m512 acc, __m256 accm) {
            reduce512(accm, _mm256_setzero_ps());
 }
 
-/* One super-block p of a row against one token's activations x (its 256 bytes as 4 registers), bsum
-   and dx: what dotk_512_t adds for it. */
-AVX512 ALWAYS_INLINE void k_step512(const int fmt, const uint8_t *p, const __m512i x[4], __m256i bsum, float dx,
-                                    __m512 *acc, __m256 *accm) {
+/* A super-block unpacked for AVX-512: its four q registers, their scale words, its scales. */
+typedef struct {
     __m512i q[4], sc[4];
-    prefetch_far(p, block_bytes(fmt));
-    unpack_k512(fmt, p, q);
-    kscales k = kscales_of(fmt, p);
-    scales_k512(&k, sc);
+    kscales k;
+} kblock512;
+
+AVX512 ALWAYS_INLINE void kblock_of(const int fmt, const uint8_t *p, kblock512 *b) {
+    unpack_k512(fmt, p, b->q);
+    b->k = kscales_of(fmt, p);
+    scales_k512(&b->k, b->sc);
+}
+
+/* One token's share of super-block b: x its 256 bytes as 4 registers, bsum and dx its sums and scale,
+   added into acc (the scaled dot) and accm (the minimums' term). */
+AVX512 ALWAYS_INLINE void k_token512(const kblock512 *b, const __m512i x[4], __m256i bsum, float dx, __m512 *acc,
+                                     __m256 *accm) {
     __m512i A = _mm512_setzero_si512();
-    for (int i = 0; i < 4; i++) A = _mm512_add_epi32(A, _mm512_madd_epi16(sc[i], _mm512_maddubs_epi16(q[i], x[i])));
-    __m256i C = _mm256_madd_epi16(k.mnw, bsum);
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(k.d * dx), *acc);
-    *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * dx), *accm);
+    for (int i = 0; i < 4; i++) A = _mm512_add_epi32(A, _mm512_madd_epi16(b->sc[i], _mm512_maddubs_epi16(b->q[i], x[i])));
+    __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(b->k.d * dx), *acc);
+    *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(b->k.dm * dx), *accm);
+}
+
+/* Token row m's 256 bytes of super-block s as 4 registers, and their 16-value sums. */
+AVX512 ALWAYS_INLINE void k_acts512(const acts *a, long m, long s, __m512i x[4], __m256i *bsum) {
+    const long ns = a->K / 256;
+    const int8_t *xs = a->qs + m * a->K + s * 256;
+    for (int i = 0; i < 4; i++) x[i] = _mm512_loadu_si512((const void *)(xs + 64 * i));
+    *bsum = _mm256_loadu_si256((const __m256i *)(a->bsum + (m * ns + s) * 16));
 }
 
 /* Rows n..n+RR of Y for token row m alone (decode): the rows side by side, so that their independent
    work overlaps and they share the activation loads. */
 AVX512 ALWAYS_INLINE void dotk_512_rows(const int fmt, const int RR, const uint8_t *W, long ldw, long n,
                                         const acts *a, long m, float *Y) {
-    const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
+    const long bb = block_bytes(fmt), ns = a->K / 256;
     __m512 acc[ONE_ROWS];
     __m256 accm[ONE_ROWS];
     for (int j = 0; j < RR; j++) acc[j] = _mm512_setzero_ps(), accm[j] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
-        long sb = m * ns + s;
-        const int8_t *xs = a->qs + m * K + s * 256;
         __m512i x[4];
-        for (int i = 0; i < 4; i++) x[i] = _mm512_loadu_si512((const void *)(xs + 64 * i));
-        __m256i bsum = _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16));
-        for (int j = 0; j < RR; j++) k_step512(fmt, W + (n + j) * ldw + s * bb, x, bsum, a->dx[sb], &acc[j], &accm[j]);
+        __m256i bsum;
+        k_acts512(a, m, s, x, &bsum);
+        for (int j = 0; j < RR; j++) {
+            const uint8_t *p = W + (n + j) * ldw + s * bb;
+            kblock512 b;
+            prefetch_far(p, bb);
+            kblock_of(fmt, p, &b);
+            k_token512(&b, x, bsum, a->dx[m * ns + s], &acc[j], &accm[j]);
+        }
     }
     for (int j = 0; j < RR; j++) Y[n + j] = k_result512(acc[j], accm[j]);
 }
 
 AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
                                      const acts *a, const long *mi, float *Y, long ldy) {
-    const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
+    const long bb = block_bytes(fmt), ns = a->K / 256;
     if (R == 1) {  /* one token: the same arithmetic per row, rows in pairs */
         long n = n0;
         for (; n + ONE_ROWS <= n1; n += ONE_ROWS) dotk_512_rows(fmt, ONE_ROWS, W, ldw, n, a, mi[0], Y);
@@ -628,30 +647,16 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
             accm[r] = _mm256_setzero_ps();
         }
         for (long s = 0; s < ns; s++) {
-            const uint8_t *p = row + s * bb;
-            __m512i q[4], sc[4];
-            unpack_k512(fmt, p, q);
-            kscales k = kscales_of(fmt, p);
-            scales_k512(&k, sc);
+            kblock512 b;
+            kblock_of(fmt, row + s * bb, &b);
             for (int r = 0; r < R; r++) {
-                long sb = mi[r] * ns + s;
-                const int8_t *x = a->qs + mi[r] * K + s * 256;
-                __m512i A = _mm512_setzero_si512();
-                for (int i = 0; i < 4; i++) {
-                    __m512i p16 = _mm512_maddubs_epi16(q[i], _mm512_loadu_si512((const void *)(x + 64 * i)));
-                    A = _mm512_add_epi32(A, _mm512_madd_epi16(sc[i], p16));
-                }
-                __m256i C = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(k.d * a->dx[sb]), acc[r]);
-                accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * a->dx[sb]), accm[r]);
+                __m512i x[4];
+                __m256i bsum;
+                k_acts512(a, mi[r], s, x, &bsum);
+                k_token512(&b, x, bsum, a->dx[mi[r] * ns + s], &acc[r], &accm[r]);
             }
         }
-        float lanes[16], c[8];
-        for (int r = 0; r < R; r++) {
-            _mm512_storeu_ps(lanes, acc[r]);
-            _mm256_storeu_ps(c, accm[r]);
-            Y[r * ldy + n] = k_result(lanes, lanes + 8, c);
-        }
+        for (int r = 0; r < R; r++) Y[r * ldy + n] = k_result512(acc[r], accm[r]);
     }
 }
 
