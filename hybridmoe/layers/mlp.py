@@ -4,6 +4,7 @@ from torch import nn
 
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.recompute import recompute
+from hybridmoe.layers.remade import Remade, saved_as
 
 
 class GatedMLP(nn.Module):
@@ -43,28 +44,16 @@ class GatedMLP(nn.Module):
             return y if scale is None else scale * y
         scaled = None  # h * scale [T, I], made below
 
-        def pack(t: torch.Tensor):
-            if t is h or t is scaled:
-                return _Remade(gate, up, None if t is h else scale)
-            return t
+        def pick(t: torch.Tensor) -> Remade | None:
+            if t is h:
+                return Remade(lambda: F.silu(gate) * up)
+            if t is scaled:
+                return Remade(lambda: F.silu(gate) * up * scale)
+            return None
 
-        def unpack(p):
-            return p.get() if isinstance(p, _Remade) else p
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with saved_as(pick):
             scaled = h if scale is None else h * scale
             return self.down_proj(scaled)  # [T, H]
-
-
-class _Remade:
-    """A saved down input, kept as the gate and up products (and row scale) it is made from."""
-
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None):
-        self.gate, self.up, self.scale = gate, up, scale
-
-    def get(self) -> torch.Tensor:
-        h = F.silu(self.gate) * self.up
-        return h if self.scale is None else h * self.scale
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

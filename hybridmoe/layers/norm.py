@@ -5,6 +5,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridmoe.layers.remade import Remade, saved_as
 from hybridmoe.native import rows
 
 
@@ -72,33 +73,12 @@ def through_norm(norm: RMSNorm, x: torch.Tensor, fn: Callable) -> torch.Tensor:
     h = norm(x)  # [T, n]
     if not h.requires_grad:
         return fn(h)
-    remade = _Remade(norm, x, h)
-
-    def pack(t: torch.Tensor):
-        return remade if remade.made_as(t) else t
-
-    def unpack(p):
-        return p.get() if isinstance(p, _Remade) else p
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    key = _layout(h)
+    remade = Remade(lambda: rms_norm(x, norm.weight, norm.eps))
+    with saved_as(lambda t: remade if _layout(t) == key else None):
         return fn(h)
 
 
-class _Remade:
-    """norm(x), saved as x and made again on demand; holds x, never the normed rows of the
-    forward."""
-
-    def __init__(self, norm: RMSNorm, x: torch.Tensor, h: torch.Tensor):
-        self.norm, self.x = norm, x
-        self.key = (h.data_ptr(), h.shape, h.stride(), h.dtype)
-        self.h: torch.Tensor | None = None
-
-    def made_as(self, t: torch.Tensor) -> bool:
-        """Whether t is the forward's normed rows (the same memory, shape and layout)."""
-        return (t.data_ptr(), t.shape, t.stride(), t.dtype) == self.key
-
-    def get(self) -> torch.Tensor:
-        if self.h is None:
-            with torch.no_grad():
-                self.h = rms_norm(self.x, self.norm.weight, self.norm.eps)
-        return self.h
+def _layout(t: torch.Tensor) -> tuple:
+    """What tells the forward's normed rows from other saved tensors: memory, shape, layout."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
