@@ -262,21 +262,21 @@ def _expert_forward(xs, xa, rows, wk, w: ExpertWeights, f: _Factors, e: int):
 def _through(x: torch.Tensor, w: Matrix) -> torch.Tensor:
     """x [m, in] through a frozen store weight [out, in] -> [m, out], a tile of rows at a time
     (m is a sum of _tiles)."""
-    ys, start = [], 0
-    for size in _tiles(len(x)):
-        ys.append(frozen(x[start : start + size], w))
-        start += size
-    return ys[0] if len(ys) == 1 else torch.cat(ys)
+    return _by_tiles(x, lambda t: frozen(t, w))
 
 
 def _back(g: torch.Tensor, w: Matrix) -> torch.Tensor:
     """g [m, out] @ w [out, in] -> [m, in], a tile of rows at a time: the input gradient through a
     frozen store weight; blocks are dequantised a tile of rows at a time (quant/transposed.py),
     never the whole expert."""
+    return _by_tiles(g, lambda t: times(t, w) if isinstance(w, QTensor) else t @ w)
+
+
+def _by_tiles(x: torch.Tensor, product) -> torch.Tensor:
+    """product of x's rows, a tile of _tiles(len(x)) rows at a time, the tiles' results stacked."""
     ys, start = [], 0
-    for size in _tiles(len(g)):
-        t = g[start : start + size]
-        ys.append(times(t, w) if isinstance(w, QTensor) else t @ w)
+    for size in _tiles(len(x)):
+        ys.append(product(x[start : start + size]))
         start += size
     return ys[0] if len(ys) == 1 else torch.cat(ys)
 
