@@ -59,8 +59,8 @@ enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 #define UNIT_BYTES 65536
 /* How far ahead of the weights being read a one-token K-quant product asks for them (into L2): its work
    per byte leaves too few loads in flight for the hardware prefetcher to keep up with a stream from RAM.
-   8 KB ahead took a one-token Q4_K product from 14 to 18 GB/s and Q6_K from 17 to 22; asking into L1 as
-   well added nothing, and Q8_0's simpler loop lost by it (docs/notes/2026-11-25-one-token-kernels.md). */
+   The same holds for a one-token product of blocks of 32 (Q8_0) over a model's shapes read from RAM,
+   though a lone 768x2048 product reads no faster with it (docs/notes/2026-11-25-one-token-kernels.md). */
 #define FAR 8192
 
 /* Bytes per block of `fmt` and its elements, 0 for an unknown format. */
@@ -345,6 +345,7 @@ AVX512 ALWAYS_INLINE void dot32_512_t(const int fmt, const int R, const uint8_t 
             __m512 wms = fmt == Q4_1 ? scales8(gb, bb, 2, c) : _mm512_setzero_ps();
             for (int p = 0; 2 * p + 1 < c; p++) {
                 long b = g + 2 * p;
+                if (R == 1) prefetch_far(gb + 2 * p * bb, 2 * bb);  /* a token's stream, as for K-quants */
                 __m512i q = unpack_pair(fmt, gb + 2 * p * bb, bb);
                 __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * p));
                 __m512 w = _mm512_permutexvar_ps(idx, ws);
