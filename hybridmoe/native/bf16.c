@@ -716,36 +716,73 @@ int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint
    of q and k (Qwen3), the rotary embedding, k and v written to the paged pools at the rows' slots,
    hm_decode_attention_bf16 into bf16 rows, then o = linear(attention). Each step here is the C function
    the Python path calls for it, in the same order with the same roundings, so the output is the same,
-   bit for bit; what it saves is ~20 torch and Python calls a layer (docs/notes/2026-11-24-gemv-streams.md). */
+   bit for bit; what it saves is ~20 torch and Python calls a layer (docs/notes/2026-11-24-gemv-streams.md).
+   The projections' weights may be plain bf16 or kept in GGUF blocks (each its own), the latter through
+   quant.c's product as quant/tensor.py's `linear` calls it. */
 
 typedef struct {
-    const uint16_t *wq, *wk, *wv, *wo; /* [h d, H], [kvh d, H], [kvh d, H], [H, h d] bf16 */
-    const uint16_t *bq, *bk, *bv, *bo; /* their biases [rows] bf16, or NULL */
+    const void *w[4];                  /* q, k, v, o: [h d, H], [kvh d, H], [kvh d, H], [H, h d], bf16 or blocks */
+    const uint16_t *bias[4];           /* their biases [rows] bf16, or NULL */
     const uint16_t *qn, *kn;           /* per-head RMSNorm weights [d] bf16 (q_norm, k_norm), or NULL */
     uint16_t *kpool, *vpool;           /* [slots, kvh, d] bf16, contiguous */
     long hidden, heads, kv_heads, d;
+    long fmt[4];                       /* each weight's ggml block type (quant.c), or 0: plain bf16 */
+    long ldw[4];                       /* bytes per row of a weight in blocks */
+    long isa;                          /* quant.c's instruction-set path for the weights in blocks */
 } attn_block;
 
-static void linear_rows(const uint16_t *W, const uint16_t *bias, const uint16_t *X, long ldx, uint16_t *Y, long ldy,
-                        long O, long I, long M, int threads, long threaded_min_bytes) {
-    hm_linear_bf16(W, X, ldx, bias, Y, ldy, O, I, M, 2 * O * I < threaded_min_bytes ? 1 : threads);
+/* quant.c's hm_qlinear, for weights kept in GGUF blocks. The two kernels stay in two libraries (this
+   one needs AVX512-BF16, quant.c runs on any AVX2 CPU); Python hands this one the other's function
+   when it loads them (hm_bind_quant, native/bf16.py). NULL until then. */
+typedef int (*qlinear_fn)(int fmt, const void *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16,
+                          long M, float *Y, long ldy, int threads, int isa);
+static qlinear_fn qlinear;
+
+void hm_bind_quant(qlinear_fn f) { qlinear = f; }
+
+/* Y [M, O] bf16 (rows ldy apart) = projection j of the block on X [M, I], as layers/linear.py computes it:
+   a bf16 weight as F.linear (hm_linear_bf16); a weight in blocks as quant/tensor.py's `linear`: the fp32
+   product rounded to bf16, then the bias added to it in bf16 (torch's bf16 sum: fp32, rounded once).
+   scratch: M x O floats. Returns 0, or quant.c's error. */
+static int project(const attn_block *a, int j, const uint16_t *X, long ldx, uint16_t *Y, long ldy, long O, long I,
+                   long M, int threads, long threaded_min_bytes, float *scratch) {
+    const uint16_t *bias = a->bias[j];
+    if (!a->fmt[j]) {
+        hm_linear_bf16(a->w[j], X, ldx, bias, Y, ldy, O, I, M, 2 * O * I < threaded_min_bytes ? 1 : threads);
+        return 0;
+    }
+    if (!qlinear) return -1;
+    int status = qlinear((int)a->fmt[j], a->w[j], a->ldw[j], O, I, X, ldx, 1, M, scratch, O,
+                         a->ldw[j] * O < threaded_min_bytes ? 1 : threads, (int)a->isa);
+    for (long m = 0; m < M && status == 0; m++)
+        for (long o = 0; o < O; o++) {
+            float y = round_bf16(scratch[m * O + o]);
+            Y[m * ldy + o] = bf16(bias ? y + f32(bias[o]) : y);
+        }
+    return status;
 }
 
 /* x [T, H] bf16 (rows ldx apart) -> out [T, H] bf16 (rows ldo apart). C, S: [T, d] fp32 cos and sin, rows
    ldc apart; slots [T] int64: each row's pool slot; tables .. n: hm_decode_attention_bf16's, covering
-   every row. Products of fewer than threaded_min_bytes of weights stay on one thread. Returns 0, or -1
-   if out of memory. */
+   every row. Products of fewer than threaded_min_bytes of weights stay on one thread. Returns 0, or
+   nonzero: out of memory, or quant.c's error for a weight in blocks. */
 static int attention_block(const attn_block *a, const uint16_t *X, long ldx, long T, const float *C, const float *S,
                             long ldc, const int64_t *slots, const int32_t *tables, const int32_t *table_starts,
                             const int32_t *lengths, const int32_t *rows, long n, long block_size, float scale,
                             float eps, uint16_t *out, long ldo, int threads, long threaded_min_bytes) {
     const long H = a->hidden, d = a->d, hd = a->heads * d, kd = a->kv_heads * d;
-    uint16_t *buf = malloc(sizeof(uint16_t) * T * (3 * hd + 3 * kd));
+    const long most = hd > H ? hd : H;
+    uint16_t *buf = malloc(sizeof(uint16_t) * T * (3 * hd + 3 * kd) + sizeof(float) * T * most);
     if (!buf) return -1;
     uint16_t *q = buf, *k = q + T * hd, *v = k + T * kd, *qr = v + T * kd, *kr = qr + T * hd, *att = kr + T * kd;
-    linear_rows(a->wq, a->bq, X, ldx, q, hd, hd, H, T, threads, threaded_min_bytes);  /* [T, h d] */
-    linear_rows(a->wk, a->bk, X, ldx, k, kd, kd, H, T, threads, threaded_min_bytes);  /* [T, kvh d] */
-    linear_rows(a->wv, a->bv, X, ldx, v, kd, kd, H, T, threads, threaded_min_bytes);  /* [T, kvh d] */
+    float *scratch = (float *)(att + T * hd);  /* [T, max(h d, H)]: a product in blocks before its rounding */
+    int status = project(a, 0, X, ldx, q, hd, hd, H, T, threads, threaded_min_bytes, scratch);  /* [T, h d] */
+    if (!status) status = project(a, 1, X, ldx, k, kd, kd, H, T, threads, threaded_min_bytes, scratch);  /* [T, kvh d] */
+    if (!status) status = project(a, 2, X, ldx, v, kd, kd, H, T, threads, threaded_min_bytes, scratch);  /* [T, kvh d] */
+    if (status) {
+        free(buf);
+        return status;
+    }
     if (a->qn) { /* in place: each head's row is read whole before it is written */
         for (long r = 0; r < T * a->heads; r++) rmsnorm_row(q + r * d, a->qn, q + r * d, d, eps);
         for (long r = 0; r < T * a->kv_heads; r++) rmsnorm_row(k + r * d, a->kn, k + r * d, d, eps);
@@ -758,9 +795,9 @@ static int attention_block(const attn_block *a, const uint16_t *X, long ldx, lon
         memcpy(a->kpool + slots[t] * kd, kr + t * kd, sizeof(uint16_t) * kd);
         memcpy(a->vpool + slots[t] * kd, v + t * kd, sizeof(uint16_t) * kd);
     }
-    int status = hm_decode_attention_bf16(qr, hd, a->kpool, kd, a->vpool, kd, tables, table_starts, lengths, rows, n,
-                                          block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1, threads);
-    if (status == 0) linear_rows(a->wo, a->bo, att, hd, out, ldo, H, hd, T, threads, threaded_min_bytes);
+    status = hm_decode_attention_bf16(qr, hd, a->kpool, kd, a->vpool, kd, tables, table_starts, lengths, rows, n,
+                                      block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1, threads);
+    if (status == 0) status = project(a, 3, att, hd, out, ldo, H, hd, T, threads, threaded_min_bytes, scratch);
     free(buf);
     return status;
 }
@@ -768,7 +805,7 @@ static int attention_block(const attn_block *a, const uint16_t *X, long ldx, lon
 /* The attention half of a decoder layer (layers/decoder.py) around attention_block: h = RMSNorm(x)
    with in_w, the block on h, x_out = x + its output (bf16 sum, as torch adds bf16 tensors), h_out =
    RMSNorm(x_out) with post_w, the feed-forward's input; both norms with norm_eps. x_out, h_out: [T, H]
-   bf16 contiguous. Returns 0, or -1 if out of memory. */
+   bf16 contiguous. Returns 0, or attention_block's error. */
 int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const uint16_t *post_w, float norm_eps,
                               const uint16_t *X, long ldx, long T, const float *C, const float *S, long ldc,
                               const int64_t *slots, const int32_t *tables, const int32_t *table_starts,

@@ -12,11 +12,13 @@ layers/attention.py) and experts/ (expert FFNs).
 
 from __future__ import annotations
 
+import ctypes
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from hybridmoe.native import quant
 from hybridmoe.native.build import INT, F, N, P, cpu_flags, load
 from hybridmoe.native.threads import kernel_threads
 
@@ -80,6 +82,10 @@ SIGNATURES = {
     #     long ldk, long ldkh, const uint16_t *V, long ldv, long ldvh, long n, long L, long heads,
     #     long kv_heads, long d, long dv, float scale, void *out, long ldo, int out_bf16)
     "hm_prefill_attention_bf16": ([P, N, N, P, N, N, P, N, N, N, N, N, N, N, N, F, P, N, INT], INT),
+    # void hm_bind_quant(qlinear_fn f): quant.c's hm_qlinear, for attention weights in blocks
+    "hm_bind_quant": ([P], None),
+    # void hm_share_pool(parallel_fn f): run this library's regions on another's pool (pool.h)
+    "hm_share_pool": ([P], None),
 }
 
 
@@ -96,8 +102,15 @@ def cpu_has_native_bf16() -> bool:
 
 @lru_cache(maxsize=1)
 def library():
-    """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
-    return load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
+    """The compiled kernels, or None where they cannot run here (see the module's docstring).
+    Bound to quant.c's library where that one loads: its product for attention weights in blocks,
+    and its worker pool, which both libraries' kernels then share (pool.h)."""
+    lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
+    blocks = quant.library() if lib is not None and quant.best_isa() else None
+    if blocks is not None:
+        lib.hm_bind_quant(ctypes.cast(blocks.hm_qlinear, ctypes.c_void_p).value)
+        lib.hm_share_pool(ctypes.cast(blocks.hm_pool_parallel, ctypes.c_void_p).value)
+    return lib
 
 
 def available() -> bool:
