@@ -733,7 +733,7 @@ typedef struct {
 
 /* quant.c's hm_qlinear, for weights kept in GGUF blocks. The two kernels stay in two libraries (this
    one needs AVX512-BF16, quant.c runs on any AVX2 CPU); Python hands this one the other's function
-   when it loads them (hm_bind_quant, native/bf16.py). NULL until then. */
+   when it loads that one (hm_bind_quant, native/quant.py). NULL until then. */
 typedef int (*qlinear_fn)(int fmt, const void *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16,
                           long M, float *Y, long ldy, int threads, int isa);
 static qlinear_fn qlinear;

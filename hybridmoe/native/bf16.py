@@ -12,13 +12,11 @@ layers/attention.py) and experts/ (expert FFNs).
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from hybridmoe.native import quant
 from hybridmoe.native.build import INT, F, N, P, cpu_flags, load
 from hybridmoe.native.threads import kernel_threads
 
@@ -102,15 +100,8 @@ def cpu_has_native_bf16() -> bool:
 
 @lru_cache(maxsize=1)
 def library():
-    """The compiled kernels, or None where they cannot run here (see the module's docstring).
-    Bound to quant.c's library where that one loads: its product for attention weights in blocks,
-    and its worker pool, which both libraries' kernels then share (pool.h)."""
-    lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
-    blocks = quant.library() if lib is not None and quant.best_isa() else None
-    if blocks is not None:
-        lib.hm_bind_quant(ctypes.cast(blocks.hm_qlinear, ctypes.c_void_p).value)
-        lib.hm_share_pool(ctypes.cast(blocks.hm_pool_parallel, ctypes.c_void_p).value)
-    return lib
+    """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
+    return load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
 
 
 def available() -> bool:

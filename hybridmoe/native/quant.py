@@ -9,6 +9,7 @@ is False and callers dequantise and use torch (hybridmoe/quant/tensor.py).
 
 from __future__ import annotations
 
+import ctypes
 from functools import lru_cache
 from pathlib import Path
 
@@ -64,7 +65,22 @@ def isa() -> int:
 
 @lru_cache(maxsize=1)
 def library():
-    return load(SOURCE, FLAGS, SIGNATURES, HEADERS) if best_isa() else None
+    lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if best_isa() else None
+    if lib is not None:
+        _bind(lib)
+    return lib
+
+
+def _bind(lib) -> None:
+    """Hand the bf16 kernels' library, where it runs, this one's product (its attention block
+    takes weights in blocks through it) and this one's worker pool, which the two libraries'
+    kernels then share (pool.h says why)."""
+    from hybridmoe.native import bf16  # imported here: bf16.py's kernels are not always wanted
+
+    other = bf16.library()
+    if other is not None:
+        other.hm_bind_quant(ctypes.cast(lib.hm_qlinear, ctypes.c_void_p).value)
+        other.hm_share_pool(ctypes.cast(lib.hm_pool_parallel, ctypes.c_void_p).value)
 
 
 def available() -> bool:
