@@ -242,6 +242,30 @@ def test_other_contexts_and_dtypes_keep_torchs_path(monkeypatch):
 
 
 @needs_kernels
+@needs_kernels
+@pytest.mark.parametrize("heads, kv_heads, d, dv", LAYOUTS)
+def test_one_sequence_cut_by_kv_heads_over_threads_gives_the_same_bits(heads, kv_heads, d, dv):
+    """A decode step of one sequence, fewer sequences than threads: its KV heads are shared out
+    over the threads, and each head computed alone gives what one thread gives."""
+    gen = torch.Generator().manual_seed(kv_heads * 100 + d)
+    q, k_pool, v_pool, tables = paged_batch(heads, kv_heads, d, dv, 16, gen, lengths=[301])
+    outs, before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.zeros(len(q), heads, dv)  # [2, h, dv] fp32
+            run_kernel(q, k_pool, v_pool, tables, [301], 16, d**-0.5, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    want = reference(
+        q[1], history(k_pool, tables[0], 301, 16), history(v_pool, tables[0], 301, 16), d**-0.5
+    )
+    assert (outs[1][1].double() - want).abs().max() < 1e-5
+    assert torch.all(outs[1][0] == 0)  # the other row untouched
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])  # heads of 16 and 32, GQA
 def test_engine_greedy_output_is_that_of_torchs_attention(arch, tmp_path, monkeypatch):

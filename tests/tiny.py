@@ -195,13 +195,18 @@ def bf16_batch_greedy(arch: str, out: Path):
     """A tiny bf16 `arch` model built in `out`, and a function that runs six prompts (1 to 40
     tokens) through the batching engine with chunked prefill, greedily: to compare a kernel on and
     off."""
-    from hybridmoe.engine.config import EngineConfig
-    from hybridmoe.engine.llm_engine import LLMEngine
-    from hybridmoe.engine.sampler import SamplingParams
     from hybridmoe.loader import load_model
 
     build_tiny(arch, out, seed=3)
-    model = load_model(out, dtype=torch.bfloat16, progress=False)
+    return batch_greedy(load_model(out, dtype=torch.bfloat16, progress=False))
+
+
+def batch_greedy(model):
+    """bf16_batch_greedy's runner for a model already loaded (a GGUF file's, say)."""
+    from hybridmoe.engine.config import EngineConfig
+    from hybridmoe.engine.llm_engine import LLMEngine
+    from hybridmoe.engine.sampler import SamplingParams
+
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (1, 5, 17, 33, 9, 40)]
 

@@ -23,7 +23,9 @@ from hybridmoe.layers.linear import Linear, native_rows
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.packed_attention import packed_attention
 from hybridmoe.layers.rotary import Rotary, apply_rotary, tables
+from hybridmoe.native import quant as quant_kernels
 from hybridmoe.native import rows as row_ops
+from hybridmoe.quant.tensor import QTensor
 
 
 class KVContext(Protocol):
@@ -85,6 +87,18 @@ def _rows_of_cos(cos_sin, T: int, d: int) -> bool:
         and cos.stride(-1) == 1
         and row_ops.library() is not None
     )
+
+
+def _weight_fields(w) -> tuple[int, int, int] | None:
+    """A projection weight as bf16.c's attn_block holds it: (address, ggml type, bytes per row) of
+    a matrix in blocks the integer kernels take (one part, on the CPU), (address, 0, 0) of a plain
+    bf16 one (checked with the block's other tensors), None for neither."""
+    if not isinstance(w, QTensor):
+        return (w.data_ptr(), 0, 0) if isinstance(w, torch.Tensor) else None
+    run = w.row_run(0, w.shape[0])
+    if run is None or not w.parts[0].is_cpu or not quant_kernels.available():
+        return None
+    return run[0], w.fmt.ggml, run[1]
 
 
 def _whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -181,10 +195,11 @@ class Attention(nn.Module):
         )
 
     def _block_table(self, x: torch.Tensor, cos_sin, ctx) -> torch.Tensor | None:
-        """native.decoder_attention's table [16] for this step, or None where the block does not
+        """native.decoder_attention's table [25] for this step, or None where the block does not
         take it: a step whose rows all attend in the decode kernel (ctx.decode covers every
-        sequence) on bf16 rows the native linear takes, plain bf16 weights without adapters, Llama
-        or Qwen3 heads (no OLMoE norm over all heads, no clipping), pools made and on the CPU."""
+        sequence) on bf16 rows the native linear takes, weights plain bf16 or in blocks the integer
+        kernels take (_weight_fields), no adapters, Llama or Qwen3 heads (no OLMoE norm over all
+        heads, no clipping), pools made and on the CPU."""
         decode = getattr(ctx, "decode", None)
         if (
             decode is None
@@ -201,20 +216,22 @@ class Attention(nn.Module):
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         if pools is None or any(p.adapters for p in projections):
             return None
-        weights = [p.weight for p in projections]
+        fields = [_weight_fields(p.weight) for p in projections]
         biases = [p.bias for p in projections]
         norms = [self.q_norm.weight, self.k_norm.weight] if self.qk_norm else []
-        plain = [t for t in (*weights, *biases, *norms) if t is not None]
-        if not native.applies(x, *plain, *pools, max_rows=native_rows(x)):
+        plain = [p.weight for p, f in zip(projections, fields) if f is not None and not f[1]]
+        plain += [t for t in (*biases, *norms) if t is not None]
+        if None in fields or not native.applies(x, *plain, *pools, max_rows=native_rows(x)):
             return None
-        ptr = [0 if t is None else t.data_ptr() for t in (*weights, *biases)]
+        ptr = [f[0] for f in fields] + [0 if t is None else t.data_ptr() for t in biases]
         ptr += [t.data_ptr() for t in norms] or [0, 0]
         ptr += [pools[0].data_ptr(), pools[1].data_ptr()]
         ptr += [x.shape[1], self.heads, self.kv_heads, self.head_dim]
+        ptr += [f[1] for f in fields] + [f[2] for f in fields] + [quant_kernels.isa()]
         # the table is remade whenever a tensor it points to is not where it was (a new KV cache
-        # may reuse one pool's address and not the other's)
+        # may reuse one pool's address and not the other's), or the integer kernels' path changed
         if getattr(self, "_table_ptr", None) != ptr:
-            self._table = torch.tensor(ptr, dtype=torch.int64)  # [16]: bf16.c attn_block
+            self._table = torch.tensor(ptr, dtype=torch.int64)  # [25]: bf16.c attn_block
             self._table_ptr = ptr
         return self._table
 

@@ -402,27 +402,29 @@ ALWAYS_INLINE void weigh_values(float *O, long dv, long c0, const float *P, long
         for (int t = 0; t < 4; t++) _mm512_mask_storeu_ps(O + r * dv + c0 + 16 * t, m[t], acc[r][t]);
 }
 
-/* One sequence: q [heads, d] bf16 -> out [heads, dv] (fp32, or bf16 if out_bf16) over its L
-   positions at slots[0..L). S: heads x roundup(L, 16) floats, O: heads x dv floats of scratch. */
+/* One sequence's query heads of KV heads g0..g1-1: q [heads, d] bf16 -> out [heads, dv] (fp32, or bf16 if
+   out_bf16) over its L positions at slots[0..L). S: heads x roundup(L, 16) floats, O: heads x dv floats
+   of scratch. Each head's arithmetic is its own, whichever other heads come with it. */
 static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uint16_t *V, long ldv,
-                       const long *slots, long L, long heads, long kv_heads, long d, long dv, float scale,
-                       void *out, int out_bf16, float *S, float *O) {
-    const long G = heads / kv_heads, ldp = (L + 15) & ~15L;
+                       const long *slots, long L, long heads, long kv_heads, long g0, long g1, long d, long dv,
+                       float scale, void *out, int out_bf16, float *S, float *O) {
+    const long G = heads / kv_heads, ldp = (L + 15) & ~15L, h0 = g0 * G, h1 = g1 * G;
+    K += g0 * d, V += g0 * dv;  /* the rows' part of these KV heads: what the prefetches ask for */
     /* scores, 16 positions at a time; the block's key rows stay in L1 for every head */
-    prefetch_rows(K, ldk, slots, 0, L < AHEAD ? L : AHEAD, kv_heads * d * 2);
+    prefetch_rows(K, ldk, slots, 0, L < AHEAD ? L : AHEAD, (g1 - g0) * d * 2);
     for (long l0 = 0; l0 < L; l0 += 16) {
         const uint16_t *k[16];
-        prefetch_rows(K, ldk, slots, l0 + AHEAD, l0 + AHEAD + 16 < L ? l0 + AHEAD + 16 : L, kv_heads * d * 2);
-        for (long g = 0; g < kv_heads; g++) {
+        prefetch_rows(K, ldk, slots, l0 + AHEAD, l0 + AHEAD + 16 < L ? l0 + AHEAD + 16 : L, (g1 - g0) * d * 2);
+        for (long g = g0; g < g1; g++) {
             for (int j = 0; j < 16; j++)  /* past L: position L - 1 again, its scores unused */
-                k[j] = K + slots[l0 + j < L ? l0 + j : L - 1] * ldk + g * d;
+                k[j] = K + slots[l0 + j < L ? l0 + j : L - 1] * ldk + (g - g0) * d;
             for (long h = g * G; h < (g + 1) * G; h++)
                 _mm512_storeu_ps(S + h * ldp + l0, _mm512_mul_ps(scores16(q + h * d, k, d), _mm512_set1_ps(scale)));
         }
     }
     /* softmax numerators exp(s - max) in place; 1 / sum kept per head */
     float inv[heads];
-    for (long h = 0; h < heads; h++) {
+    for (long h = h0; h < h1; h++) {
         float *s = S + h * ldp;
         __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
         for (long l = 0; l < L; l += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, mask16(L - l), s + l));
@@ -436,17 +438,17 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
         inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     /* sum_l p_l v_l: 16 positions at a time, for up to 4 heads of a group and 64 columns at once */
-    memset(O, 0, sizeof(float) * heads * dv);
-    prefetch_rows(V, ldv, slots, 0, L < AHEAD ? L : AHEAD, kv_heads * dv * 2);
+    memset(O + h0 * dv, 0, sizeof(float) * (h1 - h0) * dv);
+    prefetch_rows(V, ldv, slots, 0, L < AHEAD ? L : AHEAD, (g1 - g0) * dv * 2);
     for (long l0 = 0; l0 < L; l0 += 16) {
         long l1 = l0 + 16 < L ? l0 + 16 : L;
-        prefetch_rows(V, ldv, slots, l0 + AHEAD, l0 + AHEAD + 16 < L ? l0 + AHEAD + 16 : L, kv_heads * dv * 2);
-        for (long g = 0; g < kv_heads; g++)
+        prefetch_rows(V, ldv, slots, l0 + AHEAD, l0 + AHEAD + 16 < L ? l0 + AHEAD + 16 : L, (g1 - g0) * dv * 2);
+        for (long g = g0; g < g1; g++)
             for (long h = g * G; h < (g + 1) * G; h += 4)
                 for (long c0 = 0; c0 < dv; c0 += 64) {
                     float *o = O + h * dv;
                     const float *p = S + h * ldp;
-                    const uint16_t *v = V + g * dv;
+                    const uint16_t *v = V + (g - g0) * dv;
                     switch ((g + 1) * G - h < 4 ? (g + 1) * G - h : 4) {
                     case 4: weigh_values(o, dv, c0, p, ldp, v, ldv, slots, l0, l1, 4); break;
                     case 3: weigh_values(o, dv, c0, p, ldp, v, ldv, slots, l0, l1, 3); break;
@@ -455,7 +457,7 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
                     }
                 }
     }
-    for (long h = 0; h < heads; h++)
+    for (long h = h0; h < h1; h++)
         for (long c = 0; c < dv; c += 16) {
             __mmask16 m = mask16(dv - c);
             __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, O + h * dv + c), _mm512_set1_ps(inv[h]));
@@ -472,11 +474,13 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
    + l % block_size with table = tables + table_starts[s]. K: [slots, kv_heads, d] bf16 with slot
    rows ldk apart, V: [slots, kv_heads, dv] with rows ldv apart. The sequences are shared out over
    `threads` threads, one at a time from a counter (a chunk of prefill rows, each its own sequence,
-   has lengths 1, 2, ..., n); each is computed alone, so the bits do not depend on the count.
-   Returns 0, or -1 if out of memory. */
+   has lengths 1, 2, ..., n); fewer sequences than threads (a decode step of one) are cut into parts of
+   their KV heads, so that every thread has work. Each head is computed alone, so the bits depend on
+   neither the thread count nor the cut. Returns 0, or -1 if out of memory. */
 typedef struct {
     const uint16_t *Q, *K, *V;
     long ldq, ldk, ldv, n, block_size, heads, kv_heads, d, dv, ldo, most;
+    long parts; /* units per sequence: each a share of its KV heads */
     const int32_t *tables, *table_starts, *lengths, *rows;
     float scale;
     void *out;
@@ -495,13 +499,15 @@ static void decode_region(void *arg, int t, int T) {
         free(slots), free(S), free(O);
         return;
     }
-    for (long s; (s = next_unit(&c->next, c->n)) >= 0;) {
+    for (long u; (u = next_unit(&c->next, c->n * c->parts)) >= 0;) {
+        const long s = u / c->parts, part = u % c->parts;
+        const long g0 = part * c->kv_heads / c->parts, g1 = (part + 1) * c->kv_heads / c->parts;
         const int32_t *table = c->tables + c->table_starts[s];
         long L = c->lengths[s], row = c->rows[s];
         for (long l = 0, b = 0; l < L; b++)  /* no division per position */
             for (long i = 0; i < c->block_size && l < L; i++) slots[l++] = (long)table[b] * c->block_size + i;
         void *o = c->out_bf16 ? (void *)((uint16_t *)c->out + row * c->ldo) : (void *)((float *)c->out + row * c->ldo);
-        attend_one(c->Q + row * c->ldq, c->K, c->ldk, c->V, c->ldv, slots, L, c->heads, c->kv_heads, c->d, c->dv,
+        attend_one(c->Q + row * c->ldq, c->K, c->ldk, c->V, c->ldv, slots, L, c->heads, c->kv_heads, g0, g1, c->d, c->dv,
                    c->scale, o, c->out_bf16, S, O);
     }
     free(slots), free(S), free(O);
@@ -512,11 +518,11 @@ int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, lon
                              const int32_t *rows, long n, long block_size, long heads, long kv_heads, long d,
                              long dv, float scale, void *out, long ldo, int out_bf16, int threads) {
     decode_call c = {Q, K, V, ldq, ldk, ldv, n, block_size, heads, kv_heads, d, dv, ldo, 1,
-                     tables, table_starts, lengths, rows, scale, out, out_bf16};
+                     n < threads ? kv_heads : 1, tables, table_starts, lengths, rows, scale, out, out_bf16};
     for (long s = 0; s < n; s++) c.most = lengths[s] > c.most ? lengths[s] : c.most;
     atomic_init(&c.next, 0);
     atomic_init(&c.failed, 0);
-    hm_parallel(decode_region, &c, (int)min_l(threads, n));
+    hm_parallel(decode_region, &c, (int)min_l(threads, n * c.parts));
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
@@ -716,36 +722,73 @@ int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint
    of q and k (Qwen3), the rotary embedding, k and v written to the paged pools at the rows' slots,
    hm_decode_attention_bf16 into bf16 rows, then o = linear(attention). Each step here is the C function
    the Python path calls for it, in the same order with the same roundings, so the output is the same,
-   bit for bit; what it saves is ~20 torch and Python calls a layer (docs/notes/2026-11-24-gemv-streams.md). */
+   bit for bit; what it saves is ~20 torch and Python calls a layer (docs/notes/2026-11-24-gemv-streams.md).
+   The projections' weights may be plain bf16 or kept in GGUF blocks (each its own), the latter through
+   quant.c's product as quant/tensor.py's `linear` calls it. */
 
 typedef struct {
-    const uint16_t *wq, *wk, *wv, *wo; /* [h d, H], [kvh d, H], [kvh d, H], [H, h d] bf16 */
-    const uint16_t *bq, *bk, *bv, *bo; /* their biases [rows] bf16, or NULL */
+    const void *w[4];                  /* q, k, v, o: [h d, H], [kvh d, H], [kvh d, H], [H, h d], bf16 or blocks */
+    const uint16_t *bias[4];           /* their biases [rows] bf16, or NULL */
     const uint16_t *qn, *kn;           /* per-head RMSNorm weights [d] bf16 (q_norm, k_norm), or NULL */
     uint16_t *kpool, *vpool;           /* [slots, kvh, d] bf16, contiguous */
     long hidden, heads, kv_heads, d;
+    long fmt[4];                       /* each weight's ggml block type (quant.c), or 0: plain bf16 */
+    long ldw[4];                       /* bytes per row of a weight in blocks */
+    long isa;                          /* quant.c's instruction-set path for the weights in blocks */
 } attn_block;
 
-static void linear_rows(const uint16_t *W, const uint16_t *bias, const uint16_t *X, long ldx, uint16_t *Y, long ldy,
-                        long O, long I, long M, int threads, long threaded_min_bytes) {
-    hm_linear_bf16(W, X, ldx, bias, Y, ldy, O, I, M, 2 * O * I < threaded_min_bytes ? 1 : threads);
+/* quant.c's hm_qlinear, for weights kept in GGUF blocks. The two kernels stay in two libraries (this
+   one needs AVX512-BF16, quant.c runs on any AVX2 CPU); Python hands this one the other's function
+   when it loads that one (hm_bind_quant, native/quant.py). NULL until then. */
+typedef int (*qlinear_fn)(int fmt, const void *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16,
+                          long M, float *Y, long ldy, int threads, int isa);
+static qlinear_fn qlinear;
+
+void hm_bind_quant(qlinear_fn f) { qlinear = f; }
+
+/* Y [M, O] bf16 (rows ldy apart) = projection j of the block on X [M, I], as layers/linear.py computes it:
+   a bf16 weight as F.linear (hm_linear_bf16); a weight in blocks as quant/tensor.py's `linear`: the fp32
+   product rounded to bf16, then the bias added to it in bf16 (torch's bf16 sum: fp32, rounded once).
+   scratch: M x O floats. Returns 0, or quant.c's error. */
+static int project(const attn_block *a, int j, const uint16_t *X, long ldx, uint16_t *Y, long ldy, long O, long I,
+                   long M, int threads, long threaded_min_bytes, float *scratch) {
+    const uint16_t *bias = a->bias[j];
+    if (!a->fmt[j]) {
+        hm_linear_bf16(a->w[j], X, ldx, bias, Y, ldy, O, I, M, 2 * O * I < threaded_min_bytes ? 1 : threads);
+        return 0;
+    }
+    if (!qlinear) return -1;
+    int status = qlinear((int)a->fmt[j], a->w[j], a->ldw[j], O, I, X, ldx, 1, M, scratch, O,
+                         a->ldw[j] * O < threaded_min_bytes ? 1 : threads, (int)a->isa);
+    for (long m = 0; m < M && status == 0; m++)
+        for (long o = 0; o < O; o++) {
+            float y = round_bf16(scratch[m * O + o]);
+            Y[m * ldy + o] = bf16(bias ? y + f32(bias[o]) : y);
+        }
+    return status;
 }
 
 /* x [T, H] bf16 (rows ldx apart) -> out [T, H] bf16 (rows ldo apart). C, S: [T, d] fp32 cos and sin, rows
    ldc apart; slots [T] int64: each row's pool slot; tables .. n: hm_decode_attention_bf16's, covering
-   every row. Products of fewer than threaded_min_bytes of weights stay on one thread. Returns 0, or -1
-   if out of memory. */
+   every row. Products of fewer than threaded_min_bytes of weights stay on one thread. Returns 0, or
+   nonzero: out of memory, or quant.c's error for a weight in blocks. */
 static int attention_block(const attn_block *a, const uint16_t *X, long ldx, long T, const float *C, const float *S,
                             long ldc, const int64_t *slots, const int32_t *tables, const int32_t *table_starts,
                             const int32_t *lengths, const int32_t *rows, long n, long block_size, float scale,
                             float eps, uint16_t *out, long ldo, int threads, long threaded_min_bytes) {
     const long H = a->hidden, d = a->d, hd = a->heads * d, kd = a->kv_heads * d;
-    uint16_t *buf = malloc(sizeof(uint16_t) * T * (3 * hd + 3 * kd));
+    const long most = hd > H ? hd : H;
+    uint16_t *buf = malloc(sizeof(uint16_t) * T * (3 * hd + 3 * kd) + sizeof(float) * T * most);
     if (!buf) return -1;
     uint16_t *q = buf, *k = q + T * hd, *v = k + T * kd, *qr = v + T * kd, *kr = qr + T * hd, *att = kr + T * kd;
-    linear_rows(a->wq, a->bq, X, ldx, q, hd, hd, H, T, threads, threaded_min_bytes);  /* [T, h d] */
-    linear_rows(a->wk, a->bk, X, ldx, k, kd, kd, H, T, threads, threaded_min_bytes);  /* [T, kvh d] */
-    linear_rows(a->wv, a->bv, X, ldx, v, kd, kd, H, T, threads, threaded_min_bytes);  /* [T, kvh d] */
+    float *scratch = (float *)(att + T * hd);  /* [T, max(h d, H)]: a product in blocks before its rounding */
+    int status = project(a, 0, X, ldx, q, hd, hd, H, T, threads, threaded_min_bytes, scratch);  /* [T, h d] */
+    if (!status) status = project(a, 1, X, ldx, k, kd, kd, H, T, threads, threaded_min_bytes, scratch);  /* [T, kvh d] */
+    if (!status) status = project(a, 2, X, ldx, v, kd, kd, H, T, threads, threaded_min_bytes, scratch);  /* [T, kvh d] */
+    if (status) {
+        free(buf);
+        return status;
+    }
     if (a->qn) { /* in place: each head's row is read whole before it is written */
         for (long r = 0; r < T * a->heads; r++) rmsnorm_row(q + r * d, a->qn, q + r * d, d, eps);
         for (long r = 0; r < T * a->kv_heads; r++) rmsnorm_row(k + r * d, a->kn, k + r * d, d, eps);
@@ -758,9 +801,9 @@ static int attention_block(const attn_block *a, const uint16_t *X, long ldx, lon
         memcpy(a->kpool + slots[t] * kd, kr + t * kd, sizeof(uint16_t) * kd);
         memcpy(a->vpool + slots[t] * kd, v + t * kd, sizeof(uint16_t) * kd);
     }
-    int status = hm_decode_attention_bf16(qr, hd, a->kpool, kd, a->vpool, kd, tables, table_starts, lengths, rows, n,
-                                          block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1, threads);
-    if (status == 0) linear_rows(a->wo, a->bo, att, hd, out, ldo, H, hd, T, threads, threaded_min_bytes);
+    status = hm_decode_attention_bf16(qr, hd, a->kpool, kd, a->vpool, kd, tables, table_starts, lengths, rows, n,
+                                      block_size, a->heads, a->kv_heads, d, d, scale, att, hd, 1, threads);
+    if (status == 0) status = project(a, 3, att, hd, out, ldo, H, hd, T, threads, threaded_min_bytes, scratch);
     free(buf);
     return status;
 }
@@ -768,7 +811,7 @@ static int attention_block(const attn_block *a, const uint16_t *X, long ldx, lon
 /* The attention half of a decoder layer (layers/decoder.py) around attention_block: h = RMSNorm(x)
    with in_w, the block on h, x_out = x + its output (bf16 sum, as torch adds bf16 tensors), h_out =
    RMSNorm(x_out) with post_w, the feed-forward's input; both norms with norm_eps. x_out, h_out: [T, H]
-   bf16 contiguous. Returns 0, or -1 if out of memory. */
+   bf16 contiguous. Returns 0, or attention_block's error. */
 int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const uint16_t *post_w, float norm_eps,
                               const uint16_t *X, long ldx, long T, const float *C, const float *S, long ldc,
                               const int64_t *slots, const int32_t *tables, const int32_t *table_starts,

@@ -107,7 +107,27 @@ static int pool_grow(int T) {
     return pool.made + 1 < T ? pool.made + 1 : T;
 }
 
+/* One pool for every library that includes this header: each library has its own copy of the pool,
+   and two pools' workers, each spinning after its own regions, took each other's cores on a 2-core
+   machine. Python points all but one library at that one's hm_pool_parallel (hm_share_pool); their
+   regions then run on its threads. (barrier() keeps its counter in the region's own library: only one
+   region runs at a time, and a barrier leaves its counter at 0.) */
+typedef void (*parallel_fn)(region_fn fn, void *arg, int T);
+static parallel_fn shared_parallel;
+
+void hm_pool_parallel(region_fn fn, void *arg, int T);
+
+void hm_share_pool(parallel_fn f) { shared_parallel = f == hm_pool_parallel ? NULL : f; }
+
 static void hm_parallel(region_fn fn, void *arg, int T) {
+    if (shared_parallel && T > 1) {
+        shared_parallel(fn, arg, T);
+        return;
+    }
+    hm_pool_parallel(fn, arg, T);
+}
+
+void hm_pool_parallel(region_fn fn, void *arg, int T) {
     if (T <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
         fn(arg, 0, 1);
         return;

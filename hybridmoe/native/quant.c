@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "rows.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
@@ -1045,6 +1046,46 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
     free(gu);
     free(mem);
     return atomic_load(&c.status);
+}
+
+/* One token's routed experts from the router's choice as it stands, and their weighted sum, in one call.
+   ids [K] (int64, top-k order, distinct) and weights w [K] (fp32) index experts [E, 7], the layer's
+   table: each expert's gate, up and down addresses, the bytes per row of gate/up and of down, and their
+   ggml types. x [H] (bf16 when x_bf16, else fp32) -> out [H] in x's type: sum_j y_j * w_j over the
+   experts in increasing id, each term in fp32 (y_j first rounded to bf16 for a bf16 token), added from
+   0, the sum rounded once: the bits of hm_qexperts' outputs converted to x's type and then combined as
+   combine_token (experts/run/ffn.py) combines them with torch (a product and a sum, two roundings:
+   -ffp-contract=off). Returns hm_qexperts' status (0, -1 a format or width it does not take, -2 no
+   memory). */
+int hm_qmoe_token(const int64_t *experts, const int64_t *ids, const float *w, long K, const void *x, int x_bf16,
+                  long H, long I, int threads, int isa, void *out) {
+    long order[64];
+    if (K > 64) return -1;
+    for (long k = 0; k < K; k++) { /* insertion sort of k by ids[k] */
+        long j = k;
+        for (; j > 0 && ids[order[j - 1]] > ids[k]; j--) order[j] = order[j - 1];
+        order[j] = k;
+    }
+    expert_job e[64];
+    float *y = malloc(sizeof(float) * K * H);  /* [K, H]: each expert's output, in increasing id */
+    if (!y) return -2;
+    for (long j = 0; j < K; j++) {
+        const int64_t *p = experts + 7 * ids[order[j]];
+        e[j] = (expert_job){(const uint8_t *)p[0], (const uint8_t *)p[1], (const uint8_t *)p[2], p[3], p[4], p[5],
+                            p[6], x, H, 1, y + j * H, 0};
+    }
+    int status = hm_qexperts(e, K, H, I, x_bf16, threads, isa);
+    for (long h = 0; h < H && status == 0; h++) {
+        float acc = 0.0f;
+        for (long j = 0; j < K; j++) {
+            float v = y[j * H + h];
+            acc += (x_bf16 ? round_bf16(v) : v) * w[order[j]];
+        }
+        if (x_bf16) ((uint16_t *)out)[h] = bf16(acc);
+        else ((float *)out)[h] = acc;
+    }
+    free(y);
+    return status;
 }
 
 /* ---- quantisers: rows of fp32 values to blocks (for --quant at load and for writing GGUF files) ---- */

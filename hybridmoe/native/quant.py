@@ -9,6 +9,7 @@ is False and callers dequantise and use torch (hybridmoe/quant/tensor.py).
 
 from __future__ import annotations
 
+import ctypes
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,12 +20,13 @@ from hybridmoe.native.build import INT, N, P, cpu_flags, load
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("quant.c")
-HEADERS = (Path(__file__).with_name("pool.h"),)
+HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("rows.h"))
 # no global ISA flags (each path has its own target attribute); floats exactly as written, so that
 # both paths round alike; the worker threads of pool.h
 FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
+TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_token's table
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
 SIGNATURES = {
@@ -35,6 +37,12 @@ SIGNATURES = {
     "hm_qexperts": ([P, N, N, N, INT, INT, INT], INT),
     # int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out)
     "hm_quantize": ([INT, P, N, N, P], INT),
+    # int hm_qmoe_token(const int64_t *experts, const int64_t *ids, const float *w, long K,
+    #                   const void *x, int x_bf16, long H, long I, int threads, int isa, void *out)
+    "hm_qmoe_token": ([P, P, P, N, P, INT, N, N, INT, INT, P], INT),
+    # void hm_pool_parallel(region_fn fn, void *arg, int T): the pool every library's regions
+    # share (pool.h); not called from Python, its address handed to the others
+    "hm_pool_parallel": ([P, P, INT], None),
 }
 
 _PATHS = {"avx512": AVX512, "avx2": AVX2, "off": 0}
@@ -57,7 +65,22 @@ def isa() -> int:
 
 @lru_cache(maxsize=1)
 def library():
-    return load(SOURCE, FLAGS, SIGNATURES, HEADERS) if best_isa() else None
+    lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if best_isa() else None
+    if lib is not None:
+        _bind(lib)
+    return lib
+
+
+def _bind(lib) -> None:
+    """Hand the bf16 kernels' library, where it runs, this one's product (its attention block
+    takes weights in blocks through it) and this one's worker pool, which the two libraries'
+    kernels then share (pool.h says why)."""
+    from hybridmoe.native import bf16  # imported here: bf16.py's kernels are not always wanted
+
+    other = bf16.library()
+    if other is not None:
+        other.hm_bind_quant(ctypes.cast(lib.hm_qlinear, ctypes.c_void_p).value)
+        other.hm_share_pool(ctypes.cast(lib.hm_pool_parallel, ctypes.c_void_p).value)
 
 
 def available() -> bool:
@@ -163,6 +186,54 @@ def expert(
     """M tokens through one SwiGLU expert whose gate_up [2I, H] and down [H, I] are QTensors
     -> [M, H] fp32 (one thread unless told: a caller's worker pool runs experts side by side)."""
     return experts([x], [(gate_up, down)], path, workers)[0]
+
+
+def expert_table(weights: list[tuple]) -> torch.Tensor | None:
+    """moe_token's table [E, TABLE_FIELDS] for a layer's experts weights[e] = (gate_up [2I, H],
+    down [H, I]) QTensors: each expert's gate, up and down addresses, row strides and formats; None
+    where some expert's gate and up rows do not lie in one place each with one stride, or its down
+    rows in one place (the table has one pointer each)."""
+    rows = []
+    for gate_up, down in weights:
+        inter, hidden = down.shape[1], down.shape[0]
+        gate, up = gate_up.row_run(0, inter), gate_up.row_run(inter, inter)
+        dn = down.row_run(0, hidden)
+        if gate is None or up is None or dn is None or gate[1] != up[1]:
+            return None
+        rows.append([gate[0], up[0], dn[0], gate[1], dn[1], gate_up.fmt.ggml, down.fmt.ggml])
+    return torch.tensor(rows, dtype=torch.int64)  # [E, TABLE_FIELDS]
+
+
+def moe_token(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    inter: int,
+    workers: int,
+    path: int | None = None,
+) -> torch.Tensor:
+    """One token x [1, H] (bf16 or fp32) through its routed experts and their weighted sum -> [1, H]
+    in x's dtype: the bits of `experts` converted to x's dtype, then experts/run/ffn.py's
+    combine_token. table: expert_table's; ids [1, K] int64 and weights [1, K] fp32 as the router
+    gives them (unsorted)."""
+    hidden = x.shape[1]
+    out = torch.empty(1, hidden, dtype=x.dtype)  # [1, H]
+    status = library().hm_qmoe_token(
+        table.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        ids.shape[1],
+        x.data_ptr(),
+        x.dtype == torch.bfloat16,
+        hidden,
+        inter,
+        workers,
+        path or isa(),
+        out.data_ptr(),
+    )
+    _check(status, "quantised experts of a token")
+    return out
 
 
 def quantize(x: torch.Tensor, fmt: int, row_bytes: int) -> torch.Tensor:

@@ -39,6 +39,8 @@ from hybridmoe.experts.run.ffn import (
 from hybridmoe.experts.run.lora import RowLoRA, expert_rows
 from hybridmoe.experts.run.runtime_stats import RuntimeStats
 from hybridmoe.experts.run.store import ExpertStore
+from hybridmoe.native import quant as quant_kernels
+from hybridmoe.quant.tensor import QTensor
 
 # The next MoE layer's router applied to this layer's input, [T, E] probabilities, computed only if
 # the runtime asks (its predictor does): what layers/moe.py hands `forward` as `hint`.
@@ -118,6 +120,17 @@ def _split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n: int):
         topk_ids[keep].view(t, k - n),
         topk_weights[keep].view(t, k - n),
         (topk_ids[later].view(t, n), topk_weights[later].view(t, n)),
+    )
+
+
+def _in_blocks(w) -> bool:
+    """Whether an expert's weights are QTensors the integer kernels read in place (on the CPU)."""
+    return (
+        isinstance(w.gate_up, QTensor)
+        and isinstance(w.down, QTensor)
+        and w.gate_up.parts[0].is_cpu
+        and w.down.parts[0].is_cpu
+        and quant_kernels.available()
     )
 
 
@@ -280,44 +293,53 @@ class CPURuntime(BaseRuntime):
         self, shape: ExpertShape, dtype: torch.dtype = torch.float32, cpu_workers: int | None = None
     ):
         super().__init__(shape, dtype, RuntimeStats("cpu", "cpu", 0), cpu_workers)
-        self._tables: dict[int, tuple[int, torch.Tensor | None]] = {}  # _expert_table's
+        self._tables: dict[int, tuple[int, tuple]] = {}  # _expert_table's
 
     def _mix_token(self, layer, x, topk_ids, topk_weights):
-        """A decode token's experts and their weighted sum in one native call (native.moe_token:
-        the bits of experts_ffn then combine_token), or None where that does not apply: (output
-        [1, H], expert ids, busy seconds)."""
+        """A decode token's experts and their weighted sum in one native call (native.moe_token
+        for bf16 experts, quant_kernels.moe_token for experts in blocks: the bits of experts_ffn
+        then combine_token), or None where that does not apply: (output [1, H], expert ids, busy
+        seconds)."""
         if not (
             x.shape[0] == 1
             and x.stride(-1) == 1
+            and x.is_cpu
             and topk_ids.dtype == torch.int64
             and topk_weights.dtype == torch.float32
             and topk_ids.is_contiguous()
             and topk_weights.is_contiguous()
-            and native.applies(x)
         ):
             return None
-        table = self._expert_table(layer)
+        table, blocks = self._expert_table(layer)
         if table is None:
             return None
+        inter, workers = self.shape.intermediate, self.cpu.workers_now()
         t0 = time.perf_counter()
-        inter = self.shape.intermediate
-        out = native.moe_token(table, topk_ids, topk_weights, x, inter, self.cpu.workers_now())
+        if blocks and x.dtype in (torch.bfloat16, torch.float32):
+            out = quant_kernels.moe_token(table, topk_ids, topk_weights, x, inter, workers)
+        elif not blocks and native.applies(x):
+            out = native.moe_token(table, topk_ids, topk_weights, x, inter, workers)
+        else:
+            return None
         return out, topk_ids[0].tolist(), time.perf_counter() - t0
 
-    def _expert_table(self, layer: int) -> torch.Tensor | None:
-        """int64 [E, 2]: each of the layer's experts' gate_up and down pointers, where every expert
-        is a plain bf16 matrix pair; else None. Kept until the store changes."""
+    def _expert_table(self, layer: int) -> tuple[torch.Tensor | None, bool]:
+        """The layer's expert table and whether its experts are in blocks: int64 [E, 2] of each
+        expert's gate_up and down pointers where every expert is a plain bf16 matrix pair, quant.c's
+        [E, 7] (quant_kernels.expert_table) where every one is a pair of QTensors the integer
+        kernels take; else None. Kept until the store changes."""
         cached = self._tables.get(layer)
         if cached is not None and cached[0] == self.store.version:
             return cached[1]
         pairs = [self.store.records.get((layer, e)) for e in range(self.shape.num_experts)]
-        plain = all(w is not None and native.weights_apply(w.gate_up, w.down) for w in pairs)
-        table = None
-        if plain:
+        table, blocks = None, False
+        if all(w is not None and native.weights_apply(w.gate_up, w.down) for w in pairs):
             ptrs = [[w.gate_up.data_ptr(), w.down.data_ptr()] for w in pairs]
             table = torch.tensor(ptrs, dtype=torch.int64)  # [E, 2]
-        self._tables[layer] = (self.store.version, table)
-        return table
+        elif all(w is not None and _in_blocks(w) for w in pairs):
+            table, blocks = quant_kernels.expert_table([(w.gate_up, w.down) for w in pairs]), True
+        self._tables[layer] = (self.store.version, (table, blocks))
+        return table, blocks
 
     def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
         t0 = time.perf_counter()

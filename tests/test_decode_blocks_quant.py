@@ -1,0 +1,161 @@
+"""A decode step's blocks on weights kept in GGUF blocks (Q8_0, Q4_K) against the layers' own
+paths, step by step inside real engine runs: a layer's attention half in one call (bf16.c's block
+calling quant.c's product) and a token's routed experts with their mix (quant.c hm_qmoe_token) give
+the same bits, so the same logits and tokens as with the native blocks off; and the AVX2 and AVX-512
+paths give the same logits through them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe import native
+from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.experts.run.runtime import CPURuntime
+from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.decoder import DecoderLayer
+from hybridmoe.loader import load_model
+from hybridmoe.models.base import CausalLM
+from hybridmoe.native import quant as kernels
+from tests.gguf_writer import Q, write_gguf
+from tests.tiny import batch_greedy, build_tiny, build_wide_mixtral
+
+needs_bf16 = pytest.mark.skipif(
+    not native.cpu_has_avx512_bf16(), reason="the attention half needs a CPU with AVX512-BF16"
+)
+needs_quant = pytest.mark.skipif(
+    kernels.best_isa() == 0, reason="needs AVX2 for the integer kernels"
+)
+FILES = ["q8_0-qwen3_moe", "q4_k-wide_mixtral"]
+BIASED = "q8_0-qwen2_moe"  # q/k/v biases, added to the products in blocks
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """name -> a tiny model's GGUF file, each written once: Qwen3-MoE (per-head q/k norms) and
+    Qwen2-MoE (q/k/v biases) in Q8_0, Mixtral 256 wide (every matrix in whole K-quant blocks) in
+    Q4_K."""
+    made = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            qtype, arch = name.split("-")
+            hf = tmp_path_factory.mktemp(arch)
+            build_wide_mixtral(hf) if arch == "wide_mixtral" else build_tiny(arch, hf, seed=3)
+            made[name] = str(write_gguf(hf, hf / f"{name}.gguf", Q[qtype.upper()]))
+        return made[name]
+
+    return get
+
+
+def blocks_off(m: pytest.MonkeyPatch) -> None:
+    m.setattr(Attention, "_block_table", lambda *a: None)
+    m.setattr(CPURuntime, "_mix_token", lambda *a: None)
+
+
+@needs_bf16
+@needs_quant
+@pytest.mark.parametrize("name", [*FILES, BIASED])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_attention_half_on_weights_in_blocks_gives_the_layers_bits(
+    name, threads, gguf, monkeypatch
+):
+    """The input norm, q/k/v/o in blocks, the residual sum and the post-attention norm in one
+    call against the modules one by one, on every decode step's input: the same outputs and KV
+    entries."""
+
+    model = load_model(gguf(name), dtype=torch.bfloat16, progress=False)
+    forward, compared = DecoderLayer.forward, []
+
+    def both(self, x, cos_sin, ctx):
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        table = self.self_attn._block_table(x, cos_sin, ctx)
+        half = self.self_attn.decoder_half(x, norms, cos_sin, ctx)
+        if half is not None:
+            assert all(table[16:20].tolist())  # every projection in blocks
+            k_pool, v_pool = (p.clone() for p in ctx.pools_of(self.self_attn.layer))
+            with monkeypatch.context() as m:
+                blocks_off(m)
+                x_ref = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx)
+            assert torch.equal(half[0], x_ref)
+            assert torch.equal(half[1], self.post_attention_layernorm(x_ref))
+            k_ref, v_ref = ctx.pools_of(self.self_attn.layer)
+            assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+            compared.append(x.shape[0])
+        return forward(self, x, cos_sin, ctx)
+
+    monkeypatch.setattr(DecoderLayer, "forward", both)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            batch_greedy(model)()
+    finally:
+        torch.set_num_threads(before)
+    assert len(compared) > 20 and max(compared) > 1  # decode batches of several sequences too
+
+
+@needs_quant
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tokens_experts_in_blocks_in_one_call_give_the_runtimes_bits(
+    name, dtype, gguf, monkeypatch
+):
+    """Every MoE layer of every decode token both ways on the same input: hm_qmoe_token against
+    the runtime's experts_ffn + combine_token, bit for bit, for bf16 and fp32 tokens."""
+    model = load_model(gguf(name), dtype=dtype, progress=False)
+    layer_of, compared = CPURuntime._layer, []
+
+    def both(self, layer, x, topk_ids, topk_weights, hint, lora=None):
+        fast = self._mix_token(layer, x, topk_ids, topk_weights)
+        out, report = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
+        if fast is None:
+            return out, report
+        assert self._expert_table(layer)[1]  # the experts' table in blocks
+        with monkeypatch.context() as m:
+            m.setattr(CPURuntime, "_mix_token", lambda *a: None)
+            ref, _ = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
+        assert torch.equal(out, ref) and torch.equal(fast[0], ref)
+        compared.append(layer)
+        return out, report
+
+    monkeypatch.setattr(CPURuntime, "_layer", both)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with torch.inference_mode():
+        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
+    assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer
+
+
+def run_logits(path: str, monkeypatch, isa: str, blocks: bool):
+    """The batch runner's tokens and every step's logits, the integer kernels on path `isa`, the
+    native decode blocks on or off."""
+    monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", isa)
+    model, seen = load_model(path, dtype=torch.bfloat16, progress=False), []
+    logits = CausalLM.logits
+
+    def spy(self, hidden):
+        seen.append(logits(self, hidden))
+        return seen[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(CausalLM, "logits", spy)
+        if not blocks:
+            blocks_off(m)
+        with torch.inference_mode():
+            tokens = batch_greedy(model)()
+    return tokens, seen
+
+
+@needs_bf16
+@needs_quant
+@pytest.mark.parametrize("name", FILES)
+def test_the_native_blocks_and_both_paths_give_the_same_logits(name, gguf, monkeypatch):
+    """Whole runs: the native decode blocks on and off give the same logits at every step and the
+    same tokens, and so do the AVX2 and AVX-512 paths with the blocks on."""
+    path = gguf(name)
+    tokens, logits = run_logits(path, monkeypatch, "avx512", blocks=True)
+    for isa, blocks in (("avx512", False), ("avx2", True)):
+        other_tokens, other_logits = run_logits(path, monkeypatch, isa, blocks)
+        assert other_tokens == tokens and len(other_logits) == len(logits) > 20
+        assert all(torch.equal(a, b) for a, b in zip(logits, other_logits))
