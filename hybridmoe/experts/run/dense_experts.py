@@ -63,11 +63,12 @@ class _Dense(torch.autograd.Function):
         T, E, dtype = len(x), store.shape.num_experts, store.dtype
         gate_up, down = _joined(store, layer)
         wd = _dense_weights(topk_ids, topk_weights, E)[..., None]  # [T, E, 1]
-        gu = F.linear(x.to(dtype), gate_up).float().view(T, E, -1)  # [T, E, 2I]
-        if gu_a is not None:
-            gu += s * torch.einsum("ter,eor->teo", _x_a(x.float(), gu_a), gu_b)
+        gu = F.linear(x.to(dtype), gate_up).float()  # [T, E 2I]
+        if gu_a is not None:  # one product with the B's as a block diagonal [E r, E 2I]
+            gu.addmm_(_x_a(x.float(), gu_a).view(T, -1), torch.block_diag(*gu_b.mT), alpha=s)
+        gu = gu.view(T, E, -1)  # [T, E, 2I]
         gate, up = gu.chunk(2, dim=-1)  # [T, E, I] each
-        h = F.silu(gate) * up  # [T, E, I]
+        h = F.silu(gate).mul_(up)  # [T, E, I]
         y = F.linear((h * wd).to(dtype).view(T, -1), down).float()  # [T, H]
         if d_a is not None:
             ha = torch.einsum("tei,eri->ter", h, d_a)  # [T, E, r]
@@ -95,10 +96,14 @@ class _Dense(torch.autograd.Function):
         grads = [None] * 4
         if d_a is not None:
             grads[2:], gdb = _down_lora_grads(g.float(), h, wd, d_a, d_b, s)
-            dh += s * torch.einsum("ter,eri->tei", gdb, d_a)
+            dh += torch.einsum("ter,eri->tei", gdb.mul_(s), d_a)
         dw = (dh * h).sum(dim=-1).gather(1, ids)  # [T, K]: <g, expert output>
         dh *= wd
-        dgu = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * sg], dim=-1)  # [T, E, 2I]
+        dgu = torch.empty(gu.shape)  # [T, E, 2I]
+        dgate, dup = dgu.chunk(2, dim=-1)
+        torch.mul(dh, sg, out=dup)
+        # silu'(z) = sig(z) (1 + z (1 - sig(z))) = sig (1 + z - silu(z))
+        torch.sub(gate, sg, out=dgate).add_(1).mul_(sig).mul_(up).mul_(dh)
         dx = (dgu.to(dtype).view(T, -1) @ gate_up).float()  # [T, H]
         if gu_a is not None:
             grads[:2] = _gate_up_lora_grads(x.float(), dgu, dx, gu_a, gu_b, s)
