@@ -37,6 +37,12 @@ TRAIN_ROW_GRAIN = 8
 # (quant/transposed.py): a tile's values are all that exist of it in floats (1 MB for 256 rows of
 # 1,024 values in fp32).
 TRAIN_DEQUANT_ROWS = 256
+# The share of a layer's experts each token chooses from which a training step computes every
+# expert for every token in four large products (experts/run/dense_experts.py) rather than each
+# expert on its own rows: E / K times the multiply-adds, at a large product's speed. The demo
+# (8 of 16) is faster so (docs/notes/2026-11-25-finetune-dense-experts.md); Qwen3-30B-A3B (8 of
+# 128) would do 16x the work.
+TRAIN_DENSE_EXPERT_SHARE = 0.25
 
 # ---- calibration -------------------------------------------------------------------------------
 

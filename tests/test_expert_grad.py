@@ -37,9 +37,12 @@ def reference(store, x, ids, w, lora):
 
 
 @pytest.mark.parametrize("matrices", [("gate_up", "down"), ("gate_up",), ("down",), ()])
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, 2, "dense"])
 def test_expert_layer_gradients_equal_autograd_over_dense_experts(matrices, workers):
-    g = torch.Generator().manual_seed(len(matrices) + 7 * workers)
+    """workers: the grouped form on that many CPU workers, or the form over every expert."""
+    dense = workers == "dense"
+    workers = 1 if dense else workers
+    g = torch.Generator().manual_seed(len(matrices) + 7 * workers + dense)
     store = ExpertStore(ExpertShape(H, II, E, K, (0,)), torch.float32)
     for e in range(E):
         store.put(0, e, *(torch.randn(s, generator=g) / 8 for s in [(II, H), (II, H), (H, II)]))
@@ -57,7 +60,7 @@ def test_expert_layer_gradients_equal_autograd_over_dense_experts(matrices, work
     probe = torch.randn(T, H, generator=g)
     params = [x, w, *(lora.parameters() if lora else [])]
 
-    got = expert_layer(CPUExperts(workers), store, 0, x, ids, w, lora)
+    got = expert_layer(CPUExperts(workers), store, 0, x, ids, w, lora, dense=dense)
     got_grads = torch.autograd.grad((got * probe).sum(), params)
     want = reference(store, x, ids, w, lora)
     want_grads = torch.autograd.grad((want * probe).sum(), params)

@@ -56,7 +56,7 @@ def test_silu_mul_backward_equals_autograd_over_its_ops(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_attention_equals_sdpa_per_sequence_with_its_gradients(dtype):
     g = torch.Generator().manual_seed(2)
-    lens = [5, 40, 17]
+    lens = [5, 40, 17, 17, 17, 9, 40, 40]  # runs of one length go through the kernel as a batch
     T = sum(lens)
     q = torch.randn(T, 6, 16, generator=g).to(dtype).requires_grad_()
     k = torch.randn(T, 2, 16, generator=g).to(dtype).requires_grad_()

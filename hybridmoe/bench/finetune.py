@@ -181,7 +181,9 @@ def _hybridmoe(args, dtype):
     from hybridmoe.loader import load_model
     from hybridmoe.models import lora as model_lora
     from hybridmoe.train.forward import Batch, loss_sum
+    from hybridmoe.train.heap import keep_freed_memory
 
+    keep_freed_memory()  # as the trainer does
     model = load_model(args.model, dtype=dtype, progress=False)
     model.requires_grad_(False)
     model.train()

@@ -22,6 +22,7 @@ from hybridmoe import native
 from hybridmoe.layers.linear import Linear, native_rows
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.packed_attention import packed_attention
+from hybridmoe.layers.remade import parts, saved_as
 from hybridmoe.layers.rotary import Rotary, apply_rotary, tables
 from hybridmoe.native import quant as quant_kernels
 from hybridmoe.native import rows as row_ops
@@ -157,7 +158,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.heads * self.head_dim, eps)
             self.k_norm = RMSNorm(self.kv_heads * self.head_dim, eps)
 
-    def forward(self, x: torch.Tensor, cos_sin, ctx: KVContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, ctx: KVContext, remake=None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `remake`: in a training step, what makes (q, k, v) again in the
+        backward (layers/decoder.py), so that the attention's backward keeps its output alone and
+        not them."""
+        T = x.shape[0]
+        q, k, v = self.qkv(x, cos_sin)  # [T, h, d], [T, kvh, d], [T, kvh, d]
+        if remake is None:
+            out = self.attend(q, k, v, ctx)  # [T, h, d]
+        else:
+            with saved_as(parts((q, k, v), remake)):
+                out = self.attend(q, k, v, ctx)
+        return self.o_proj(out.reshape(T, self.heads * self.head_dim))
+
+    def qkv(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, h, d], k, v [T, kvh, d]: projected, normed, clipped, rotated."""
         T = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, h*d], [T, kvh*d], [T, kvh*d]
         if self.qk_norm == "full":
@@ -172,9 +187,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # a training step's rotary runs in q's dtype: the tables cast once for every layer
         cos, sin = tables(cos_sin, q.dtype) if torch.is_grad_enabled() else cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attend(q, k, v, ctx)  # [T, h, d]
-        return self.o_proj(out.reshape(T, self.heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def decoder_half(self, x: torch.Tensor, norms, cos_sin, ctx) -> tuple | None:
         """A decoder layer's attention half in one native call where the block takes this step

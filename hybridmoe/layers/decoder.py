@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from hybridmoe.layers.norm import RMSNorm, through_norm
+from hybridmoe.layers import lora
+from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.norm import RMSNorm, rms_norm, through_norm
 from hybridmoe.layers.recompute import recompute
 
 
@@ -31,14 +34,36 @@ class DecoderLayer(nn.Module):
             if both is not None:
                 x, h = both
                 return x + getattr(self, self.ffn_name)(h)
-        # a training step keeps the attention block's input alone and runs it again in the
-        # backward (layers/recompute.py): keeping its activations too (q, k, v and its output,
-        # about 3 MB a layer on the demo) gave no step time measurably shorter and took the
-        # demo's peak to its bound (docs/notes/2026-11-25-finetune-attention-kept.md). The
-        # post-attention norm's rows are made again from x where the backward needs them
-        # (layers/norm.py through_norm); the feed-forward says what it keeps (layers/mlp.py).
-        attn = recompute(
-            self.training, lambda h: self.self_attn(self.input_layernorm(h), cos_sin, ctx), x
-        )
-        x = x + attn
+        x = x + self._attention(x, cos_sin, ctx)
         return x + through_norm(self.post_attention_layernorm, x, getattr(self, self.ffn_name))
+
+    def _attention(self, x, cos_sin, ctx):
+        """The attention block's output [T, H]. A training step keeps, of its activations, the
+        attention's output (o_proj's input, which the flash backward needs too), and makes q, k
+        and v again in the backward from x, which the layer keeps anyway, one layer at a time;
+        keeping q, k and v too took the demo's peak to its bound, and running the whole block
+        again (layers/recompute.py), as where dropout is drawn or the attention is not
+        `Attention`, costs its flash forward and o_proj twice
+        (docs/notes/2026-11-25-finetune-dense-experts.md)."""
+        attn, norm = self.self_attn, self.input_layernorm
+        if not _remakes_qkv(attn, ctx, self.training):
+            return recompute(self.training, lambda h: attn(norm(h), cos_sin, ctx), x)
+        rows = lora.current()
+
+        def again():  # what the forward made, the same way (with gradients recorded)
+            h = rms_norm(x, norm.weight, norm.eps)  # [T, H], as _RMSNorm.forward makes it
+            with lora.using(rows), torch.enable_grad():
+                return tuple(t.detach() for t in attn.qkv(h, cos_sin))
+
+        return through_norm(norm, x, lambda h: attn(h, cos_sin, ctx, remake=again))
+
+
+def _remakes_qkv(attn, ctx, training: bool) -> bool:
+    """Whether a training step's attention keeps its output and makes q, k, v again: standard
+    attention over whole sequences, no dropout on its q/k/v adapters (which would draw again)."""
+    if not (training and torch.is_grad_enabled() and getattr(ctx, "whole_sequences", False)):
+        return False
+    if not isinstance(attn, Attention):
+        return False
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    return not any(a.dropout for p in projections for a in p.adapters.values())

@@ -37,3 +37,33 @@ def saved_as(pick: Callable[[torch.Tensor], Remade | None]) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+class _Part(Remade):
+    """Item i of what a shared Remade makes (a tuple)."""
+
+    def __init__(self, whole: Remade, i: int):
+        self.whole, self.i = whole, i
+
+    def get(self) -> torch.Tensor:
+        return self.whole.get()[self.i]
+
+
+def parts(
+    tensors: tuple[torch.Tensor, ...], make: Callable[[], tuple[torch.Tensor, ...]]
+) -> Callable[[torch.Tensor], Remade | None]:
+    """A saved_as pick that keeps each of `tensors` as its place in make()'s tuple, made once for
+    all of them; other saved tensors are kept."""
+    whole = Remade(make)
+    places = {_layout(t): i for i, t in enumerate(tensors)}
+
+    def pick(t: torch.Tensor) -> Remade | None:
+        i = places.get(_layout(t))
+        return None if i is None else _Part(whole, i)
+
+    return pick
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What tells a tensor from other saved tensors: memory, shape, layout."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)

@@ -30,7 +30,7 @@ from hybridmoe.train import checkpoint
 from hybridmoe.train.config import SAME_ON_RESUME, FinetuneConfig
 from hybridmoe.train.data import Example, Prepared, batches
 from hybridmoe.train.forward import Batch, loss_sum
-from hybridmoe.train.heap import release_free_heap
+from hybridmoe.train.heap import keep_freed_memory, release_free_heap
 from hybridmoe.train.schedule import cosine_with_warmup
 
 ADAPTER = "finetune"  # the adapter's name inside the model while it trains
@@ -145,6 +145,7 @@ class Trainer:
     # ---- the loop ----
     def train(self, progress: bool = True) -> Result:
         self.model.requires_grad_(False)  # the base model is frozen: no gradient is ever made
+        keep_freed_memory()  # a step's tensors reuse the last one's memory (heap.py)
         r = self.result
         if r.steps == 0:
             r.held_out = [self.held_out_loss()]

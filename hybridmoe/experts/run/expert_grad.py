@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from hybridmoe import tuning
 from hybridmoe.experts.run.cpu_pool import CPUExperts
+from hybridmoe.experts.run.dense_experts import dense_applies, dense_experts
 from hybridmoe.experts.run.ffn import group_by_expert
 from hybridmoe.experts.run.lora import ExpertLoRA, frozen
 from hybridmoe.experts.run.store import ExpertStore, ExpertWeights, Matrix
@@ -65,12 +66,19 @@ def expert_layer(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     lora: ExpertLoRA | None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
     """x [T, H], topk_ids, topk_weights [T, K] -> [T, H]: the weighted sum of the chosen experts'
     outputs, differentiable in x, topk_weights and lora's factors. The experts run as jobs on the
-    runtime's CPU workers (cpu_pool.py), one torch thread each, as inference runs them."""
+    runtime's CPU workers (cpu_pool.py), one torch thread each, as inference runs them; or, where
+    tokens choose a large share of the layer's experts (`dense`, by default dense_applies), every
+    expert for every token in a few large products on the calling thread (dense_experts.py)."""
     lora = lora or _NONE
     params = [p for m in ("gate_up", "down") for p in (lora.factors(m) or (None, None))]
+    if dense is None:
+        dense = dense_applies(store, layer, topk_ids.shape[1])
+    if dense:
+        return dense_experts(store, layer, x, topk_ids, topk_weights, *params, lora.scaling)
     return _ExpertLayer.apply(x, topk_weights, *params, topk_ids, cpu, store, layer, lora)
 
 
