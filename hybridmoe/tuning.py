@@ -112,6 +112,11 @@ BACKGROUND_SLACK = 1.0
 # tuning traces but lost on the held-out machines: docs/notes/2026-11-24-value-policy-2.md).
 VALUE_BACKGROUND_SLACK = 1.0
 
+# The same for the keys the look-ahead hint ranks top-k (ValuePolicy.hinted_slack): 0, up to the
+# next layer's plan (chosen on the hinted tuning traces among 0.5, 0.25, 0, -0.5, -1:
+# docs/notes/2026-11-25-look-ahead-hint.md). Traces without the hint never use it.
+VALUE_HINTED_SLACK = 0.0
+
 # The value policy copies a candidate in only if its expected distance to next use is this much
 # shorter than its victim's (avoids churn between near-equals).
 VALUE_MARGIN = 0.1

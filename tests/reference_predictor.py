@@ -212,10 +212,8 @@ class Predictor:
         return p
 
     def p_base(self, key: Key) -> float:
-        """p_next without the cross-layer signal: what recency, frequency (and the router) say.
-        The cross-layer score speaks of one visit only; the visits after it look like this."""
-        if self.cross is None:
-            return self.p_next(key)
+        """p_next without the cross-layer signal and the router's: what recency and frequency
+        say. Both scores speak of the next visit only; the visits after it look like this."""
         i = self.ordinal[key[0]]
         p = self._base.get(i)
         if p is None:
@@ -241,11 +239,13 @@ class Predictor:
 
     def _cells(self, i: int, e: int) -> list[tuple]:
         """The calibration cells this (layer, expert) falls in now: its recency/frequency/router
-        cell, and that cell split by the cross-layer band when there is one (both are learnt, so
-        p_base stays calibrated on every layer)."""
+        cell, first the same cell whatever the router said (p_base reads it), and last that cell
+        split by the cross-layer band when there is one (all are learnt, so p_base stays
+        calibrated on every layer)."""
         base = self._cell(i, e)
         band = self._cross_bucket(i, e)
-        return [base, base + (band,)] if band else [base]
+        free = ("any router",) + base[1:]
+        return [free, base, base + (band,)] if band else [free, base]
 
     def _cell(self, i: int, e: int) -> tuple:
         age = self.visits[i] - self.last_use[i][e] + 1  # 1 = used at the previous visit

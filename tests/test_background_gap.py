@@ -77,3 +77,42 @@ def test_background_copies_run_until_the_next_plan_less_the_slack(in_gap, slack)
 
 def test_the_value_policy_copies_through_the_gap():
     assert ValuePolicy.copies_in_gap and not Policy.copies_in_gap
+
+
+@pytest.mark.parametrize("hinted_slack", [None, 0.0, -2.0])
+def test_keys_the_hint_ranks_top_k_run_until_their_own_slack(hinted_slack):
+    """Six unhinted keys of layer 1, then the two keys of layer 2 that the look-ahead hint ranks
+    top-2: the unhinted ones stop at the deadline less 3 copies, the hinted ones go on until the
+    deadline less `hinted_slack` copies (None: the same slack as the others)."""
+    unhinted = [(1, e) for e in range(6)]
+    hinted = [(2, 4), (2, 5)]
+    policy = Wants(unhinted + hinted, in_gap=True, slack=3.0)
+    policy.hinted_slack = hinted_slack
+    planner = planner_for(policy)
+    planner.begin_step()
+    plan = planner.plan(0, [Routed(1)], now=0.0)
+    planner.complete(plan, finished_at=plan.makespan)
+    gap = 420 * US
+    now = plan.makespan + gap
+    plan = planner.plan(1, [Routed(1)], now=now, defer=True)
+    probs = [0.01, 0.02, 0.03, 0.04, 0.5, 0.3, 0.05, 0.05]  # top-2: experts 4 and 5
+    planner.predictor.set_router_scores(2, probs)
+    # the key layer 0's idle stream took is not copied again
+    unhinted = [k for k in unhinted if k not in planner.cache]
+    copies = [(c.layer, c.expert) for c in planner.prepare(plan)]
+    # By hand, as in the test above: copies start at now, now + 100 us, ...
+    deadline = plan.makespan + gap
+    n_unhinted = max(1, math.ceil((deadline - 3 * 100 * US - now) / (100 * US) - 1e-9))
+    if hinted_slack is None:
+        n_hinted = 0
+    else:
+        free = now + n_unhinted * 100 * US  # when the unhinted copies are through
+        left = deadline - hinted_slack * 100 * US - free
+        n_hinted = min(2, max(0, math.ceil(left / (100 * US) - 1e-9)))
+    assert copies == unhinted[:n_unhinted] + hinted[:n_hinted]
+    assert n_unhinted < len(unhinted)  # the unhinted keys were cut short: the case is real
+    assert (n_hinted > 0) == (hinted_slack is not None)
+
+
+def test_the_value_policy_gives_hinted_keys_a_slack_of_their_own():
+    assert ValuePolicy.hinted_slack is not None and Policy.hinted_slack is None

@@ -222,11 +222,13 @@ def test_values_view_ranks_victims_as_a_fresh_ranking_after_the_visit_does():
             view = policy._view()
             used = {r.expert for r in routed}
             pred = planner.predictor
-            tables = [t.copy() for t in (pred.hits, pred.trials, pred.band_hits, pred.band_trials)]
+            names = ("hits", "trials", "band_hits", "band_trials", "free_hits", "free_trials")
+            tables = [getattr(pred, n).copy() for n in names]
             pred.count_use(layer, sorted(used))
             # the view reads the calibration tables as they stood before the visit
-            counted = [t.copy() for t in (pred.hits, pred.trials, pred.band_hits, pred.band_trials)]
-            pred.hits[:], pred.trials[:], pred.band_hits[:], pred.band_trials[:] = tables
+            counted = [getattr(pred, n).copy() for n in names]
+            for n, t in zip(names, tables):
+                getattr(pred, n)[:] = t
             pred.recompute()
             fresh = list(policy._every_key(0.0))
             mine = [k for k in view.victims() if not (k[0] == layer and k[1] in used)]
@@ -237,7 +239,8 @@ def test_values_view_ranks_victims_as_a_fresh_ranking_after_the_visit_does():
             )
             assert set(mine) == {k for k in fresh if not (k[0] == layer and k[1] in used)}
             checked += 1
-            pred.hits[:], pred.trials[:], pred.band_hits[:], pred.band_trials[:] = counted
+            for n, t in zip(names, counted):
+                getattr(pred, n)[:] = t
             pred.recompute()
             planner.predictor.look_ahead(layer)
             planner.predictor.matrices()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hybridmoe.experts.plan.predictor import CrossLayer, Predictor, PredictorStats
 from hybridmoe.sim.synthetic import SynthConfig, generate, successors
@@ -147,7 +148,7 @@ def test_the_c_kernels_give_the_numpy_paths_bits():
             p.native.struct.cross_keep = p.cross.keep
         p.warm_start([[t % 3 for t in range(E)]] * L, 10)
     names = ("P", "Q", "count", "weight", "last_use", "router", "band", "hits", "trials")
-    names += ("band_hits", "band_trials")
+    names += ("band_hits", "band_trials", "free_hits", "free_trials")
     for line in lines:
         for p in (fast, plain):
             p.begin_step()
@@ -191,3 +192,28 @@ def test_after_visit_is_what_counting_the_visit_gives():
             after = predictor.p_layer(layer)
             assert np.abs(np.where(mask, p_used, p_not) - after).max() <= 1.0 / (trials + 4.0)
             predictor.look_ahead(layer)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernels", "numpy"])
+def test_p_base_does_not_hear_the_router_and_p_next_does(native):
+    """Two predictors see the same visits, one with router scores for every layer but the first:
+    p_base (the visits after the next) is the same bits in both, since it counts every visit in
+    (recency, frequency) cells whatever the router said; p_next differs where scores were given."""
+    _, lines = planted(120, seed=9)
+    rng = np.random.default_rng(9)
+    scored = Predictor(list(range(L)), E, K, cross_layer=True, native=native)
+    plain = Predictor(list(range(L)), E, K, cross_layer=True, native=native)
+    differs = 0
+    for line in lines:
+        for p in (scored, plain):
+            p.begin_step()
+        for i, ids in enumerate(line.layers):
+            if i + 1 < L:
+                scored.set_router_scores(i + 1, rng.dirichlet(np.full(E, 0.3)))
+            for p in (scored, plain):
+                p.observe(i, ids)
+            P1, Q1 = scored.matrices()
+            P0, Q0 = plain.matrices()
+            np.testing.assert_array_equal(Q1, Q0)
+            differs += int((P1 != P0).any())
+    assert differs > len(lines)  # the router moved p_next on most visits

@@ -128,7 +128,7 @@ def test_no_demand_policy_beats_belady_min_hit_rate_and_the_oracle_beats_static(
     lines = small_trace(60, seed=5)
     cost = get_profile("rtx4090-ddr5").for_expert(OLMOE.experts, "q4")
     cfg = SimConfig(budget="0.2")
-    planner, _, start = build(lines, OLMOE, cost, cfg)
+    planner, _, _, start = build(lines, OLMOE, cost, cfg)
     bound = belady_min_hit_rate(
         future_of(lines, OLMOE, 1), planner.cache.slots, start, list(planner.cache.slot_of)
     )

@@ -174,3 +174,82 @@ def test_the_olmoe_trace_replays_on_a_model_of_its_shape():
     assert (
         replay.ids(17).tolist() == replay.ids(1).tolist()
     )  # deeper models cycle the trace's layers
+
+
+@pytest.fixture(scope="module")
+def deep_mixtral(tmp_path_factory):
+    """A tiny Mixtral of 4 MoE layers (three horizons of look-ahead from the first) and its
+    transformers model, the reference."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.tiny import TINY_COMMON
+
+    torch.manual_seed(4)
+    config = MixtralConfig(
+        **{**TINY_COMMON, "num_hidden_layers": 4},
+        intermediate_size=48,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    model = MixtralForCausalLM(config).float().eval()
+    with torch.no_grad():  # spread the routers so that the probabilities differ
+        for name, p in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                p.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("deep-mixtral") / "model"
+    model.save_pretrained(path)
+    return path, model
+
+
+@torch.no_grad()
+def moe_inputs(model, ids: list[int]) -> list[torch.Tensor]:
+    """Each MoE block's input [n, H] over the whole sequence, from transformers' own forward."""
+    inputs = []
+    hooks = [
+        layer.mlp.register_forward_pre_hook(lambda _, args: inputs.append(args[0][0]))
+        for layer in model.model.layers
+    ]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs
+
+
+def test_the_recorded_look_ahead_is_the_next_routers_on_this_layers_input(deep_mixtral, tmp_path):
+    """The hint of layer i, horizon h: softmax(x_i W_{i+h}^T), x_i the input of MoE block i at the
+    token's position, recomputed with transformers' hidden states and router weights."""
+    path, reference = deep_mixtral
+    out = tmp_path / "trace.jsonl"
+    model = hybrid_model(path, record_trace=str(out))
+    tokens = list(generate_ids(model, PROMPT, GREEDY))
+    model.runtime.close()
+    lines = read_trace(out)
+    xs = moe_inputs(reference, PROMPT + tokens)
+    gates = [layer.mlp.gate.weight for layer in reference.model.layers]
+    for t, line in enumerate(lines, 1):
+        position = len(PROMPT) + t - 1  # decode step t feeds the token sampled before it
+        assert [len(hs) for hs in line.ahead] == [3, 2, 1, 0]
+        for i, hs in enumerate(line.ahead):
+            for h, got in enumerate(hs, 1):
+                want = torch.softmax(xs[i][position] @ gates[i + h].T, dim=-1)  # [E]
+                assert got == pytest.approx(want.tolist(), abs=2e-4), (t, i, h)
+    # not the layer's own router: the hint says something the routing does not
+    own = torch.softmax(xs[0][len(PROMPT)] @ gates[0].T, dim=-1)
+    assert lines[0].ahead[0][0] != pytest.approx(own.tolist(), abs=1e-2)
+
+
+def test_a_trace_without_the_hint_reads_as_before_and_a_bad_one_is_named(tmp_path):
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"tok": 1, "layers": [[0, 1], [2, 3]]}) + "\n")
+    assert read_trace(plain)[0].ahead is None
+    hinted = tmp_path / "hinted.jsonl"
+    row = {"tok": 1, "layers": [[0, 1], [2, 3]], "ahead": [[[2500, 7500]], []]}
+    hinted.write_text(json.dumps(row) + "\n")
+    assert read_trace(hinted)[0].ahead == [[[0.25, 0.75]], []]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**row, "ahead": [[[1, 2]]]}) + "\n")
+    with pytest.raises(UserError, match='"ahead" has 1 layers'):
+        read_trace(bad)

@@ -9,6 +9,9 @@ trace of the demo model (30 MoE layers, top-8 of 16), replayed with its own layo
 and dense geometry of `--geometry` (default OLMoE-1B-7B's). The demo model's own experts (46 kB at
 Q4) take 5.8 us on the CPU and 5.1 us on the GPU on the default profile: nothing to cache there,
 and its layers are shorter than planning one in Python (`--geometry demo` replays them as they are).
+The demo traces carry the look-ahead hint (the next layers' routers on each layer's input), which
+the planner gets as the engine would give it; the OLMoE trace has none (`--no-router-hints` leaves
+it out everywhere).
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ def add_parser(sub) -> None:
         type=float,
         default=None,
         help="planning time per layer for every policy (default: each policy's measured cost)",
+    )
+    p.add_argument(
+        "--no-router-hints",
+        dest="router_hints",
+        action="store_false",
+        help="leave out the look-ahead hint of the traces recorded with one (sim/lookahead.py)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per trace and budget")
     p.set_defaults(func=run)
@@ -116,6 +125,7 @@ def measure(
     policies,
     geometry: str = "olmoe-1b-7b",
     plan_us: float | None = None,
+    router_hints: bool = True,
 ) -> list[Outcome]:
     from hybridmoe.experts.plan.profiles import get_profile
     from hybridmoe.experts.plan.trace_format import read_trace
@@ -130,7 +140,9 @@ def measure(
     for budget in budgets:
         tok_s, hit = {}, {}
         for policy in policies:
-            cfg = SimConfig(policy=policy, budget=budget, plan_us=plan_us)
+            cfg = SimConfig(
+                policy=policy, budget=budget, plan_us=plan_us, router_hints=router_hints
+            )
             r = simulate(lines, shape, cost, cfg)
             tok_s[policy], hit[policy] = r.tokens_per_s, r.hit_rate
         out.append(Outcome(path, budget, tok_s, hit))
@@ -187,7 +199,14 @@ def run(args) -> int:
         print("|---|---:|" + "---:|" * (len(policies) + 5))
     for trace in traces:
         for o in measure(
-            trace, budgets, args.hardware, args.quant, policies, args.geometry, args.plan_us
+            trace,
+            budgets,
+            args.hardware,
+            args.quant,
+            policies,
+            args.geometry,
+            args.plan_us,
+            args.router_hints,
         ):
             if args.json:
                 print(json.dumps({**o.__dict__, "ratios": o.ratios(), "met": o.met()}), flush=True)

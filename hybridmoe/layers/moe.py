@@ -118,6 +118,16 @@ class SparseMoE(nn.Module):
     def link_next(self, block: SparseMoE) -> None:
         self._next = (block,)
 
+    def look_ahead(self, x: torch.Tensor, h: int = 1) -> torch.Tensor | None:
+        """The h-th next MoE block's router on x [T, H]: probabilities [T, E] (fp32), or None
+        where fewer than h blocks follow."""
+        block = self
+        for _ in range(h):
+            if not block._next:
+                return None
+            block = block._next[0]
+        return block.router_probs(x)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's logits [T, E] for x [T, H], its LoRA adapters included."""
         # layers/linear.py's kernels, not nn.Linear's: the same for a row whatever its neighbours
@@ -148,7 +158,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)  # [T, k], [T, k]
-        hint = partial(self._next[0].router_probs, x) if self._next else None  # computed if asked
+        hint = partial(self.look_ahead, x) if self._next else None  # computed if asked
         return self.runtime.forward(self.layer, x, ids, weights, hint, self.expert_lora(len(x)))
 
     def expert_lora(self, num_rows: int) -> RowLoRA | TrainLoRA | None:

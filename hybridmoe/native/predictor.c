@@ -18,6 +18,7 @@ typedef struct {
     double *hits, *trials, *band_hits, *band_trials;
     double *P, *Q;                                 /* [L, E] each */
     double *co, *n, *scale;                        /* [H, L, E, E], [H, L, E], [H, L] */
+    double *free_hits, *free_trials;               /* [NA * NF]: any router bucket (p_base) */
 } pred_t;
 
 /* np.searchsorted(edges, v, "left"): the edges below v */
@@ -45,11 +46,11 @@ void hm_pred_refresh(const pred_t *p, const long *rows, long nrows) {
             int64_t age = p->visits[i] - p->last_use[x] + 1;
             long a = below(p->age_edges, p->n_age, (double)age);
             long f = below(p->freq_edges, p->n_freq, rate * (double)E / (double)p->K);
-            long base = (p->router[x] * p->NA + a) * p->NF + f;
+            long free = a * p->NF + f, base = p->router[x] * p->NA * p->NF + free;
             double prior = p->prior_w * at_most_one(rate);
             double q = (p->hits[base] + prior) / (p->trials[base] + p->prior_w);
             p->cell[x] = base;
-            p->Q[x] = q;
+            p->Q[x] = (p->free_hits[free] + prior) / (p->free_trials[free] + p->prior_w);
             if (p->band[x] != 0) {
                 long b = base * p->NB + p->band[x];
                 p->banded[x] = b;
@@ -64,8 +65,11 @@ void hm_pred_refresh(const pred_t *p, const long *rows, long nrows) {
 void hm_pred_count_use(const pred_t *p, long i, const long *used, long n_used, int with_band) {
     long E = p->E;
     intptr_t *cell = p->cell + i * E, *banded = p->banded + i * E;
+    long n_free = p->NA * p->NF; /* the (recency, frequency) cells, whatever the router said */
     for (long e = 0; e < E; e++) p->trials[cell[e]] += 1.0;
     for (long u = 0; u < n_used; u++) p->hits[cell[used[u]]] += 1.0;
+    for (long e = 0; e < E; e++) p->free_trials[cell[e] % n_free] += 1.0;
+    for (long u = 0; u < n_used; u++) p->free_hits[cell[used[u]] % n_free] += 1.0;
     if (with_band) {
         for (long e = 0; e < E; e++) p->band_trials[banded[e]] += 1.0;
         for (long u = 0; u < n_used; u++) p->band_hits[banded[used[u]]] += 1.0;

@@ -48,7 +48,7 @@ FIELDS += [(f, P) for f in ("age_edges", "freq_edges", "lift_edges")]
 FIELDS += [(f, _D) for f in ("prior_w", "cross_prior", "keep", "cross_keep")]
 FIELDS += [(f, P) for f in ("last_use", "visits", "count", "weight", "router", "band", "cell")]
 FIELDS += [(f, P) for f in ("banded", "hits", "trials", "band_hits", "band_trials", "P", "Q")]
-FIELDS += [(f, P) for f in ("co", "n", "scale")]
+FIELDS += [(f, P) for f in ("co", "n", "scale", "free_hits", "free_trials")]
 
 
 class PredT(ctypes.Structure):
@@ -89,6 +89,8 @@ class Bound:
             "band_trials": pred.band_trials,
             "P": pred.P,
             "Q": pred.Q,
+            "free_hits": pred.free_hits,
+            "free_trials": pred.free_trials,
         }
         if cross is not None:
             arrays.update(co=cross._co, n=cross._n, scale=cross._scale)

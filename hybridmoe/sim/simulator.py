@@ -33,6 +33,7 @@ from hybridmoe.experts.plan.policies import POLICIES, make_policy
 from hybridmoe.experts.plan.stats import read_stats
 from hybridmoe.experts.plan.trace_format import TraceLine
 from hybridmoe.sim.dense import DenseCost, dense_cost
+from hybridmoe.sim.lookahead import step_hints
 from hybridmoe.sim.machine import Machine
 from hybridmoe.sim.shapes import ModelShape
 
@@ -78,6 +79,7 @@ class SimConfig:
         },
     )
     dense_s: float = 0.0  # extra non-expert seconds per layer, beside the modelled dense part
+    router_hints: bool = True  # hand the planner a trace's look-ahead hint, where it has one
     plan_us: float | None = field(
         default=None,
         metadata={
@@ -174,9 +176,11 @@ def check_trace(lines: list[TraceLine], shape: ModelShape) -> None:
 
 
 def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None):
-    """The planner, the steps, and where evaluation starts (policy: a Policy object or None)."""
+    """The planner, the steps, their look-ahead hints (sim/lookahead.py; None without), and where
+    evaluation starts (policy: a Policy object or None)."""
     check_trace(lines, shape)
     steps = steps_of(lines, cfg.batch)
+    hints = step_hints(step_lines(lines, cfg.batch)) if cfg.router_hints else None
     n_profile = len(steps) // 2 if cfg.profile_tokens is None else cfg.profile_tokens // cfg.batch
     if not 0 <= n_profile < len(steps):
         raise UserError(
@@ -197,8 +201,9 @@ def build(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=None
         stats,
         cfg.placement,
         profile=steps[:n_profile],
+        profile_hints=hints[:n_profile] if hints else None,
     )
-    return planner, steps, n_profile
+    return planner, steps, hints, n_profile
 
 
 @dataclass
@@ -224,11 +229,14 @@ def planner_seconds(policy: str, routed: int) -> tuple[float, float]:
     return crit * 1e-6, deferred * 1e-6
 
 
-def run(planner: Planner, steps, start: int, machine: Machine, dense: DenseCost, cfg) -> Clock:
-    """Replay steps[start:] on `machine`; where the time went."""
+def run(
+    planner: Planner, steps, hints, start: int, machine: Machine, dense: DenseCost, cfg
+) -> Clock:
+    """Replay steps[start:] on `machine` (with hints[start:], the next layers' router scores, if
+    not None); where the time went."""
     layers, out, name = planner.layers, Clock(), planner.policy.name
     clock = 0.0
-    for step in steps[start:]:
+    for s, step in enumerate(steps[start:], start):
         planner.begin_step()
         clock += dense.per_step_s
         out.dense_s += dense.per_step_s
@@ -241,7 +249,7 @@ def run(planner: Planner, steps, start: int, machine: Machine, dense: DenseCost,
                 crit, deferred = cfg.plan_us * 1e-6, 0.0
             now = clock + crit
             plan = planner.plan(layers[o], routed, now=now, defer=True)
-            planner.prepare(plan)
+            planner.prepare(plan, hints[s][o] if hints else None)
             end = max(machine.layer(plan, now, last=o == len(step) - 1), now + deferred)
             planner.complete(plan, finished_at=end)
             out.expert_s += end - now
@@ -258,9 +266,9 @@ def simulate(lines, shape: ModelShape, cost: CostModel, cfg: SimConfig, policy=N
         from hybridmoe.sim.oracle import future_policy
 
         policy = future_policy(cfg.policy, lines, shape, cfg.batch)
-    planner, steps, start = build(lines, shape, cost, cfg, policy)
+    planner, steps, hints, start = build(lines, shape, cost, cfg, policy)
     dense = dense_cost(shape, cost, cost.quant, cfg.batch, cfg.context)
-    clock = run(planner, steps, start, Machine(cost, cfg.defer_experts), dense, cfg)
+    clock = run(planner, steps, hints, start, Machine(cost, cfg.defer_experts), dense, cfg)
     return summarise(planner, cfg, cost, clock, len(steps) - start)
 
 

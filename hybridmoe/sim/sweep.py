@@ -29,7 +29,7 @@ class Row:
 
 def min_hit_rate(lines, shape: ModelShape, cost, cfg: SimConfig) -> float:
     """Belady's MIN from the same warm start as the frequency placement."""
-    planner, steps, start = build(
+    planner, _, _, start = build(
         lines, shape, cost, SimConfig(**{**cfg.__dict__, "policy": "value"})
     )
     initial = list(planner.cache.slot_of)

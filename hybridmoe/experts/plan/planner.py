@@ -53,7 +53,7 @@ import hybridmoe.native.split_kernels as split_kernels
 from hybridmoe import tuning
 from hybridmoe.experts.plan.cache import ExpertCache, placement
 from hybridmoe.experts.plan.cost_model import CostModel
-from hybridmoe.experts.plan.predictor import Predictor, PredictorStats
+from hybridmoe.experts.plan.predictor import ROUTER_TOP, Predictor, PredictorStats
 from hybridmoe.experts.plan.shape import Key
 from hybridmoe.experts.plan.stats import ExpertStats
 
@@ -293,12 +293,15 @@ class Planner:
             self.policy.prepare_next()
         return plan.prefetches
 
-    def observe_only(self, layer: int, routed: list[Routed]) -> None:
-        """Learn from a layer's routing without planning it (the profile part of a trace)."""
+    def observe_only(self, layer: int, routed: list[Routed], predicted=None) -> None:
+        """Learn from a layer's routing (and the next layer's router scores, `predicted`) without
+        planning it (the profile part of a trace)."""
         self._locate(layer)
         self.epoch += 1
         self.policy.on_use(layer, routed, 0.0)
         self.predictor.observe(layer, [r.expert for r in routed])
+        if self.policy.uses_predictor:
+            self._take_prediction(layer, predicted)
 
     def complete(self, plan: Plan, finished_at: float | None = None) -> None:
         span = plan.makespan - plan.now
@@ -564,17 +567,22 @@ class Planner:
         # An idle stream always takes one; a busy one only while its backlog ends `slack` copies
         # before this layer does (so the next layer's demand copies do not queue behind it), or,
         # for a policy that `copies_in_gap`, before the next layer's plan (this layer's end plus
-        # the measured gap between layers: the stream works on through the dense part).
-        end = plan.makespan - self.policy.background_slack * self.cost.t_copy()
-        if self.policy.copies_in_gap:
-            end += self.gap
-        if self.copy_free > now and self.copy_free >= end:
+        # the measured gap between layers: the stream works on through the dense part). Keys the
+        # look-ahead hint ranks top-k may have a slack of their own (`hinted_slack`).
+        deadline = plan.makespan + (self.gap if self.policy.copies_in_gap else 0.0)
+        end = deadline - self.policy.background_slack * self.cost.t_copy()
+        hinted = self.policy.hinted_slack
+        end_hinted = end if hinted is None else deadline - hinted * self.cost.t_copy()
+        last = max(end, end_hinted)
+        if self.copy_free > now and self.copy_free >= last:
             return
         protect = self.protected(now, plan)
         for key in self.policy.background(layer, now, plan):
-            if self.copy_free > now and self.copy_free >= end:
+            if self.copy_free > now and self.copy_free >= last:
                 break
             if key in self.cache or key in protect:
+                continue
+            if self.copy_free > now and self.copy_free >= end and not self._hinted(key):
                 continue
             ok, victim = self.policy.make_room(key, protect, now, self.cache.free_count())
             if not ok or not self.policy.worth(key, victim, now):
@@ -583,6 +591,10 @@ class Planner:
             protect.add(key)
             self._prefetched.add(key)
             self.stats.prefetches_issued += 1
+
+    def _hinted(self, key: Key) -> bool:
+        """Whether the look-ahead hint ranks `key` among its layer's top-k."""
+        return self.predictor.router[self.ordinal[key[0]], key[1]] == ROUTER_TOP
 
     def _count(self, plan: Plan, routed: list[Routed]) -> None:
         s, tm = self.stats, self.times
@@ -640,6 +652,7 @@ def make_planner(
     placement_kind: str | None = None,
     profile=(),
     config: PlannerConfig | None = None,
+    profile_hints=None,
 ) -> Planner:
     """A planner with its cache placed and its policy and predictor warm: the one way to build one,
     for the engine's runtime and the simulator alike.
@@ -648,6 +661,7 @@ def make_planner(
     warm the predictor and the policy and order the placement. `profile`: routed steps (per step, a
     list per MoE layer of Routed) to learn from first, in order; their counts stand in for `stats`
     when none are given, and the predictor is scored only on what comes after them.
+    `profile_hints`: per profile step and layer, the next layer's router scores (or None).
     """
     cache = ExpertCache(slots if policy.uses_gpu and cost.has_gpu else 0)
     predictor = Predictor(layers, num_experts, top_k, cross_layer=policy.cross_layer)
@@ -661,10 +675,10 @@ def make_planner(
     )
     if placed_by is not None:
         policy.warm_start(placed_by)
-    for step in profile:
+    for s, step in enumerate(profile):
         planner.begin_step()
-        for layer, routed in zip(layers, step):
-            planner.observe_only(layer, routed)
+        for o, (layer, routed) in enumerate(zip(layers, step)):
+            planner.observe_only(layer, routed, profile_hints[s][o] if profile_hints else None)
     place(planner, placement_kind, placed_by)
     predictor.stats = PredictorStats()
     return planner

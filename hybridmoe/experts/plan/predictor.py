@@ -14,7 +14,9 @@ Four signals:
 Rather than weighting these by hand, the predictor keeps an online table of how often an expert in
 each (router bucket, recency bucket, frequency bucket) cell was in fact used at the next visit,
 with a Beta prior at the expert's own frequency. The table calibrates itself on whatever runs
-through it, so nothing is tuned to one model or trace.
+through it, so nothing is tuned to one model or trace. p_base (what the visits after the next look
+like, which no router score speaks of) reads a second table of (recency, frequency) cells that
+counts every visit whatever its router bucket; without router scores the two tables agree.
 
 It also scores itself: for every observed layer, precision and recall of its top-k guess.
 """
@@ -131,7 +133,9 @@ _LIFT = np.asarray(LIFT_EDGES, dtype=float)
 # base * NB + b, in a table of its own.
 _NA, _NF = len(AGE_EDGES) + 1, len(FREQ_EDGES) + 1
 _NB = 1 + 2 * (len(LIFT_EDGES) + 1)
-_BASE_CELLS = 4 * _NA * _NF
+ROUTER_TOP = 3  # the router bucket of the experts the router ranks among its top-k
+_FREE = _NA * _NF  # (recency, frequency) cells: base % _FREE is a cell's without the router
+_BASE_CELLS = 4 * _FREE
 
 
 class Predictor:
@@ -160,6 +164,8 @@ class Predictor:
         self.router = np.zeros((L, E), dtype=np.intp)  # [L, E] router bucket (0: no scores)
         self.band = np.zeros((L, E), dtype=np.intp)  # [L, E] cross-layer band (0: none)
         self.hits, self.trials = np.zeros(_BASE_CELLS), np.zeros(_BASE_CELLS)
+        # (recency, frequency) cells over every visit, whatever the router said: p_base's
+        self.free_hits, self.free_trials = np.zeros(_FREE), np.zeros(_FREE)
         self.band_hits = np.zeros(_BASE_CELLS * _NB)
         self.band_trials = np.zeros(_BASE_CELLS * _NB)
         # Per layer ordinal, kept until stale: its experts' calibration cells (`cell`; `banded`
@@ -219,7 +225,7 @@ class Predictor:
         order = np.argsort(-probs, kind="stable")
         row[:] = 1
         row[order[: 2 * k]] = 2
-        row[order[:k]] = 3
+        row[order[:k]] = ROUTER_TOP
 
     def observe(self, layer: int, experts) -> None:
         """`layer` ran with `experts` (distinct ids) this step: learn from it, update its recency
@@ -247,6 +253,9 @@ class Predictor:
     def _count_use(self, i: int, base: np.ndarray, used: np.ndarray) -> None:
         np.add.at(self.trials, base, 1.0)
         np.add.at(self.hits, base[used], 1.0)
+        free = base % _FREE  # [E]: the same cells whatever the router said
+        np.add.at(self.free_trials, free, 1.0)
+        np.add.at(self.free_hits, free[used], 1.0)
         if i in self.lift:
             banded = self.banded[i]
             np.add.at(self.band_trials, banded, 1.0)
@@ -332,8 +341,8 @@ class Predictor:
         return self.Q[i]
 
     def p_base(self, key: Key) -> float:
-        """p_next without the cross-layer signal: what recency, frequency (and the router) say.
-        The cross-layer score speaks of one visit only; the visits after it look like this."""
+        """p_next without the cross-layer signal and the router's: what recency and frequency
+        say. Both scores speak of the next visit only; the visits after it look like this."""
         i = self.ordinal[key[0]]
         self._row(i)
         return float(self.Q[i, key[1]])
@@ -398,10 +407,13 @@ class Predictor:
         age = self.visits[rows, None] - self.last_use[rows] + 1  # [n, E]; 1: used last visit
         a = np.searchsorted(_AGE, age, "left")
         f = np.searchsorted(_FREQ, rate * self.num_experts / self.top_k, "left")
-        base = (self.router[rows] * _NA + a) * _NF + f  # [n, E]
+        free = a * _NF + f  # [n, E]
+        base = self.router[rows] * _FREE + free  # [n, E]
         prior = PREDICTOR_PRIOR_WEIGHT * np.minimum(rate, 1.0)
         q = (self.hits[base] + prior) / (self.trials[base] + PREDICTOR_PRIOR_WEIGHT)
-        self.cell[rows], self.Q[rows] = base, q
+        self.cell[rows] = base
+        w = PREDICTOR_PRIOR_WEIGHT
+        self.Q[rows] = (self.free_hits[free] + prior) / (self.free_trials[free] + w)
         band = self.band[rows]  # [n, E]; nonzero exactly in the rows with a cross-layer score
         if band.any():
             banded = base * _NB + band

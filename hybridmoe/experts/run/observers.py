@@ -6,9 +6,11 @@
   line, cycling at the end; MoE layer i takes the trace's layer i mod (trace layers), so a short
   trace can drive a deeper model. It observes the runtime to learn where each step begins.
 - `TraceRecorder` (--record-trace FILE): one line per decode token, in the format of
-  experts/plan/trace_format.py: {"tok": n, "layers": [[ids], ...], "probs": [[w], ...], "req": id}.
-  "probs" are the routing weights the model used for those ids. Which rows of a step are decode
-  tokens, and of which request, is the engine's knowledge (`Step.decode_rows`).
+  experts/plan/trace_format.py: {"tok": n, "layers": [[ids], ...], "probs": [[w], ...], "req": id,
+  "ahead": ...}. "probs" are the routing weights the model used for those ids; "ahead" the
+  look-ahead hint (the next layers' routers on each layer's input) where the model gives one. Which
+  rows of a step are decode tokens, and of which request, is the engine's knowledge
+  (`Step.decode_rows`).
 - `ActivationCounter` (--expert-stats-out FILE): how often each expert was routed to, written as
   activation statistics (experts/plan/stats.py) when the runtime closes.
 
@@ -26,7 +28,12 @@ import torch
 
 from hybridmoe.errors import UserError
 from hybridmoe.experts.plan.stats import ExpertStats, write_stats
-from hybridmoe.experts.plan.trace_format import TraceLine, TraceWriter, read_trace
+from hybridmoe.experts.plan.trace_format import (
+    AHEAD_HORIZONS,
+    TraceLine,
+    TraceWriter,
+    read_trace,
+)
 
 
 class _Observer:
@@ -35,7 +42,7 @@ class _Observer:
     def begin_step(self, step) -> None:
         pass
 
-    def on_layer(self, step, ordinal, topk_ids, topk_weights, report) -> None:
+    def on_layer(self, step, ordinal, topk_ids, topk_weights, report, hint=None) -> None:
         pass
 
     def end_step(self, step) -> None:
@@ -104,7 +111,7 @@ def _check(lines: list[TraceLine], num_experts: int, top_k: int, where: str) -> 
 class TraceRecorder(_Observer):
     """Collects each step's routing per MoE layer, writes its decode rows once the step ends."""
 
-    def __init__(self, path: str | Path, num_moe_layers: int):
+    def __init__(self, path: str | Path, num_moe_layers: int, horizons: int = AHEAD_HORIZONS):
         try:
             self.writer = TraceWriter(path)
         except OSError as e:
@@ -112,37 +119,51 @@ class TraceRecorder(_Observer):
                 f"cannot write the routing trace {path} ({e.strerror}); pass a writable "
                 "--record-trace path"
             ) from None
-        self.num_moe_layers = num_moe_layers
+        self.num_moe_layers, self.horizons = num_moe_layers, horizons
         self.tokens = 0
         self._lock = threading.Lock()
 
     def begin_step(self, step) -> None:
         if step.decode_rows:
-            step.notes[self] = (
-                [None] * self.num_moe_layers,
-                [None] * self.num_moe_layers,
-            )  # ids, weights
+            n = self.num_moe_layers
+            step.notes[self] = ([None] * n, [None] * n, [None] * n)  # ids, weights, ahead
 
-    def on_layer(self, step, ordinal, topk_ids, topk_weights, report) -> None:
+    def on_layer(self, step, ordinal, topk_ids, topk_weights, report, hint=None) -> None:
         """topk_ids, topk_weights: [T, K] of MoE layer `ordinal`."""
         if self in step.notes:
-            ids, weights = step.notes[self]
+            ids, weights, ahead = step.notes[self]
             ids[ordinal], weights[ordinal] = topk_ids.tolist(), topk_weights.float().tolist()
+            ahead[ordinal] = self._ahead(step, hint)
+
+    def _ahead(self, step, hint) -> list[list[list[float]]]:
+        """Per decode row, the next layers' router probabilities on this layer's input:
+        [rows][h - 1][E]."""
+        rows = torch.tensor([row for row, _ in step.decode_rows])  # [R]
+        out = [[] for _ in step.decode_rows]
+        for h in range(1, self.horizons + 1):
+            probs = hint(h) if hint is not None else None  # [T, E]
+            if probs is None:
+                break
+            for r, p in enumerate(probs[rows.to(probs.device)].float().tolist()):
+                out[r].append(p)
+        return out
 
     def end_step(self, step) -> None:
         """Written when the step ends, not later: a server may idle, or be killed."""
         got = step.notes.pop(self, None)
         if got is None or any(i is None for i in got[0]):
             return
-        ids, weights = got
+        ids, weights, ahead = got
+        hinted = any(layer[0] for layer in ahead)  # a model without look-ahead gives none
         with self._lock:
-            for row, req in step.decode_rows:
+            for r, (row, req) in enumerate(step.decode_rows):
                 self.tokens += 1
                 self.writer.write(
                     self.tokens,
                     [layer[row] for layer in ids],
                     [[round(w, 6) for w in layer[row]] for layer in weights],
                     req,
+                    [layer[r] for layer in ahead] if hinted else None,
                 )
 
     def close(self) -> None:
@@ -161,7 +182,7 @@ class ActivationCounter(_Observer):
         with self._lock:
             self.stats.tokens += step.num_tokens
 
-    def on_layer(self, step, ordinal, topk_ids, topk_weights, report) -> None:
+    def on_layer(self, step, ordinal, topk_ids, topk_weights, report, hint=None) -> None:
         ids = topk_ids.reshape(-1).tolist()
         with self._lock:
             self.stats.record(ordinal, ids)

@@ -42,9 +42,10 @@ from hybridmoe.experts.run.store import ExpertStore
 from hybridmoe.native import quant as quant_kernels
 from hybridmoe.quant.tensor import QTensor
 
-# The next MoE layer's router applied to this layer's input, [T, E] probabilities, computed only if
-# the runtime asks (its predictor does): what layers/moe.py hands `forward` as `hint`.
-Hint = Callable[[], torch.Tensor]
+# hint(h=1): the h-th next MoE layer's router applied to this layer's input, [T, E] probabilities
+# (None past the last layer), computed only if asked (the predictor asks for h = 1, a trace
+# recorder for more): what layers/moe.py hands `forward` as `hint`.
+Hint = Callable[..., torch.Tensor | None]
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Observer(Protocol):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         report: dict[str, float],
+        hint: Hint | None = None,
     ) -> None: ...
     def end_step(self, step: Step) -> None: ...
     def close(self) -> None: ...
@@ -203,7 +205,7 @@ class BaseRuntime:
         else:
             out, report = self._defer_layer(step, o, layer, x, topk_ids, topk_weights, hint, lora)
         for observer in self.observers:
-            observer.on_layer(step, o, topk_ids, topk_weights, report)
+            observer.on_layer(step, o, topk_ids, topk_weights, report, hint)
         if o == len(self.layers) - 1:
             self._local.step = None
             for observer in self.observers:

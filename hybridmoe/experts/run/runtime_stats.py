@@ -65,7 +65,7 @@ class RuntimeStats:
     def begin_step(self, step) -> None:
         step.notes[self] = {**_blank(), "tokens": step.num_tokens}
 
-    def on_layer(self, step, ordinal, topk_ids, topk_weights, report: dict) -> None:
+    def on_layer(self, step, ordinal, topk_ids, topk_weights, report: dict, hint=None) -> None:
         current = step.notes[self]
         for f, v in report.items():
             current[f] += v
