@@ -30,7 +30,10 @@ class DecoderLayer(nn.Module):
             both = half(x, norms, cos_sin, ctx)  # a decode step's first half in one native call
             if both is not None:
                 x, h = both
-                return x + getattr(self, self.ffn_name)(h)
+                ffn = getattr(self, self.ffn_name)
+                ffn_half = getattr(ffn, "decoder_half", None)  # SharedExpertMoE's
+                out = None if ffn_half is None else ffn_half(x, h)  # the second half likewise
+                return x + ffn(h) if out is None else out
         # a training step keeps the attention block's input alone and runs it again in the
         # backward (layers/recompute.py): keeping its activations too (q, k, v and its output,
         # about 3 MB a layer on the demo) gave no step time measurably shorter and took the

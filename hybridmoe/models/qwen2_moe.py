@@ -4,13 +4,16 @@ sigmoid(shared_expert_gate x)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
+from hybridmoe import native
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.mlp import GatedMLP
-from hybridmoe.layers.moe import SparseMoE
+from hybridmoe.layers.moe import SparseMoE, softmax_topk
 from hybridmoe.models.base import CausalLM
 
 
@@ -22,12 +25,82 @@ class SharedExpertMoE(SparseMoE):
         super().__init__(shape, renormalize, layer, runtime)
         self.shared_expert = GatedMLP(shape.hidden, shared_intermediate, keep=True)
         self.shared_expert_gate = nn.Linear(shape.hidden, 1, bias=False)
+        self._rows_in: tuple[list[int], torch.Tensor] | None = None  # _packed's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = super().forward(x)  # [T, H]
         gate = linear(x, self.shared_expert_gate.weight)  # [T, 1]
         shared = self.shared_expert(x, scale=torch.sigmoid(gate))  # [T, H] times [T, 1]
         return routed + shared
+
+    def decoder_half(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """x + self(h) [1, H] for a decode step's one token in two native calls, the bits of
+        forward and the decoder layer's residual sum, where they apply (_token_path); else None.
+        One product reads the router, the shared expert's gate and its gate and up rows (one
+        weight, _packed); torch chooses the experts as `choose` does; the second call runs them,
+        the shared expert's down and every sum (native.shared_moe_token). That is ~20 torch and
+        Python calls a layer fewer, and one weight streamed instead of four
+        (docs/notes/2026-11-25-demo-decode-step.md)."""
+        path = self._token_path(x, h)
+        if path is None:
+            return None
+        packed, (table, workers) = path
+        e = self.gate.weight.shape[0]
+        row = native.linear(h, packed)  # [1, E + 1 + 2S]: router logits, gate logit, gate, up
+        ids, weights = softmax_topk(row[:, :e], self.top_k, self.renormalize)  # [1, K] each
+        t0 = time.perf_counter()
+        down = self.shared_expert.down_proj.weight
+        shared = (row, e, down)
+        out = native.shared_moe_token(
+            table, ids, weights, h, self.runtime.shape.intermediate, shared, x, workers
+        )
+        self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0)
+        return out
+
+    def _token_path(self, x: torch.Tensor, h: torch.Tensor):
+        """(_packed's weight, the runtime's token_experts) where decoder_half applies: one bf16
+        row, no gradients, the router's own choice, no adapter anywhere in the block, plain bf16
+        weights, a runtime that lets the block run its experts; else None."""
+        mlp = self.shared_expert
+        linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if (
+            x.shape[0] != 1
+            or self.replay is not None
+            or self.adapters
+            or self.gate.adapters
+            or torch.is_grad_enabled()
+            or any(p.adapters for p in linears)
+            or not native.applies(h, mlp.down_proj.weight)
+            or not native.applies(x)
+            or not (h.is_contiguous() and x.is_contiguous())
+        ):
+            return None
+        packed = self._packed()
+        experts = None if packed is None else self.runtime.token_experts(self.layer)
+        return None if experts is None else (packed, experts)
+
+    def _packed(self) -> torch.Tensor | None:
+        """The router's, the shared expert gate's and the shared expert's gate and up weights as
+        one [E + 1 + 2S, H] bf16 tensor, made once: the four parameters become views of it, so
+        that it takes no memory of its own and follows any change to them in place. A row's
+        product does not depend on the rows beside it (bf16.c block), so one product over it
+        gives the four products' bits. None where a weight is not a plain bf16 tensor."""
+        mlp = self.shared_expert
+        params = (self.gate.weight, self.shared_expert_gate.weight)
+        params += (mlp.gate_proj.weight, mlp.up_proj.weight)
+        ptrs = [p.data_ptr() for p in params]
+        if self._rows_in is not None and self._rows_in[0] == ptrs:
+            return self._rows_in[1]
+        if not native.weights_apply(*params):
+            return None
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, as the parameters
+            packed = torch.cat([p.data for p in params])  # [E + 1 + 2S, H]
+            start = 0
+            for p in params:
+                p.data = packed[start : start + p.shape[0]]
+                start += p.shape[0]
+        self._rows_in = ([p.data_ptr() for p in params], packed)
+        return packed
 
 
 class Qwen2MoeForCausalLM(CausalLM):
