@@ -86,9 +86,11 @@ def test_the_block_leaves_steps_with_a_prefill_chunk_to_the_layer(tmp_path, monk
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_a_tokens_experts_in_one_call_give_the_runtimes_bits(arch, tmp_path, monkeypatch):
     """Every MoE layer of every decode token runs both ways on the same input: the one-call path
-    (moe_token) and the runtime's experts_ffn + combine_token must give the same bits."""
+    (moe_token) and the runtime's experts_ffn + combine_token must give the same bits. (Qwen2-MoE's
+    blocks through the runtime: their own two-call path is off here, tested below.)"""
     build_tiny(arch, tmp_path / arch, seed=3)
     model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
+    monkeypatch.setattr(SharedExpertMoE, "decoder_half", lambda *a: None)
     layer_of, compared = CPURuntime._layer, []
 
     def both(self, layer, x, topk_ids, topk_weights, hint, lora=None):
