@@ -235,31 +235,36 @@ typedef struct {
     long n, H, I, rows1, rows3, units1, units3;
     const gemm_call *also; /* a product whose units are taken beside the gate and up rows, or NULL */
     long also_units;
-    atomic_long next[3];
+    atomic_long next[3], done[2];
 } bexperts_call;
 
+/* Three stages, each starting when every unit of the one before is done (stage_wait: a thread that
+   has not joined holds none). */
 static void bexperts_region(void *arg, int t, int T) {
     (void)t;
+    (void)T;
     bexperts_call *c = arg;
-    long H = c->H, I = c->I, u;
-    while ((u = next_unit(&c->next[0], c->n * c->units1 + c->also_units)) >= 0) {  /* gate and up rows */
+    long H = c->H, I = c->I, u, total = c->n * c->units1 + c->also_units;
+    while ((u = next_unit(&c->next[0], total)) >= 0) {  /* gate and up rows */
         if (u >= c->n * c->units1) {
             gemm_unit(c->also, u - c->n * c->units1);
-            continue;
+        } else {
+            const bexpert_job *e = &c->e[u / c->units1];
+            long o = (u % c->units1) * c->rows1, n = min_l(c->rows1, 2 * I - o);
+            gemm(e->gate_up + o * H, e->x, e->ldx, e->gu + o, 2 * I, n, H, e->M);
         }
-        const bexpert_job *e = &c->e[u / c->units1];
-        long o = (u % c->units1) * c->rows1, n = min_l(c->rows1, 2 * I - o);
-        gemm(e->gate_up + o * H, e->x, e->ldx, e->gu + o, 2 * I, n, H, e->M);
+        atomic_fetch_add(&c->done[0], 1);
     }
-    barrier(T);
+    stage_wait(&c->done[0], total);
     while ((u = next_unit(&c->next[1], c->n)) >= 0) {  /* h = silu(gate) * up, rounded to bf16 */
         const bexpert_job *e = &c->e[u];
         for (long m = 0; m < e->M; m++) {
             const float *g = e->gu + m * 2 * I, *up = g + I;
             for (long i = 0; i < I; i++) e->h[m * I + i] = bf16(g[i] / (1.0f + expf(-g[i])) * up[i]);
         }
+        atomic_fetch_add(&c->done[1], 1);
     }
-    barrier(T);
+    stage_wait(&c->done[1], c->n);
     while ((u = next_unit(&c->next[2], c->n * c->units3)) >= 0) {  /* down rows */
         const bexpert_job *e = &c->e[u / c->units3];
         long o = (u % c->units3) * c->rows3, n = min_l(c->rows3, H - o);
@@ -276,6 +281,7 @@ static void experts_with(const bexpert_job *e, long n, long H, long I, gemm_call
     c.units3 = (H + c.rows3 - 1) / c.rows3;
     c.also_units = also ? gemm_units(also) : 0;
     for (int s = 0; s < 3; s++) atomic_init(&c.next[s], 0);
+    for (int s = 0; s < 2; s++) atomic_init(&c.done[s], 0);
     hm_parallel(bexperts_region, &c, (int)min_l(threads, n * c.units1 + c.also_units));
 }
 
