@@ -357,7 +357,7 @@ static inline float silu_bf16(uint16_t g) {
 static inline float sigmoid_bf16(uint16_t g) { return round_bf16(1.0f / (1.0f + expf(-f32(g)))); }
 
 /* The rest of a Qwen2-MoE block's decode token after its router (models/qwen2_moe.py), and the layer's
-   residual sum: out [H] bf16 = resid + (routed + sigmoid(sgate) * down(silu(gate) * up)), each op
+   residual sum: out [H] bf16 = resid + (routed + sigmoid(logit) * down(silu(gate) * up)), each op
    rounded to bf16 as torch rounds it on bf16 tensors. routed: the token's experts (token_jobs'
    arguments; x [H] their input) mixed as hm_moe_token_bf16 mixes them; gu [1 + 2S] bf16: the shared
    expert's gate logit, then its gate and up rows of x; down [H, S] bf16. The shared expert's down
