@@ -33,7 +33,10 @@ class DecoderLayer(nn.Module):
             both = half(x, norms, cos_sin, ctx)  # a decode step's first half in one native call
             if both is not None:
                 x, h = both
-                return x + getattr(self, self.ffn_name)(h)
+                ffn = getattr(self, self.ffn_name)
+                ffn_half = getattr(ffn, "decoder_half", None)  # SharedExpertMoE's
+                out = None if ffn_half is None else ffn_half(x, h)  # the second half likewise
+                return x + ffn(h) if out is None else out
         x = x + self._attention(x, cos_sin, ctx)
         return x + through_norm(self.post_attention_layernorm, x, getattr(self, self.ffn_name))
 

@@ -4,13 +4,17 @@ sigmoid(shared_expert_gate x)."""
 
 from __future__ import annotations
 
+import time
+from functools import partial
+
 import torch
 from torch import nn
 
+from hybridmoe import native
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.mlp import GatedMLP
-from hybridmoe.layers.moe import SparseMoE
+from hybridmoe.layers.moe import SparseMoE, softmax_topk
 from hybridmoe.models.base import CausalLM
 
 
@@ -22,12 +26,91 @@ class SharedExpertMoE(SparseMoE):
         super().__init__(shape, renormalize, layer, runtime)
         self.shared_expert = GatedMLP(shape.hidden, shared_intermediate, keep=True)
         self.shared_expert_gate = nn.Linear(shape.hidden, 1, bias=False)
+        self.num_experts, self.inter = shape.num_experts, shape.intermediate
+        self._rows_in: tuple | None = None  # _packed's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = super().forward(x)  # [T, H]
         gate = linear(x, self.shared_expert_gate.weight)  # [T, 1]
         shared = self.shared_expert(x, scale=torch.sigmoid(gate))  # [T, H] times [T, 1]
         return routed + shared
+
+    def decoder_half(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """x + self(h) [1, H] for a decode step's one token in two native calls, the bits of
+        forward and the decoder layer's residual sum, where they apply (_token_path); else None.
+        One product reads the router, the shared expert's gate and its gate and up rows (one
+        weight, _packed); torch chooses the experts as `choose` does; the second call runs them,
+        the shared expert's down and every sum (native.shared_moe_token). That is ~20 torch and
+        Python calls a layer fewer, and one weight streamed instead of four
+        (docs/notes/2026-11-25-demo-decode-step.md)."""
+        path = self._token_path(x, h)
+        if path is None:
+            return None
+        packed, down, (table, workers) = path
+        e = self.num_experts
+        row = native.linear(h, packed)  # [1, E + 1 + 2S]: router logits, gate logit, gate, up
+        ids, weights = softmax_topk(row[:, :e], self.top_k, self.renormalize)  # [1, K] each
+        t0 = time.perf_counter()
+        out = native.shared_moe_token(
+            table, ids, weights, h, self.inter, (row, e, down), x, workers
+        )  # [1, H]
+        hint = partial(self.look_ahead, h) if self._next else None  # as SparseMoE.forward's
+        self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
+        return out
+
+    def _token_path(self, x: torch.Tensor, h: torch.Tensor):
+        """(_packed's weight, the shared expert's down weight, the runtime's token_experts) where
+        decoder_half applies: one bf16 row, no gradients, the router's own choice, no adapter
+        anywhere in the block, plain bf16 weights, a runtime that lets the block run its experts;
+        else None. Checked on every layer of every step, so without module attribute lookups
+        (about 1 us each)."""
+        if (
+            x.shape[0] != 1
+            or self.replay is not None
+            or torch.is_grad_enabled()
+            or not native.applies(x)
+            or not native.applies(h)
+            or not (h.is_contiguous() and x.is_contiguous())
+        ):
+            return None
+        weights = self._packed()
+        if weights is None:
+            return None
+        experts = self.runtime.token_experts(self.layer)
+        return None if experts is None else (*weights, experts)
+
+    def _packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the router's, the shared expert gate's and the shared expert's gate and up weights as
+        one [E + 1 + 2S, H] bf16 tensor, the shared expert's down weight [H, S]) where the block's
+        weights are plain bf16 tensors without adapters, else None. The tensor is made once: the
+        four parameters become views of it, so that it takes no memory of its own and follows any
+        change to them in place; it is made again if one is replaced. A row's product does not
+        depend on the rows beside it (bf16.c block), so one product over it gives the four
+        products' bits."""
+        if self._rows_in is not None:
+            modules, params, ptrs, adapters, packed = self._rows_in
+            for m, p, ptr in zip(modules, params, ptrs):
+                if m._parameters.get("weight") is not p or p.data_ptr() != ptr:
+                    break
+            else:
+                return None if any(adapters) else (packed, params[-1])
+        mlp = self.shared_expert
+        modules = (self.gate, self.shared_expert_gate, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        params = tuple(m.weight for m in modules)
+        if not native.weights_apply(*params):
+            return None
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, as the parameters
+            packed = torch.cat([p.data for p in params[:4]])  # [E + 1 + 2S, H]
+            start = 0
+            for p in params[:4]:
+                p.data = packed[start : start + p.shape[0]]
+                start += p.shape[0]
+        # the dicts of adapters that apply here (layers/lora.py), changed in place by attach
+        adapters = (self.adapters, self.gate.adapters)
+        adapters += tuple(m.adapters for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        ptrs = [p.data_ptr() for p in params]
+        self._rows_in = (modules, params, ptrs, adapters, packed)
+        return None if any(adapters) else (packed, params[-1])
 
 
 class Qwen2MoeForCausalLM(CausalLM):

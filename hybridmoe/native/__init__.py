@@ -20,6 +20,7 @@ __all__ = [
     "linear",
     "prefill_applies",
     "prefill_attention",
+    "shared_moe_token",
     "weights_apply",
 ]
 

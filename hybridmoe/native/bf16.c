@@ -173,20 +173,25 @@ typedef struct {
     atomic_long next;
 } gemm_call;
 
+/* Unit u of a product: its rows u * rows .. (u + 1) * rows - 1. */
+static void gemm_unit(const gemm_call *c, long u) {
+    long o = u * c->rows, n = min_l(c->rows, c->O - o);
+    out_bf16 b, *B = NULL;
+    if (c->B) {
+        b = (out_bf16){c->B->Y + o, c->B->ldy, c->B->bias ? c->B->bias + o : NULL};
+        B = &b;
+    }
+    gemm_to(c->W + o * c->I, c->X, c->ldx, c->Y ? c->Y + o : NULL, c->ldy, n, c->I, c->M, B);
+}
+
+static long gemm_units(const gemm_call *c) { return (c->O + c->rows - 1) / c->rows; }
+
 static void gemm_region(void *arg, int t, int T) {
     (void)t;
     (void)T;
     gemm_call *c = arg;
-    long units = (c->O + c->rows - 1) / c->rows;
-    for (long u; (u = next_unit(&c->next, units)) >= 0;) {
-        long o = u * c->rows, n = min_l(c->rows, c->O - o);
-        out_bf16 b, *B = NULL;
-        if (c->B) {
-            b = (out_bf16){c->B->Y + o, c->B->ldy, c->B->bias ? c->B->bias + o : NULL};
-            B = &b;
-        }
-        gemm_to(c->W + o * c->I, c->X, c->ldx, c->Y ? c->Y + o : NULL, c->ldy, n, c->I, c->M, B);
-    }
+    long units = gemm_units(c);
+    for (long u; (u = next_unit(&c->next, units)) >= 0;) gemm_unit(c, u);
 }
 
 static void gemm_threads(gemm_call *c, int threads) {
@@ -228,27 +233,38 @@ typedef struct {
 typedef struct {
     const bexpert_job *e;
     long n, H, I, rows1, rows3, units1, units3;
-    atomic_long next[3];
+    const gemm_call *also; /* a product whose units are taken beside the gate and up rows, or NULL */
+    long also_units;
+    atomic_long next[3], done[2];
 } bexperts_call;
 
+/* Three stages, each starting when every unit of the one before is done (stage_wait: a thread that
+   has not joined holds none). */
 static void bexperts_region(void *arg, int t, int T) {
     (void)t;
+    (void)T;
     bexperts_call *c = arg;
-    long H = c->H, I = c->I, u;
-    while ((u = next_unit(&c->next[0], c->n * c->units1)) >= 0) {  /* gate and up rows */
-        const bexpert_job *e = &c->e[u / c->units1];
-        long o = (u % c->units1) * c->rows1, n = min_l(c->rows1, 2 * I - o);
-        gemm(e->gate_up + o * H, e->x, e->ldx, e->gu + o, 2 * I, n, H, e->M);
+    long H = c->H, I = c->I, u, total = c->n * c->units1 + c->also_units;
+    while ((u = next_unit(&c->next[0], total)) >= 0) {  /* gate and up rows */
+        if (u >= c->n * c->units1) {
+            gemm_unit(c->also, u - c->n * c->units1);
+        } else {
+            const bexpert_job *e = &c->e[u / c->units1];
+            long o = (u % c->units1) * c->rows1, n = min_l(c->rows1, 2 * I - o);
+            gemm(e->gate_up + o * H, e->x, e->ldx, e->gu + o, 2 * I, n, H, e->M);
+        }
+        atomic_fetch_add(&c->done[0], 1);
     }
-    barrier(T);
+    stage_wait(&c->done[0], total);
     while ((u = next_unit(&c->next[1], c->n)) >= 0) {  /* h = silu(gate) * up, rounded to bf16 */
         const bexpert_job *e = &c->e[u];
         for (long m = 0; m < e->M; m++) {
             const float *g = e->gu + m * 2 * I, *up = g + I;
             for (long i = 0; i < I; i++) e->h[m * I + i] = bf16(g[i] / (1.0f + expf(-g[i])) * up[i]);
         }
+        atomic_fetch_add(&c->done[1], 1);
     }
-    barrier(T);
+    stage_wait(&c->done[1], c->n);
     while ((u = next_unit(&c->next[2], c->n * c->units3)) >= 0) {  /* down rows */
         const bexpert_job *e = &c->e[u / c->units3];
         long o = (u % c->units3) * c->rows3, n = min_l(c->rows3, H - o);
@@ -256,14 +272,31 @@ static void bexperts_region(void *arg, int t, int T) {
     }
 }
 
-/* The n experts of e (a layer's) in one region of up to `threads` threads: every gate and up row, then
-   each expert's h, then every down row; each expert's y equals hm_expert_rows_bf16's, bit for bit. */
-void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads) {
-    bexperts_call c = {.e = e, .n = n, .H = H, .I = I, .rows1 = unit_rows(H), .rows3 = unit_rows(I)};
+/* The n experts of e (a layer's) and the units of `also` (or NULL) in one region of up to `threads`
+   threads: every gate and up row and every unit of `also`, then each expert's h, then every down row;
+   each expert's y equals hm_expert_rows_bf16's, bit for bit. */
+static void experts_with(const bexpert_job *e, long n, long H, long I, gemm_call *also, int threads) {
+    bexperts_call c = {.e = e, .n = n, .H = H, .I = I, .rows1 = unit_rows(H), .rows3 = unit_rows(I), .also = also};
     c.units1 = (2 * I + c.rows1 - 1) / c.rows1;
     c.units3 = (H + c.rows3 - 1) / c.rows3;
+    c.also_units = also ? gemm_units(also) : 0;
     for (int s = 0; s < 3; s++) atomic_init(&c.next[s], 0);
-    hm_parallel(bexperts_region, &c, (int)min_l(threads, n * c.units1));
+    for (int s = 0; s < 2; s++) atomic_init(&c.done[s], 0);
+    hm_parallel(bexperts_region, &c, (int)min_l(threads, n * c.units1 + c.also_units));
+}
+
+void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads) {
+    experts_with(e, n, H, I, NULL, threads);
+}
+
+/* out [H] bf16 = sum_j bf16(e[j].y) * w[j], each term in fp32, added from 0 in the order of e, rounded
+   once. */
+static void mix_bf16(const bexpert_job *e, long n, long H, const float *w, uint16_t *out) {
+    for (long h = 0; h < H; h++) {
+        float acc = 0.0f;
+        for (long j = 0; j < n; j++) acc += f32(bf16(e[j].y[h])) * w[j];
+        out[h] = bf16(acc);
+    }
 }
 
 /* One token through its n experts (e, in increasing expert id, M = 1 each) and their weighted sum:
@@ -273,32 +306,19 @@ void hm_experts_bf16(const bexpert_job *e, long n, long H, long I, int threads) 
    built with -ffp-contract=off). */
 void hm_experts_mix_bf16(const bexpert_job *e, long n, long H, long I, int threads, const float *w, uint16_t *out) {
     hm_experts_bf16(e, n, H, I, threads);
-    for (long h = 0; h < H; h++) {
-        float acc = 0.0f;
-        for (long j = 0; j < n; j++) acc += f32(bf16(e[j].y[h])) * w[j];
-        out[h] = bf16(acc);
-    }
+    mix_bf16(e, n, H, w, out);
 }
 
-/* One token's routed experts from the router's choice as it stands: ids [K] (int64, top-k order, distinct)
-   and weights w [K] (fp32) into experts [E, 2] (each expert's gate_up and down pointers, the layer's
-   table). The experts run in increasing id and are mixed as hm_experts_mix_bf16 mixes them; the scratch
-   is made here. Returns 0, or -1 if out of memory. */
-int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K, const uint16_t *x, long H,
-                      long I, int threads, uint16_t *out) {
+/* A token's K routed experts (ids [K], int64, top-k order, distinct; weights w [K], fp32) as jobs in
+   increasing id, from experts [E, 2] (each expert's gate_up and down pointers, the layer's table), with
+   their weights in that order in ws and their scratch in y (K (H + 2I) floats) and h (K I bf16). */
+static void token_jobs(const int64_t *experts, const int64_t *ids, const float *w, long K, const uint16_t *x, long H,
+                       long I, float *y, uint16_t *h, bexpert_job *e, float *ws) {
     long order[64];
-    if (K > 64) return -1;
     for (long k = 0; k < K; k++) { /* insertion sort of k by ids[k] */
         long j = k;
         for (; j > 0 && ids[order[j - 1]] > ids[k]; j--) order[j] = order[j - 1];
         order[j] = k;
-    }
-    bexpert_job e[64];
-    float ws[64], *y = malloc(sizeof(float) * K * (H + 2 * I));
-    uint16_t *h = malloc(sizeof(uint16_t) * K * I);
-    if (!y || !h) {
-        free(y), free(h);
-        return -1;
     }
     for (long j = 0; j < K; j++) {
         const int64_t *p = experts + 2 * ids[order[j]];
@@ -306,7 +326,65 @@ int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w
                              y + K * H + j * 2 * I, h + j * I};
         ws[j] = w[order[j]];
     }
+}
+
+/* One token's routed experts from the router's choice as it stands (token_jobs' arguments), mixed as
+   hm_experts_mix_bf16 mixes them; the scratch is made here. Returns 0, or -1 if out of memory. */
+int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K, const uint16_t *x, long H,
+                      long I, int threads, uint16_t *out) {
+    if (K > 64) return -1;
+    bexpert_job e[64];
+    float ws[64], *y = malloc(sizeof(float) * K * (H + 2 * I));
+    uint16_t *h = malloc(sizeof(uint16_t) * K * I);
+    if (!y || !h) {
+        free(y), free(h);
+        return -1;
+    }
+    token_jobs(experts, ids, w, K, x, H, I, y, h, e, ws);
     hm_experts_mix_bf16(e, K, H, I, threads, ws, out);
+    free(y), free(h);
+    return 0;
+}
+
+/* silu(g) and sigmoid(g) of a bf16 value as torch computes them on bf16 tensors: in fp32 with expf,
+   rounded to bf16 (the vectorised and the scalar paths agree with this for every bf16 input; tested
+   exhaustively in tests/test_native.py). */
+static inline float silu_bf16(uint16_t g) {
+    const float a = f32(g);
+    return round_bf16(a / (1.0f + expf(-a)));
+}
+
+static inline float sigmoid_bf16(uint16_t g) { return round_bf16(1.0f / (1.0f + expf(-f32(g)))); }
+
+/* The rest of a Qwen2-MoE block's decode token after its router (models/qwen2_moe.py), and the layer's
+   residual sum: out [H] bf16 = resid + (routed + sigmoid(logit) * down(silu(gate) * up)), each op
+   rounded to bf16 as torch rounds it on bf16 tensors. routed: the token's experts (token_jobs'
+   arguments; x [H] their input) mixed as hm_moe_token_bf16 mixes them; gu [1 + 2S] bf16: the shared
+   expert's gate logit, then its gate and up rows of x; down [H, S] bf16. The shared expert's down
+   rows are shared out with the experts' gate and up rows in one region. Returns 0, or -1 if out of
+   memory. */
+int hm_shared_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K, const uint16_t *x,
+                             long H, long I, const uint16_t *gu, const uint16_t *down, long S,
+                             const uint16_t *resid, int threads, uint16_t *out) {
+    if (K > 64) return -1;
+    bexpert_job e[64];
+    float ws[64], *y = malloc(sizeof(float) * K * (H + 2 * I));
+    uint16_t *h = malloc(sizeof(uint16_t) * (K * I + S + 2 * H)), *hs = h + K * I, *ys = hs + S, *routed = ys + H;
+    if (!y || !h) {
+        free(y), free(h);
+        return -1;
+    }
+    const float s = sigmoid_bf16(gu[0]);
+    gu++;
+    for (long i = 0; i < S; i++) hs[i] = bf16(silu_bf16(gu[i]) * f32(gu[S + i]));  /* [S] */
+    out_bf16 b = {ys, H, NULL};  /* [H]: down(hs), F.linear's rounding */
+    gemm_call shared = {down, hs, S, 0, H, S, 1, unit_rows(S), NULL, &b};
+    atomic_init(&shared.next, 0);
+    token_jobs(experts, ids, w, K, x, H, I, y, h, e, ws);
+    experts_with(e, K, H, I, &shared, threads);
+    mix_bf16(e, K, H, ws, routed);
+    for (long i = 0; i < H; i++)
+        out[i] = bf16(f32(resid[i]) + round_bf16(f32(routed[i]) + round_bf16(s * f32(ys[i]))));
     free(y), free(h);
     return 0;
 }

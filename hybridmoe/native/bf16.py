@@ -62,6 +62,10 @@ SIGNATURES = {
     # int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K,
     #                       const uint16_t *x, long H, long I, int threads, uint16_t *out)
     "hm_moe_token_bf16": ([P, P, P, N, P, N, N, INT, P], INT),
+    # int hm_shared_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w,
+    #     long K, const uint16_t *x, long H, long I, const uint16_t *gu, const uint16_t *down,
+    #     long S, const uint16_t *resid, int threads, uint16_t *out)
+    "hm_shared_moe_token_bf16": ([P, P, P, N, P, N, N, P, P, N, P, INT, P], INT),
     # void hm_linear_bf16(const uint16_t *W, const uint16_t *X, long ldx, const uint16_t *bias,
     #                     uint16_t *Y, long ldy, long O, long I, long M, int threads)
     "hm_linear_bf16": ([P, P, N, P, P, N, N, N, N, INT], None),
@@ -257,6 +261,44 @@ def moe_token(
     )
     if status != 0:
         raise MemoryError("moe_token: no memory for its scratch")
+    return out
+
+
+def shared_moe_token(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    inter: int,
+    shared: tuple[torch.Tensor, int, torch.Tensor],
+    resid: torch.Tensor,
+    workers: int,
+) -> torch.Tensor:
+    """resid + (routed + sigmoid(gate) * down(silu(g) * u)) [1, H] bf16 for one token: a Qwen2-MoE
+    block after its router, with the decoder layer's residual sum (models/qwen2_moe.py's bits).
+    routed: `moe_token`'s arguments (x [1, H] the block's input); shared = (a [1, N] bf16 row
+    holding the shared expert's gate logit at `at` and its gate and up rows [2S] right after,
+    at, down [H, S] bf16); resid [1, H] bf16."""
+    row, at, down = shared
+    hidden, s = down.shape
+    out = torch.empty(1, hidden, dtype=torch.bfloat16)  # [1, H]
+    status = library().hm_shared_moe_token_bf16(
+        table.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        ids.shape[1],
+        x.data_ptr(),
+        hidden,
+        inter,
+        row.data_ptr() + 2 * at,
+        down.data_ptr(),
+        s,
+        resid.data_ptr(),
+        workers,
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("shared_moe_token: no memory for its scratch")
     return out
 
 

@@ -9,8 +9,11 @@
    step opens a region every ~50-100 us: waking a sleeping thread through the kernel cost more than
    the second thread saved, and on a busy machine a woken thread may wait a whole time slice for a
    core), then sleeps on a condition variable; the caller likewise spins briefly for the workers to
-   finish before it sleeps. One region
-   runs at a time: a second caller (another Python thread) that finds the pool busy runs its work alone on
+   finish before it sleeps. A worker that had not started when the caller finished the region's
+   work skips it (its seat is closed): on a machine whose other cores are busy a descheduled worker
+   then costs nothing, where the caller used to wait a time slice for it to run a region with
+   nothing left in it (docs/notes/2026-11-25-demo-decode-step.md); regions therefore hand out work
+   from counters only, never by thread number. One region runs at a time: a second caller (another Python thread) that finds the pool busy runs its work alone on
    its own thread (T = 1), which gives the same results, since every output element is computed whole by
    one thread. After fork() the child makes its own threads. */
 
@@ -37,6 +40,7 @@ static struct {
     pid_t pid;             /* the process that made them */
     atomic_long generation; /* bumped per region; a worker runs each generation once */
     atomic_int running;     /* workers still inside the region */
+    int seats;              /* workers that may still join the region (under mu) */
     int T;
     region_fn fn;
     void *arg;
@@ -60,6 +64,16 @@ static void barrier(int T) {
     }
 }
 
+/* Waits until *done (units finished, counted by the threads that did them) reaches total: the next
+   stage may start once every unit of this one is done, without waiting for a thread that took none
+   (barrier() waits for all T, even one that has not been scheduled yet). */
+static void stage_wait(atomic_long *done, long total) {
+    for (long spins = 0; atomic_load(done) < total; spins++) {
+        if (spins < 4000) __builtin_ia32_pause();
+        else sched_yield();
+    }
+}
+
 /* Pause instructions a thread spins for before it sleeps: about half a millisecond on Zen 4. */
 #define SPIN_WAIT 20000
 
@@ -74,9 +88,10 @@ static void *worker(void *p) {
         seen = atomic_load(&pool.generation);
         region_fn fn = pool.fn;
         void *arg = pool.arg;
-        int T = pool.T;
+        int T = pool.T, seated = t < T && pool.seats > 0;
+        pool.seats -= seated;
         pthread_mutex_unlock(&pool.mu);
-        if (t >= T) continue;  /* not in this region */
+        if (!seated) continue;  /* not in this region, or it is over */
         fn(arg, t, T);
         if (atomic_fetch_sub(&pool.running, 1) == 1) {
             pthread_mutex_lock(&pool.mu);
@@ -143,12 +158,17 @@ void hm_pool_parallel(region_fn fn, void *arg, int T) {
     pool.fn = fn;
     pool.arg = arg;
     pool.T = T;
+    pool.seats = T - 1;
     atomic_store(&pool.running, T - 1);
     atomic_store(&pool.bar.count, 0);
     atomic_fetch_add(&pool.generation, 1);
     pthread_cond_broadcast(&pool.start);
     pthread_mutex_unlock(&pool.mu);
     fn(arg, 0, T);
+    pthread_mutex_lock(&pool.mu);  /* the work is done: workers that have not joined need not */
+    atomic_fetch_sub(&pool.running, pool.seats);
+    pool.seats = 0;
+    pthread_mutex_unlock(&pool.mu);
     for (long spins = 0; atomic_load(&pool.running) > 0 && spins < SPIN_WAIT; spins++) __builtin_ia32_pause();
     if (atomic_load(&pool.running) > 0) {
         pthread_mutex_lock(&pool.mu);

@@ -194,23 +194,53 @@ class BaseRuntime:
         """x: [T, H], topk_ids: [T, K], topk_weights: [T, K] -> [T, H] weighted sum of expert
         outputs. `lora`: the rows' expert adapters (RowLoRA), or a training step's (TrainLoRA:
         every expert on the CPU, differentiable, experts/run/expert_grad.py)."""
-        step = self._local.step
-        if step is None:
-            raise RuntimeError(
-                "an MoE layer ran outside a step: the model's forward must call begin_step first"
-            )
+        step = self._step()
         o = self.ordinal[layer]
         if isinstance(lora, TrainLoRA):
             out, report = self._train_layer(layer, x, topk_ids, topk_weights, lora)
         else:
             out, report = self._defer_layer(step, o, layer, x, topk_ids, topk_weights, hint, lora)
+        self._observe(step, o, topk_ids, topk_weights, report, hint)
+        return out
+
+    def token_experts(self, layer: int) -> tuple[torch.Tensor, int] | None:
+        """(the layer's expert table [E, 2]: each expert's gate_up and down pointers, threads)
+        where a model's block may run a decode token's routed experts inside its own native call
+        (native.shared_moe_token) exactly as this runtime would run them; else None, and the
+        block calls `forward`. The block then calls `ran_token`."""
+        return None
+
+    def ran_token(
+        self,
+        layer: int,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        seconds: float,
+        hint: Hint | None = None,
+    ) -> None:
+        """What `forward` tells the observers, for a token whose experts ran through
+        `token_experts`' table (ids [1, K], weights [1, K]; hint as `forward` takes it)."""
+        n = len(set(topk_ids[0].tolist()))
+        report = {"routed": n, "misses": n, "cpu_runs": n, "cpu_busy_s": seconds}
+        report["measured_s"] = seconds
+        self._observe(self._step(), self.ordinal[layer], topk_ids, topk_weights, report, hint)
+
+    def _step(self) -> Step:
+        step = self._local.step
+        if step is None:
+            raise RuntimeError(
+                "an MoE layer ran outside a step: the model's forward must call begin_step first"
+            )
+        return step
+
+    def _observe(self, step: Step, o: int, topk_ids, topk_weights, report: dict, hint) -> None:
+        """The observers see layer ordinal o; after the last layer the step ends."""
         for observer in self.observers:
             observer.on_layer(step, o, topk_ids, topk_weights, report, hint)
         if o == len(self.layers) - 1:
             self._local.step = None
             for observer in self.observers:
                 observer.end_step(step)
-        return out
 
     def _layer(
         self, layer, x, topk_ids, topk_weights, hint, lora: RowLoRA | None = None
@@ -324,6 +354,14 @@ class CPURuntime(BaseRuntime):
         else:
             return None
         return out, topk_ids[0].tolist(), time.perf_counter() - t0
+
+    def token_experts(self, layer: int) -> tuple[torch.Tensor, int] | None:
+        if self.defer_experts:  # _defer_layer moves experts between layers
+            return None
+        table, blocks = self._expert_table(layer)
+        if table is None or blocks:  # native.shared_moe_token takes plain bf16 experts
+            return None
+        return table, self.cpu.workers_now()
 
     def _expert_table(self, layer: int) -> tuple[torch.Tensor | None, bool]:
         """The layer's expert table and whether its experts are in blocks: int64 [E, 2] of each
