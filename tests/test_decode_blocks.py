@@ -158,7 +158,7 @@ def test_a_qwen2_moe_layers_moe_half_in_two_calls_gives_the_layers_bits(
     monkeypatch.setattr(SharedExpertMoE, "decoder_half", both)
     ids = []
     monkeypatch.setattr(
-        model.runtime.stats, "on_layer", lambda s, o, i, w, r: ids.append(i.tolist())
+        model.runtime.stats, "on_layer", lambda s, o, i, w, r, hint=None: ids.append(i.tolist())
     )
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     before = torch.get_num_threads()
@@ -188,3 +188,29 @@ def test_the_moe_half_runs_the_steps_the_modules_run(tmp_path):
         stats = model.runtime.stats.total
         runs.append((tokens, {k: v for k, v in stats.items() if not k.endswith("_s")}))
     assert runs[0] == runs[1]
+
+
+@needs_kernels
+def test_the_moe_half_hands_the_observers_the_same_look_ahead_hint(tmp_path):
+    """The observers (a trace recorder among them) get the next layer's router on this layer's
+    input from the native MoE half as from the modules: the same probabilities, step by step."""
+    build_tiny("qwen2_moe", tmp_path / "m", seed=7)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
+        if not fused:
+            model.runtime.token_experts = lambda layer: None
+        hints = []
+
+        def on_layer(step, o, ids, weights, report, hint=None, hints=hints):
+            hints.append(None if hint is None else hint(1))
+
+        model.runtime.stats.on_layer = on_layer
+        with torch.inference_mode():
+            list(generate_ids(model, [3, 1, 4, 1, 5, 9], params))
+        runs.append(hints)
+    fused, modules = runs
+    assert len(fused) == len(modules) and any(h is not None for h in fused)
+    for a, b in zip(fused, modules):
+        assert (a is None and b is None) or torch.equal(a, b)
