@@ -180,9 +180,7 @@ def test_the_moe_half_runs_the_steps_the_modules_run(tmp_path):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     runs = []
     for fused in (True, False):
-        model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
-        if not fused:
-            model.runtime.token_experts = lambda layer: None
+        model = _qwen2_moe(tmp_path / "m", fused)
         with torch.inference_mode():
             tokens = list(generate_ids(model, [3, 1, 4, 1, 5, 9, 2, 6], params))
         stats = model.runtime.stats.total
@@ -198,9 +196,7 @@ def test_the_moe_half_hands_the_observers_the_same_look_ahead_hint(tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     runs = []
     for fused in (True, False):
-        model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
-        if not fused:
-            model.runtime.token_experts = lambda layer: None
+        model = _qwen2_moe(tmp_path / "m", fused)
         hints = []
 
         def on_layer(step, o, ids, weights, report, hint=None, hints=hints):
@@ -214,3 +210,11 @@ def test_the_moe_half_hands_the_observers_the_same_look_ahead_hint(tmp_path):
     assert len(fused) == len(modules) and any(h is not None for h in fused)
     for a, b in zip(fused, modules):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _qwen2_moe(path, fused: bool):
+    """The tiny Qwen2-MoE at `path`, its MoE half in native calls or (fused False) in modules."""
+    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    if not fused:
+        model.runtime.token_experts = lambda layer: None
+    return model
