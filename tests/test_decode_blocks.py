@@ -17,6 +17,7 @@ from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.loader import load_model
 from hybridmoe.models.qwen2_moe import SharedExpertMoE
+from tests.halves import attention_half_checked, torch_threads
 from tests.tiny import bf16_batch_greedy, build_tiny
 
 needs_kernels = pytest.mark.skipif(
@@ -38,28 +39,14 @@ def test_a_layers_attention_half_in_one_call_gives_the_layers_bits(
     forward, compared = DecoderLayer.forward, []
 
     def both(self, x, cos_sin, ctx):
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        half = self.self_attn.decoder_half(x, norms, cos_sin, ctx)
-        if half is not None:
-            k_pool, v_pool = (p.clone() for p in ctx.pools_of(self.self_attn.layer))
-            with monkeypatch.context() as m:
-                m.setattr(Attention, "_block_table", lambda *a: None)
-                x_ref = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx)
-            assert torch.equal(half[0], x_ref)
-            assert torch.equal(half[1], self.post_attention_layernorm(x_ref))
-            k_ref, v_ref = ctx.pools_of(self.self_attn.layer)
-            assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
-            compared.append(x.shape[0])
+        rows = attention_half_checked(self, x, cos_sin, ctx, monkeypatch, _modules_only)
+        if rows is not None:
+            compared.append(rows)
         return forward(self, x, cos_sin, ctx)
 
     monkeypatch.setattr(DecoderLayer, "forward", both)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            generate()
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads):
+        generate()
     assert len(compared) > 20 and max(compared) > 1  # decode batches of several sequences too
 
 
@@ -161,13 +148,8 @@ def test_a_qwen2_moe_layers_moe_half_in_two_calls_gives_the_layers_bits(
         model.runtime.stats, "on_layer", lambda s, o, i, w, r, hint=None: ids.append(i.tolist())
     )
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads):
+        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
     assert len(compared) == 15 * len(model.runtime.layers)  # every decode token, every layer
     assert seen == [i for i in ids if len(i) == 1]  # the same choice, each decode layer once
 
@@ -218,3 +200,8 @@ def _qwen2_moe(path, fused: bool):
     if not fused:
         model.runtime.token_experts = lambda layer: None
     return model
+
+
+def _modules_only(m) -> None:
+    """Under monkeypatch context m, no attention block takes the native call."""
+    m.setattr(Attention, "_block_table", lambda *a: None)

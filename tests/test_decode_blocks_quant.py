@@ -19,6 +19,7 @@ from hybridmoe.loader import load_model
 from hybridmoe.models.base import CausalLM
 from hybridmoe.native import quant as kernels
 from tests.gguf_writer import Q, write_gguf
+from tests.halves import attention_half_checked, torch_threads
 from tests.tiny import batch_greedy, build_tiny, build_wide_mixtral
 
 needs_bf16 = pytest.mark.skipif(
@@ -69,30 +70,16 @@ def test_the_attention_half_on_weights_in_blocks_gives_the_layers_bits(
     forward, compared = DecoderLayer.forward, []
 
     def both(self, x, cos_sin, ctx):
-        norms = (self.input_layernorm, self.post_attention_layernorm)
         table = self.self_attn._block_table(x, cos_sin, ctx)
-        half = self.self_attn.decoder_half(x, norms, cos_sin, ctx)
-        if half is not None:
+        rows = attention_half_checked(self, x, cos_sin, ctx, monkeypatch, blocks_off)
+        if rows is not None:
             assert all(table[16:20].tolist())  # every projection in blocks
-            k_pool, v_pool = (p.clone() for p in ctx.pools_of(self.self_attn.layer))
-            with monkeypatch.context() as m:
-                blocks_off(m)
-                x_ref = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx)
-            assert torch.equal(half[0], x_ref)
-            assert torch.equal(half[1], self.post_attention_layernorm(x_ref))
-            k_ref, v_ref = ctx.pools_of(self.self_attn.layer)
-            assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
-            compared.append(x.shape[0])
+            compared.append(rows)
         return forward(self, x, cos_sin, ctx)
 
     monkeypatch.setattr(DecoderLayer, "forward", both)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            batch_greedy(model)()
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads):
+        batch_greedy(model)()
     assert len(compared) > 20 and max(compared) > 1  # decode batches of several sequences too
 
 
