@@ -2,8 +2,11 @@
 a faster planner honest. `tests/data/plan_decisions.json` holds the digests the planner of commit
 d407732 (before the value policy's planning was made cheaper) gave, the value policy's re-recorded
 when its background copies began to run through the gap between layers (issue 15: a change of
-decisions, not of speed); tests/test_plan_decisions.py checks that today's planner gives the same,
-plan by plan.
+decisions, not of speed), and the two value runs of prefill chunks re-recorded when its rankings
+began to break ties by key (layer ordinal, expert) rather than in whatever order numpy's
+argpartition left equal values (the code before that change, with only its two argpartition ties
+made canonical, gives the new digests: docs/notes/2026-11-25-value-planning-cost.md);
+tests/test_plan_decisions.py checks that today's planner gives the same, plan by plan.
 
 Regenerate only for a change meant to alter decisions, and say so in its commit:
     python -m tests.plan_decisions > tests/data/plan_decisions.json

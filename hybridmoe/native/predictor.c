@@ -140,7 +140,7 @@ void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used, const
 }
 
 /* Predictor.look_ahead's scores: the band of every expert of layer i+h+1 given what layer i used,
- * for each horizon index h that stays within the layers */
+ * for each horizon index h that stays within the layers (score: 2E doubles of scratch) */
 void hm_pred_bands(const pred_t *p, long i, const long *used, long n_used, double *score) {
     long L = p->L, E = p->E;
     for (long h = 0; h < p->H; h++) {
@@ -148,14 +148,17 @@ void hm_pred_bands(const pred_t *p, long i, const long *used, long n_used, doubl
         if (j >= L) continue;
         double scale = p->scale[h * L + i];
         const double *co = p->co + (h * L + i) * E * E, *n = p->n + (h * L + i) * E;
-        for (long b = 0; b < E; b++) score[b] = -1.0 / 0.0;
+        double *prior = score + E; /* cross_prior * f(b), the same for every a */
+        for (long b = 0; b < E; b++) {
+            score[b] = -1.0 / 0.0;
+            prior[b] = p->cross_prior * at_most_one(rate_of(p, j, b));
+        }
         for (long a = 0; a < n_used; a++) {
             const double *row = co + used[a] * E;
             double den = n[used[a]] * scale + p->cross_prior;
             for (long b = 0; b < E; b++) {
-                double f = at_most_one(rate_of(p, j, b));
-                double c = (row[b] * scale + p->cross_prior * f) / den;
-                if (c > score[b]) score[b] = c;
+                double c = (row[b] * scale + prior[b]) / den;
+                score[b] = c > score[b] ? c : score[b];
             }
         }
         for (long b = 0; b < E; b++) {
@@ -188,14 +191,15 @@ void hm_pred_after_visit(const pred_t *p, long i, double *out) {
 /* ValuePolicy._make_view's ranking keys: the dynamic residents (resident, not pinned), in
  * row-major order, as flat indices (out) and minus their distance (neg): d + L (1 - p) / q, d the
  * layers from ordinal `here` on until theirs runs (L for itself), p and q floored at 1e-3, where
- * `here`'s residents read p_not for both. Returns their number. */
+ * `here`'s residents read p_not for both (unless p_not is NULL). Returns their number. */
 long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
                   const double *p_not, long *out, double *neg) {
     long n = 0, E = p->E, L = p->L;
     for (long i = 0; i < L; i++) {
         long d = ((i - here) % L + L) % L;
         double dist = (double)(d ? d : L);
-        const double *P = i == here ? p_not : p->P + i * E, *Q = i == here ? p_not : p->Q + i * E;
+        int sub = i == here && p_not != NULL;
+        const double *P = sub ? p_not : p->P + i * E, *Q = sub ? p_not : p->Q + i * E;
         for (long e = 0; e < E; e++) {
             long x = i * E + e;
             if (!mask[x] || pinned[x]) continue;
@@ -203,6 +207,82 @@ long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, l
             out[n] = x;
             neg[n++] = -(dist + (double)L * (1.0 - pp) / qq);
         }
+    }
+    return n;
+}
+
+/* (score, flat key) of a before that of b: the ranking's total order, ties by key */
+static int ranks_before(const double *score, const long *flat, long a, long b) {
+    return score[a] < score[b] || (score[a] == score[b] && flat[a] < flat[b]);
+}
+
+/* The positions 0..n-1 by ascending (score, flat), into idx (tmp: n more longs): a merge sort,
+ * np.lexsort((flat, score)) */
+void hm_rank(const double *score, const long *flat, long n, long *idx, long *tmp) {
+    for (long x = 0; x < n; x++) idx[x] = x;
+    for (long w = 1; w < n; w *= 2) {
+        for (long lo = 0; lo < n; lo += 2 * w) {
+            long mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+            long a = lo, b = mid, o = lo;
+            while (a < mid && b < hi)
+                tmp[o++] = ranks_before(score, flat, idx[b], idx[a]) ? idx[b++] : idx[a++];
+            while (a < mid) tmp[o++] = idx[a++];
+            while (b < hi) tmp[o++] = idx[b++];
+        }
+        memcpy(idx, tmp, n * sizeof(long));
+    }
+}
+
+/* ValuePolicy.background's candidates of the layer ordinals rows[0..nrows): each layer's k experts
+ * of highest p_next, residents (mask) counted as -inf, ties by expert id (np.argsort(-p,
+ * kind="stable")[:k]), into cand[i * k ...] */
+void hm_value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long nrows, long k,
+                   long *cand) {
+    long E = p->E;
+    double best[k > 0 ? k : 1];
+    for (long r = 0; r < nrows; r++) {
+        long i = rows[r], *out = cand + i * k, n = 0;
+        for (long e = 0; e < E; e++) {
+            double v = mask[i * E + e] ? -1.0 / 0.0 : p->P[i * E + e];
+            if (n == k && !(v > best[k - 1])) continue; /* an equal one came first */
+            long at = n < k ? n++ : k - 1;
+            while (at > 0 && v > best[at - 1]) {
+                best[at] = best[at - 1];
+                out[at] = out[at - 1];
+                at--;
+            }
+            best[at] = v;
+            out[at] = e;
+        }
+    }
+}
+
+/* ValuePolicy.background's order: of the candidates cand [L, k], those not resident, as flat keys
+ * (ordinal * E + expert) by expected distance ascending, ties by key, into out, their distances
+ * into D; returns their number. Distance: d + L (1 - p) / q with p, q floored at 1e-3, d the
+ * layers until the layer runs (dist[i]), plus L where a copy ready at `arrive` misses that visit
+ * (arrive > now + d * period; only with period > 0). scratch: 2 L k longs. */
+long hm_value_order(const pred_t *p, const uint8_t *mask, const long *cand, long k,
+                    const long *dist, double now, double arrive, double period, long *out,
+                    double *D, long *scratch) {
+    long L = p->L, E = p->E, n = 0;
+    long *flat = scratch, *idx = scratch + L * k;
+    double *d_of = D + L * k; /* D has 2 L k doubles: the distances by position, then by rank */
+    for (long i = 0; i < L; i++) {
+        for (long c = 0; c < k; c++) {
+            long x = i * E + cand[i * k + c];
+            if (mask[x]) continue;
+            long d = dist[i];
+            if (period > 0 && arrive > now + (double)d * period) d += L;
+            double pp = p->P[x] > 1e-3 ? p->P[x] : 1e-3, qq = p->Q[x] > 1e-3 ? p->Q[x] : 1e-3;
+            flat[n] = x;
+            d_of[n++] = (double)d + (double)L * (1.0 - pp) / qq;
+        }
+    }
+    hm_rank(d_of, flat, n, idx, out); /* out as the sort's scratch, then the keys */
+    for (long r = 0; r < n; r++) {
+        out[r] = flat[idx[r]];
+        D[r] = d_of[idx[r]];
     }
     return n;
 }

@@ -21,6 +21,8 @@ SOURCE = Path(__file__).with_name("predictor.c")
 # floats exactly as written (no contraction into FMAs), so that they round as numpy's do
 FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off"]
 
+D = ctypes.c_double
+
 # name -> (argument types, result type), each under a copy of its C prototype in predictor.c
 SIGNATURES = {
     # void hm_pred_refresh(const pred_t *p, const long *rows, long nrows)
@@ -39,13 +41,21 @@ SIGNATURES = {
     # long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
     #                   const double *p_not, long *out, double *neg)
     "hm_pred_view": ([P, P, P, N, P, P, P], N),
+    # void hm_rank(const double *score, const long *flat, long n, long *idx, long *tmp)
+    "hm_rank": ([P, P, N, P, P], None),
+    # void hm_value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long nrows, long k,
+    #                    long *cand)
+    "hm_value_cand": ([P, P, P, N, N, P], None),
+    # long hm_value_order(const pred_t *p, const uint8_t *mask, const long *cand, long k,
+    #                     const long *dist, double now, double arrive, double period, long *out,
+    #                     double *D, long *scratch)
+    "hm_value_order": ([P, P, P, N, P, D, D, D, P, P, P], N),
 }
 
-_D = ctypes.c_double
 # pred_t's fields in order: (name, ctypes type)
 FIELDS = [(f, N) for f in ("L", "E", "K", "H", "NA", "NF", "NB", "n_age", "n_freq", "n_lift")]
 FIELDS += [(f, P) for f in ("age_edges", "freq_edges", "lift_edges")]
-FIELDS += [(f, _D) for f in ("prior_w", "cross_prior", "keep", "cross_keep")]
+FIELDS += [(f, D) for f in ("prior_w", "cross_prior", "keep", "cross_keep")]
 FIELDS += [(f, P) for f in ("last_use", "visits", "count", "weight", "router", "band", "cell")]
 FIELDS += [(f, P) for f in ("banded", "hits", "trials", "band_hits", "band_trials", "P", "Q")]
 FIELDS += [(f, P) for f in ("co", "n", "scale", "free_hits", "free_trials")]
@@ -102,10 +112,12 @@ class Bound:
         self.struct = PredT(**fields)
         self.p = ctypes.addressof(self.struct)
         self.order = np.empty(2 * E, dtype=np.int64)  # [2E] scratch of the router's sort
-        self.score = np.empty(E)  # [E] scratch of the bands
+        self.score = np.empty(2 * E)  # [2E] scratch of the bands
         self.after = np.empty((2, E))  # [2, E] after_visit's rows
         self.flat = np.empty(L * E, dtype=np.int64)  # [L*E] ranking keys: flat (ordinal, expert)
         self.neg = np.empty(L * E)  # [L*E] and minus their distance
         self.flat_at, self.neg_at = address(self.flat), address(self.neg)
+        self.rank_idx = np.empty(2 * L * E, dtype=np.int64)  # [2*L*E] hm_rank's order, scratch
+        self.rank_at, self.tmp_at = address(self.rank_idx), address(self.rank_idx[L * E :])
         self.src = (ctypes.c_void_p * max(1, fields["H"]))()
         self.n_src = np.zeros(max(1, fields["H"]), dtype=np.int64)

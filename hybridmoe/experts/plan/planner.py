@@ -54,6 +54,7 @@ from hybridmoe import tuning
 from hybridmoe.experts.plan.cache import ExpertCache, placement
 from hybridmoe.experts.plan.cost_model import CostModel
 from hybridmoe.experts.plan.predictor import ROUTER_TOP, Predictor, PredictorStats
+from hybridmoe.experts.plan.ranked import Ranked
 from hybridmoe.experts.plan.shape import Key
 from hybridmoe.experts.plan.stats import ExpertStats
 
@@ -577,12 +578,14 @@ class Planner:
         if self.copy_free > now and self.copy_free >= last:
             return
         protect = self.protected(now, plan)
-        for key in self.policy.background(layer, now, plan):
-            if self.copy_free > now and self.copy_free >= last:
+        keys, narrowed = iter(self.policy.background(layer, now, plan)), False
+        while not (self.copy_free > now and self.copy_free >= last):
+            if not narrowed and self.copy_free > now and self.copy_free >= end:
+                keys, narrowed = self._hinted_only(keys), True  # the stream's backlog only grows
+            key = next(keys, None)
+            if key is None:
                 break
             if key in self.cache or key in protect:
-                continue
-            if self.copy_free > now and self.copy_free >= end and not self._hinted(key):
                 continue
             ok, victim = self.policy.make_room(key, protect, now, self.cache.free_count())
             if not ok or not self.policy.worth(key, victim, now):
@@ -592,9 +595,13 @@ class Planner:
             self._prefetched.add(key)
             self.stats.prefetches_issued += 1
 
-    def _hinted(self, key: Key) -> bool:
-        """Whether the look-ahead hint ranks `key` among its layer's top-k."""
-        return self.predictor.router[self.ordinal[key[0]], key[1]] == ROUTER_TOP
+    def _hinted_only(self, keys):
+        """Of the keys still to come, those the look-ahead hint ranks among their layer's top-k,
+        in the same order: a policy's `Ranked` order narrows itself without reading the others."""
+        router = self.predictor.router  # [L, E] by ordinal: flat key = ordinal * E + expert
+        if isinstance(keys, Ranked):
+            return keys.narrow(lambda flat: router.ravel()[flat] == ROUTER_TOP)
+        return (k for k in keys if router[self.ordinal[k[0]], k[1]] == ROUTER_TOP)
 
     def _count(self, plan: Plan, routed: list[Routed]) -> None:
         s, tm = self.stats, self.times

@@ -30,6 +30,7 @@ import numpy as np
 
 from hybridmoe import tuning
 from hybridmoe.errors import UserError
+from hybridmoe.experts.plan.ranked import Ranked, rank
 from hybridmoe.experts.plan.shape import Key
 
 
@@ -370,6 +371,9 @@ class ValuePolicy(Policy):
         k = min(tuning.VALUE_CANDIDATES_PER_LAYER, self.E)
         self._cand = np.zeros((self.L, k), dtype=np.intp)  # [L, k] each layer's best non-residents
         self._cand_seen = np.full((2, self.L), -1, dtype=np.int64)  # versions they were made at
+        self._order = np.empty(self.L * k, dtype=np.int64)  # [L*k] hm_value_order's keys
+        self._order_d = np.empty(2 * self.L * k)  # [2*L*k] their distances, scratch
+        self._order_tmp = np.empty(2 * self.L * k, dtype=np.int64)  # [2*L*k] scratch
         self._ranked_at = None
 
     def prepare_next(self) -> None:
@@ -408,7 +412,7 @@ class ValuePolicy(Policy):
             P,
             self.planner.ordinal,
             self.cost.hit_saving(1),
-            _Lazy(self._in_order(flat, minus_distance, first=16)),
+            _Lazy(self._in_order(flat, minus_distance)),
         )
 
     def _residents_by(self, position: int, here: int, p_not) -> tuple[np.ndarray, np.ndarray]:
@@ -425,7 +429,7 @@ class ValuePolicy(Policy):
                 c.flat_at,
                 c.neg_at,
             )
-            return c.flat[:n].copy(), c.neg[:n].copy()
+            return c.flat[:n], c.neg[:n]  # copied in ranking
         P, Q = self.predictor.matrices()
         flat = np.flatnonzero(mask & ~pinned)  # [n]
         rows = flat // self.E
@@ -458,54 +462,60 @@ class ValuePolicy(Policy):
         q = np.maximum(Q[rows, cols], 1e-3)
         return d + self.L * (1.0 - p) / q
 
-    def _sorted(self, rows, cols, distance, first: int = 32) -> list[tuple[float, Key]]:
-        """The `first` keys of largest distance, largest first, as (-distance, key)."""
-        n = len(distance)
-        head = np.argpartition(-distance, first)[:first] if n > first else np.arange(n)
-        head = head[np.argsort(-distance[head], kind="stable")]
-        ids = self._layer_ids
-        return list(
-            zip((-distance[head]).tolist(), zip(ids[rows[head]].tolist(), cols[head].tolist()))
-        )
-
     def _every_key(self, now):
-        rows, cols = np.nonzero(self.cache.mask & ~self.cache.pinned_mask)
-        for _, key in self._sorted(rows, cols, self._distances(rows, cols, now), len(rows)):
-            yield key
+        """The dynamic residents, largest distance first, ties by key."""
+        c, mask, pinned = self.predictor.native, self.cache.mask, self.cache.pinned_mask
+        if c is not None:
+            self.predictor.matrices()
+            here = self.planner.position % self.L
+            n = c.lib.hm_pred_view(
+                c.p, mask.ctypes.data, pinned.ctypes.data, here, None, c.flat_at, c.neg_at
+            )
+            return self._in_order(c.flat[:n], c.neg[:n])  # copied in ranking
+        rows, cols = np.nonzero(mask & ~pinned)
+        return self._in_order(rows * self.E + cols, -self._distances(rows, cols, now))
 
-    def _in_order(self, flat, scores, first: int):
-        """Keys (flat: ordinal * E + expert) in order of `scores`, lowest first: the `first`
-        lowest sorted, then the rest."""
-        n = len(scores)
-        head = np.argpartition(scores, first)[:first] if n > first else np.arange(n)
-        head = head[np.argsort(scores[head], kind="stable")]
-        yield from self._keys(flat[head])
-        if n > first:
-            rest = np.setdiff1d(np.arange(n), head)
-            rest = rest[np.argsort(scores[rest], kind="stable")]
-            yield from self._keys(flat[rest])
-
-    def _keys(self, flat) -> zip:
-        rows, cols = np.divmod(flat, self.E)
-        return zip(self._layer_ids[rows].tolist(), cols.tolist())
+    def _in_order(self, flat, scores) -> Ranked:
+        """Keys (flat: ordinal * E + expert) by `scores`, lowest first, ties by key."""
+        return Ranked(flat[rank(flat, scores, self.predictor.native)], self._layer_ids, self.E)
 
     def background(self, layer, now, plan):
-        """Each layer's most likely experts not resident, shortest distance first (counting a
-        copy that cannot arrive in time as a miss of that visit)."""
+        """Each layer's most likely experts not resident, shortest distance first, ties by key
+        (counting a copy that cannot arrive in time as a miss of that visit)."""
         P, _ = self.predictor.matrices()
         versions = np.stack([self.predictor.row_version, self.cache.row_version])  # [2, L]
-        k = self._cand.shape[1]
-        for i in np.flatnonzero((versions != self._cand_seen).any(axis=0)):
-            p = np.where(self.cache.mask[i], -np.inf, P[i])  # [E]
-            self._cand[i] = np.argpartition(-p, k - 1)[:k] if k < self.E else np.arange(k)
+        changed = np.flatnonzero((versions != self._cand_seen).any(axis=0))
         self._cand_seen = versions
+        arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
+        c, k, mask = self.predictor.native, self._cand.shape[1], self.cache.mask
+        if c is not None:
+            c.lib.hm_value_cand(
+                c.p, mask.ctypes.data, changed.ctypes.data, len(changed), k, self._cand.ctypes.data
+            )
+            t = self.planner.layer_period
+            n = c.lib.hm_value_order(
+                c.p,
+                mask.ctypes.data,
+                self._cand.ctypes.data,
+                k,
+                self.planner.distances().ctypes.data,
+                now,
+                arrive,
+                t,
+                self._order.ctypes.data,
+                self._order_d.ctypes.data,
+                self._order_tmp.ctypes.data,
+            )
+            return Ranked(self._order[:n].copy(), self._layer_ids, self.E)
+        for i in changed:
+            p = np.where(mask[i], -np.inf, P[i])  # [E]
+            self._cand[i] = np.argsort(-p, kind="stable")[:k]
         rows = np.repeat(np.arange(self.L), k)
         cols = self._cand.ravel()
-        keep = ~self.cache.mask[rows, cols]  # a layer with fewer than k non-residents
+        keep = ~mask[rows, cols]  # a layer with fewer than k non-residents
         rows, cols = rows[keep], cols[keep]
-        arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
         distance = self._distances(rows, cols, now, arrive)
-        return self._in_order(rows * self.E + cols, distance, first=16)
+        return self._in_order(rows * self.E + cols, distance)
 
 
 class _Lazy:
