@@ -233,6 +233,22 @@ void hm_rank(const double *score, const long *flat, long n, long *idx, long *tmp
     }
 }
 
+/* The positions of the `first` lowest (score, flat) of n, in order, into idx; returns how many
+ * (min(first, n)): hm_rank's head without sorting the rest */
+long hm_rank_head(const double *score, const long *flat, long n, long first, long *idx) {
+    long m = 0;
+    for (long x = 0; x < n; x++) {
+        if (m == first && !ranks_before(score, flat, x, idx[m - 1])) continue;
+        long at = m < first ? m++ : first - 1;
+        while (at > 0 && ranks_before(score, flat, x, idx[at - 1])) {
+            idx[at] = idx[at - 1];
+            at--;
+        }
+        idx[at] = x;
+    }
+    return m;
+}
+
 /* ValuePolicy.background's candidates of the layer ordinals rows[0..nrows): each layer's k experts
  * of highest p_next, residents (mask) counted as -inf, ties by expert id (np.argsort(-p,
  * kind="stable")[:k]), into cand[i * k ...] */
@@ -257,32 +273,25 @@ void hm_value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long 
     }
 }
 
-/* ValuePolicy.background's order: of the candidates cand [L, k], those not resident, as flat keys
- * (ordinal * E + expert) by expected distance ascending, ties by key, into out, their distances
- * into D; returns their number. Distance: d + L (1 - p) / q with p, q floored at 1e-3, d the
- * layers until the layer runs (dist[i]), plus L where a copy ready at `arrive` misses that visit
- * (arrive > now + d * period; only with period > 0). scratch: 2 L k longs. */
-long hm_value_order(const pred_t *p, const uint8_t *mask, const long *cand, long k,
-                    const long *dist, double now, double arrive, double period, long *out,
-                    double *D, long *scratch) {
+/* ValuePolicy.background's keys: of the candidates cand [L, k], those not resident, as flat keys
+ * (ordinal * E + expert) into out, their expected distances into D; returns their number.
+ * Distance: d + L (1 - p) / q with p, q floored at 1e-3, d the layers from ordinal `here` on
+ * until the layer runs (L for itself), plus L where a copy ready at `arrive` misses that visit
+ * (arrive > now + d * period; only with period > 0). */
+long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, long k, long here,
+                   double now, double arrive, double period, long *out, double *D) {
     long L = p->L, E = p->E, n = 0;
-    long *flat = scratch, *idx = scratch + L * k;
-    double *d_of = D + L * k; /* D has 2 L k doubles: the distances by position, then by rank */
     for (long i = 0; i < L; i++) {
         for (long c = 0; c < k; c++) {
             long x = i * E + cand[i * k + c];
             if (mask[x]) continue;
-            long d = dist[i];
+            long d = ((i - here) % L + L) % L;
+            d = d ? d : L;
             if (period > 0 && arrive > now + (double)d * period) d += L;
             double pp = p->P[x] > 1e-3 ? p->P[x] : 1e-3, qq = p->Q[x] > 1e-3 ? p->Q[x] : 1e-3;
-            flat[n] = x;
-            d_of[n++] = (double)d + (double)L * (1.0 - pp) / qq;
+            out[n] = x;
+            D[n++] = (double)d + (double)L * (1.0 - pp) / qq;
         }
-    }
-    hm_rank(d_of, flat, n, idx, out); /* out as the sort's scratch, then the keys */
-    for (long r = 0; r < n; r++) {
-        out[r] = flat[idx[r]];
-        D[r] = d_of[idx[r]];
     }
     return n;
 }

@@ -46,10 +46,11 @@ SIGNATURES = {
     # void hm_value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long nrows, long k,
     #                    long *cand)
     "hm_value_cand": ([P, P, P, N, N, P], None),
-    # long hm_value_order(const pred_t *p, const uint8_t *mask, const long *cand, long k,
-    #                     const long *dist, double now, double arrive, double period, long *out,
-    #                     double *D, long *scratch)
-    "hm_value_order": ([P, P, P, N, P, D, D, D, P, P, P], N),
+    # long hm_rank_head(const double *score, const long *flat, long n, long first, long *idx)
+    "hm_rank_head": ([P, P, N, N, P], N),
+    # long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, long k, long here,
+    #                    double now, double arrive, double period, long *out, double *D)
+    "hm_value_keys": ([P, P, P, N, N, D, D, D, P, P], N),
 }
 
 # pred_t's fields in order: (name, ctypes type)
@@ -119,5 +120,18 @@ class Bound:
         self.flat_at, self.neg_at = address(self.flat), address(self.neg)
         self.rank_idx = np.empty(2 * L * E, dtype=np.int64)  # [2*L*E] hm_rank's order, scratch
         self.rank_at, self.tmp_at = address(self.rank_idx), address(self.rank_idx[L * E :])
+        # Arguments copied into arrays whose addresses are taken once (`a.ctypes.data` costs about
+        # a microsecond, a dozen times a layer): each layer's used experts this step, stale rows.
+        self.used = np.empty((L, E), dtype=np.int64)  # [L, E] row i: layer i's, first n_used
+        self.rows = np.empty(L, dtype=np.int64)  # [L]
+        self.used_at, self.rows_at = address(self.used), address(self.rows)
+        self.order_at, self.score_at = address(self.order), address(self.score)
+        self.after_at = address(self.after)
         self.src = (ctypes.c_void_p * max(1, fields["H"]))()
         self.n_src = np.zeros(max(1, fields["H"]), dtype=np.int64)
+        self.n_src_at = address(self.n_src)
+
+    def used_row(self, i: int, used: np.ndarray) -> int:
+        """`used` copied into row i of `self.used`: its address."""
+        self.used[i, : len(used)] = used
+        return self.used_at + i * self.used.strides[0]

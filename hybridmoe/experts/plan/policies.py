@@ -30,7 +30,7 @@ import numpy as np
 
 from hybridmoe import tuning
 from hybridmoe.errors import UserError
-from hybridmoe.experts.plan.ranked import Ranked, rank
+from hybridmoe.experts.plan.ranked import Ranked
 from hybridmoe.experts.plan.shape import Key
 
 
@@ -371,9 +371,10 @@ class ValuePolicy(Policy):
         k = min(tuning.VALUE_CANDIDATES_PER_LAYER, self.E)
         self._cand = np.zeros((self.L, k), dtype=np.intp)  # [L, k] each layer's best non-residents
         self._cand_seen = np.full((2, self.L), -1, dtype=np.int64)  # versions they were made at
-        self._order = np.empty(self.L * k, dtype=np.int64)  # [L*k] hm_value_order's keys
-        self._order_d = np.empty(2 * self.L * k)  # [2*L*k] their distances, scratch
-        self._order_tmp = np.empty(2 * self.L * k, dtype=np.int64)  # [2*L*k] scratch
+        self._keys_out = np.empty(self.L * k, dtype=np.int64)  # [L*k] hm_value_keys' keys
+        self._dist_out = np.empty(self.L * k)  # [L*k] and their distances
+        self._keys_at, self._dist_at = self._keys_out.ctypes.data, self._dist_out.ctypes.data
+        self._cand_at, self._masks_of = self._cand.ctypes.data, None
         self._ranked_at = None
 
     def prepare_next(self) -> None:
@@ -420,16 +421,9 @@ class ValuePolicy(Policy):
         minus their distance [n], the planned layer's (ordinal `here`) scored with p_not."""
         c, mask, pinned = self.predictor.native, self.cache.mask, self.cache.pinned_mask
         if c is not None:
-            n = c.lib.hm_pred_view(
-                c.p,
-                mask.ctypes.data,
-                pinned.ctypes.data,
-                here,
-                p_not.ctypes.data,
-                c.flat_at,
-                c.neg_at,
-            )
-            return c.flat[:n], c.neg[:n]  # copied in ranking
+            (m, pm), _ = self._addresses()
+            n = c.lib.hm_pred_view(c.p, m, pm, here, p_not.ctypes.data, c.flat_at, c.neg_at)
+            return c.flat[:n], c.neg[:n]  # Ranked copies them
         P, Q = self.predictor.matrices()
         flat = np.flatnonzero(mask & ~pinned)  # [n]
         rows = flat // self.E
@@ -468,16 +462,15 @@ class ValuePolicy(Policy):
         if c is not None:
             self.predictor.matrices()
             here = self.planner.position % self.L
-            n = c.lib.hm_pred_view(
-                c.p, mask.ctypes.data, pinned.ctypes.data, here, None, c.flat_at, c.neg_at
-            )
-            return self._in_order(c.flat[:n], c.neg[:n])  # copied in ranking
+            (m, pm), _ = self._addresses()
+            n = c.lib.hm_pred_view(c.p, m, pm, here, None, c.flat_at, c.neg_at)
+            return self._in_order(c.flat[:n], c.neg[:n])  # Ranked copies them
         rows, cols = np.nonzero(mask & ~pinned)
         return self._in_order(rows * self.E + cols, -self._distances(rows, cols, now))
 
     def _in_order(self, flat, scores) -> Ranked:
         """Keys (flat: ordinal * E + expert) by `scores`, lowest first, ties by key."""
-        return Ranked(flat[rank(flat, scores, self.predictor.native)], self._layer_ids, self.E)
+        return Ranked(flat, scores, self._layer_ids, self.E, self.predictor.native)
 
     def background(self, layer, now, plan):
         """Each layer's most likely experts not resident, shortest distance first, ties by key
@@ -489,24 +482,14 @@ class ValuePolicy(Policy):
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
         c, k, mask = self.predictor.native, self._cand.shape[1], self.cache.mask
         if c is not None:
-            c.lib.hm_value_cand(
-                c.p, mask.ctypes.data, changed.ctypes.data, len(changed), k, self._cand.ctypes.data
+            c.rows[: len(changed)] = changed
+            masks, cand = self._addresses()
+            c.lib.hm_value_cand(c.p, masks[0], c.rows_at, len(changed), k, cand)
+            here, t = self.planner.position % self.L, self.planner.layer_period
+            n = c.lib.hm_value_keys(
+                c.p, masks[0], cand, k, here, now, arrive, t, self._keys_at, self._dist_at
             )
-            t = self.planner.layer_period
-            n = c.lib.hm_value_order(
-                c.p,
-                mask.ctypes.data,
-                self._cand.ctypes.data,
-                k,
-                self.planner.distances().ctypes.data,
-                now,
-                arrive,
-                t,
-                self._order.ctypes.data,
-                self._order_d.ctypes.data,
-                self._order_tmp.ctypes.data,
-            )
-            return Ranked(self._order[:n].copy(), self._layer_ids, self.E)
+            return self._in_order(self._keys_out[:n], self._dist_out[:n])
         for i in changed:
             p = np.where(mask[i], -np.inf, P[i])  # [E]
             self._cand[i] = np.argsort(-p, kind="stable")[:k]
@@ -516,6 +499,15 @@ class ValuePolicy(Policy):
         rows, cols = rows[keep], cols[keep]
         distance = self._distances(rows, cols, now, arrive)
         return self._in_order(rows * self.E + cols, distance)
+
+    def _addresses(self) -> tuple[tuple[int, int], int]:
+        """The addresses of the cache's (mask, pinned_mask) and of the candidates, taken once
+        (the cache updates its masks in place)."""
+        masks = (self.cache.mask, self.cache.pinned_mask)
+        if self._masks_of is None or any(a is not b for a, b in zip(masks, self._masks_of)):
+            self._masks_of = masks
+            self._masks_at = tuple(m.ctypes.data for m in masks)
+        return self._masks_at, self._cand_at
 
 
 class _Lazy:

@@ -218,7 +218,7 @@ class Predictor:
         probs = np.ascontiguousarray(probs, dtype=float)  # [E]
         if self.native:
             c = self.native
-            c.lib.hm_pred_router(c.p, i, probs.ctypes.data, c.order.ctypes.data)
+            c.lib.hm_pred_router(c.p, i, probs.ctypes.data, c.order_at)
             return
         k = self.top_k
         # rank < k: 3, < 2k: 2, else 1; ties broken by expert id, as a stable sort would
@@ -243,7 +243,7 @@ class Predictor:
         self._score_guess(self.P[i], used)
         if self.native:
             c = self.native
-            c.lib.hm_pred_count_use(c.p, i, used.ctypes.data, len(used), i in self.lift)
+            c.lib.hm_pred_count_use(c.p, i, c.used_row(i, used), len(used), i in self.lift)
         else:
             self._count_use(i, base, used)
         self.lift.pop(i, None)
@@ -298,11 +298,13 @@ class Predictor:
         c, sets = self.native, self.cross.sets
         for k, h in enumerate(self.cross.horizons):
             src = sets.get(i - h)
-            c.src[k] = None if src is None else src.ctypes.data
+            # count_use left layer i - h's experts of this step in row i - h of c.used
+            c.src[k] = None if src is None else c.used_at + (i - h) * c.used.strides[0]
             c.n_src[k] = 0 if src is None else len(src)
-        c.lib.hm_pred_learn(c.p, i, used.ctypes.data, len(used), c.src, c.n_src.ctypes.data)
+        at = c.used_row(i, used)
+        c.lib.hm_pred_learn(c.p, i, at, len(used), c.src, c.n_src_at)
         sets[i] = used
-        c.lib.hm_pred_bands(c.p, i, used.ctypes.data, len(used), c.score.ctypes.data)
+        c.lib.hm_pred_bands(c.p, i, at, len(used), c.score_at)
         for h in self.cross.horizons:
             if i + h < len(self.layers):
                 self.lift[i + h] = h
@@ -355,7 +357,7 @@ class Predictor:
         i = self.ordinal[layer]
         if self.native:
             c = self.native
-            c.lib.hm_pred_after_visit(c.p, i, c.after.ctypes.data)
+            c.lib.hm_pred_after_visit(c.p, i, c.after_at)
             return c.after[0].copy(), c.after[1].copy()
         keep = 1.0 - 1.0 / self.window if self.window else 1.0
         weight = max(1.0, self.weight[i] * keep + 1.0)
@@ -400,8 +402,9 @@ class Predictor:
         """The calibration cells and probabilities of layers `rows`, all experts at once."""
         self._stale_rows.difference_update(rows)
         if self.native:
-            rows = np.asarray(rows, dtype=np.int64)
-            self.native.lib.hm_pred_refresh(self.native.p, rows.ctypes.data, len(rows))
+            c = self.native
+            c.rows[: len(rows)] = rows
+            c.lib.hm_pred_refresh(c.p, c.rows_at, len(rows))
             return
         rate = self._rates(rows)  # [n, E]
         age = self.visits[rows, None] - self.last_use[rows] + 1  # [n, E]; 1: used last visit

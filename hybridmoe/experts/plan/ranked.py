@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-HEAD = 16  # keys made into tuples at first; a plan rarely reads further
+HEAD = 16  # keys ranked at first; a plan rarely reads further
 
 
 def rank(flat: np.ndarray, scores: np.ndarray, native=None) -> np.ndarray:
@@ -21,42 +21,75 @@ def rank(flat: np.ndarray, scores: np.ndarray, native=None) -> np.ndarray:
     predictor's bound kernels (`native`), else numpy."""
     if native is None:
         return np.lexsort((flat, scores))
-    n = len(flat)
-    flat = np.ascontiguousarray(flat, dtype=np.int64)
-    scores = np.ascontiguousarray(scores, dtype=float)
-    idx = native.rank_idx  # [2 * L * E]: the positions, then the sort's scratch
-    native.lib.hm_rank(scores.ctypes.data, flat.ctypes.data, n, native.rank_at, native.tmp_at)
-    return idx[:n].copy()
+    flat_at, scores_at = _arguments(native, flat, scores)
+    native.lib.hm_rank(scores_at, flat_at, len(flat), native.rank_at, native.tmp_at)
+    return native.rank_idx[: len(flat)].copy()
+
+
+def rank_head(flat: np.ndarray, scores: np.ndarray, first: int, native=None) -> np.ndarray:
+    """`rank(flat, scores)[:first]`, without sorting the rest (`hm_rank_head`)."""
+    if native is None:
+        return np.lexsort((flat, scores))[:first]
+    flat_at, scores_at = _arguments(native, flat, scores)
+    m = native.lib.hm_rank_head(scores_at, flat_at, len(flat), first, native.rank_at)
+    return native.rank_idx[:m].copy()
+
+
+def _arguments(native, flat, scores) -> tuple[int, int]:
+    """flat and scores copied into the bound kernels' argument arrays: their addresses."""
+    native.flat[: len(flat)] = flat
+    native.neg[: len(scores)] = scores
+    return native.flat_at, native.neg_at
 
 
 class Ranked:
-    """Flat keys already in order [n], as an iterator of (layer id, expert)."""
+    """Flat keys [n] by ascending (scores, flat), as an iterator of (layer id, expert): the HEAD
+    lowest ranked at once, the others only if read that far (or narrowed). `native`: a
+    predictor's bound kernels (predictor_kernels.Bound), or None for numpy."""
 
-    def __init__(self, flat: np.ndarray, layer_ids: np.ndarray, E: int):
-        self._flat, self._ids, self._E = flat, layer_ids, E
-        self._at = 0  # keys of _flat already made into _keys
-        self._keys: list[tuple[int, int]] = []
-        self._i = 0  # keys read
+    def __init__(self, flat, scores, layer_ids: np.ndarray, E: int, native=None):
+        self._flat = np.array(flat, dtype=np.int64)  # [n]; owned: the rest is ranked later
+        self._scores = np.array(scores, dtype=float)  # [n]
+        self._ids, self._E, self._native = layer_ids, E, native
+        self._head = rank_head(self._flat, self._scores, HEAD, native)
+        self._rest_left = len(self._flat) > len(self._head)
+        self._start(self._flat[self._head])
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[int, int]:
         if self._i == len(self._keys):
-            if self._at == len(self._flat):
+            if not self._rest_left:
                 raise StopIteration
-            self._grow(len(self._flat) if self._at else HEAD)
+            self._start(self._rest(None))
+            if not self._keys:
+                raise StopIteration
         self._i += 1
         return self._keys[self._i - 1]
 
     def narrow(self, wanted) -> Ranked:
         """From here on only the keys for which `wanted(flat)` [n] -> bool [n] holds, in the
         order they would have come."""
-        left = self._flat[self._at - (len(self._keys) - self._i) :]  # not read yet
-        self._flat, self._at, self._keys, self._i = left[wanted(left)], 0, [], 0
+        left = self._seq[self._i :]
+        left = left[wanted(left)]
+        if self._rest_left:
+            left = np.concatenate((left, self._rest(wanted)))
+        self._start(left)
         return self
 
-    def _grow(self, upto: int) -> None:
-        rows, cols = np.divmod(self._flat[self._at : upto], self._E)
-        self._keys = self._keys[self._i :] + list(zip(self._ids[rows].tolist(), cols.tolist()))
-        self._i, self._at = 0, min(upto, len(self._flat))
+    def _rest(self, wanted) -> np.ndarray:
+        """The keys past the head (only those `wanted` keeps) in order, as flat keys."""
+        self._rest_left = False
+        out = np.ones(len(self._flat), dtype=bool)  # [n]
+        out[self._head] = False
+        idx = np.flatnonzero(out)
+        if wanted is not None:
+            idx = idx[wanted(self._flat[idx])]
+        flat, scores = self._flat[idx], self._scores[idx]
+        return flat[rank(flat, scores, self._native)]
+
+    def _start(self, seq: np.ndarray) -> None:
+        rows, cols = np.divmod(seq, self._E)
+        self._seq, self._i = seq, 0
+        self._keys = list(zip(self._ids[rows].tolist(), cols.tolist()))
