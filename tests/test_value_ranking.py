@@ -1,6 +1,6 @@
 """The value policy's rankings in C (predictor.c: hm_rank, hm_rank_head, hm_value_cand,
-hm_value_keys) give the numpy reference's order, ties included, and a narrowed ranking is the
-full one filtered."""
+hm_value_keys) give the numpy reference's order, ties included; a narrowed ranking, and the
+background keys of some layers only, are the full ones filtered."""
 
 from __future__ import annotations
 
@@ -88,7 +88,11 @@ def _orders(with_c, monkeypatch):
         planner.begin_step()
         for o, routed in enumerate(steps[s]):
             plan = planner.plan(layers[o], routed, now=clock, defer=True)
-            out.append(list(planner.policy.background(layers[o], clock, plan)))
+            full = list(planner.policy.background(layers[o], clock, plan))
+            rows = np.flatnonzero(np.random.default_rng(s * 100 + o).random(len(layers)) < 0.2)
+            some = list(planner.policy.background_in(rows, layers[o], clock, plan))
+            assert some == [k for k in full if planner.ordinal[k[0]] in rows]
+            out.append(full)
             planner.prepare(plan, hints[s][o] if s % 2 else None)
             planner.complete(plan)
             clock = plan.makespan

@@ -273,15 +273,18 @@ void hm_value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long 
     }
 }
 
-/* ValuePolicy.background's keys: of the candidates cand [L, k], those not resident, as flat keys
+/* ValuePolicy.background's keys: of the candidates cand [L, k] of the layer ordinals rows[0..nrows)
+ * (ascending), those not resident, as flat keys
  * (ordinal * E + expert) into out, their expected distances into D; returns their number.
  * Distance: d + L (1 - p) / q with p, q floored at 1e-3, d the layers from ordinal `here` on
  * until the layer runs (L for itself), plus L where a copy ready at `arrive` misses that visit
  * (arrive > now + d * period; only with period > 0). */
-long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, long k, long here,
-                   double now, double arrive, double period, long *out, double *D) {
+long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, const long *rows,
+                   long nrows, long k, long here, double now, double arrive, double period,
+                   long *out, double *D) {
     long L = p->L, E = p->E, n = 0;
-    for (long i = 0; i < L; i++) {
+    for (long r = 0; r < nrows; r++) {
+        long i = rows[r];
         for (long c = 0; c < k; c++) {
             long x = i * E + cand[i * k + c];
             if (mask[x]) continue;

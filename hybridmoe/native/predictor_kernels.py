@@ -48,9 +48,10 @@ SIGNATURES = {
     "hm_value_cand": ([P, P, P, N, N, P], None),
     # long hm_rank_head(const double *score, const long *flat, long n, long first, long *idx)
     "hm_rank_head": ([P, P, N, N, P], N),
-    # long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, long k, long here,
-    #                    double now, double arrive, double period, long *out, double *D)
-    "hm_value_keys": ([P, P, P, N, N, D, D, D, P, P], N),
+    # long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, const long *rows,
+    #                    long nrows, long k, long here, double now, double arrive, double period,
+    #                    long *out, double *D)
+    "hm_value_keys": ([P, P, P, P, N, N, N, D, D, D, P, P], N),
 }
 
 # pred_t's fields in order: (name, ctypes type)

@@ -24,7 +24,7 @@ chunk = len(sys.argv) > 3 and sys.argv[3] == "chunk"
 shape = get_shape("qwen3-30b-a3b")
 cost = get_profile("rtx4090-ddr5").for_expert(shape.experts, "bf16")
 e, L = shape.experts, shape.num_moe_layers
-timed = max(1, 960 // L)
+timed = max(1, 192 // L)
 warm = max(timed, WARM_TOKENS // batch)
 steps, hints = routed_steps(shape, batch, warm + timed, chunk)
 slots = parse_budget("0.1", cost.expert_bytes * e.num_experts * L, cost.expert_bytes)
@@ -57,6 +57,9 @@ for obj, name in [
     (planner.predictor, "look_ahead"),
     (planner, "_background"),
     (planner.policy, "background"),
+    (planner.policy, "background_in"),
+    (planner, "_background_keys"),
+    (planner, "protected"),
     (planner.policy, "make_room"),
     (planner.policy, "worth"),
     (planner, "_issue"),

@@ -3,7 +3,7 @@
 python docs/notes/2026-11-25-value-planning-cost/where.py [policy] [batch] [chunk] [part]
 
 part: prepare (default) or plan. Builds the planner as `bench planner` does (Qwen3-30B-A3B shape,
-rtx4090-ddr5 bf16 costs, 10% budget, warmed), then profiles 960 layers' plan/prepare calls.
+rtx4090-ddr5 bf16 costs, 10% budget, warmed), then profiles 192 layers' plan/prepare calls.
 """
 
 import cProfile
@@ -24,7 +24,7 @@ part = sys.argv[4] if len(sys.argv) > 4 else "prepare"
 shape = get_shape("qwen3-30b-a3b")
 cost = get_profile("rtx4090-ddr5").for_expert(shape.experts, "bf16")
 e, L = shape.experts, shape.num_moe_layers
-timed = max(1, 960 // L)
+timed = max(1, 192 // L)
 warm = max(timed, WARM_TOKENS // batch)
 steps, hints = routed_steps(shape, batch, warm + timed, chunk)
 slots = parse_budget("0.1", cost.expert_bytes * e.num_experts * L, cost.expert_bytes)

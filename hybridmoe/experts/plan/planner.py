@@ -577,8 +577,8 @@ class Planner:
         last = max(end, end_hinted)
         if self.copy_free > now and self.copy_free >= last:
             return
-        protect = self.protected(now, plan)
-        keys, narrowed = iter(self.policy.background(layer, now, plan)), False
+        protect, keys = self.protected(now, plan), self._background_keys(layer, now, plan, end)
+        narrowed = False
         while not (self.copy_free > now and self.copy_free >= last):
             if not narrowed and self.copy_free > now and self.copy_free >= end:
                 keys, narrowed = self._hinted_only(keys), True  # the stream's backlog only grows
@@ -594,6 +594,14 @@ class Planner:
             protect.add(key)
             self._prefetched.add(key)
             self.stats.prefetches_issued += 1
+
+    def _background_keys(self, layer: int, now: float, plan: Plan, end: float):
+        """The policy's background keys; past the usual deadline `end` already, only those of the
+        layers the look-ahead hint speaks of (the loop keeps just the hinted keys)."""
+        if self.copy_free > now and self.copy_free >= end:
+            rows = np.flatnonzero((self.predictor.router == ROUTER_TOP).any(axis=1))  # ordinals
+            return iter(self.policy.background_in(rows, layer, now, plan))
+        return iter(self.policy.background(layer, now, plan))
 
     def _hinted_only(self, keys):
         """Of the keys still to come, those the look-ahead hint ranks among their layer's top-k,

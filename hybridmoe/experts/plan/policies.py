@@ -97,6 +97,11 @@ class Policy:
     def background(self, layer: int, now: float, plan):
         return ()
 
+    def background_in(self, rows: np.ndarray, layer: int, now: float, plan):
+        """`background`'s keys of the layer ordinals `rows` only, in the same order (the planner
+        wants no others; a policy may return them all, and the planner skips the rest)."""
+        return self.background(layer, now, plan)
+
     def prepare_next(self) -> None:
         """Work for the next plan that can be done while this layer's experts run."""
 
@@ -475,30 +480,48 @@ class ValuePolicy(Policy):
     def background(self, layer, now, plan):
         """Each layer's most likely experts not resident, shortest distance first, ties by key
         (counting a copy that cannot arrive in time as a miss of that visit)."""
-        P, _ = self.predictor.matrices()
-        versions = np.stack([self.predictor.row_version, self.cache.row_version])  # [2, L]
-        changed = np.flatnonzero((versions != self._cand_seen).any(axis=0))
-        self._cand_seen = versions
+        return self.background_in(np.arange(self.L), layer, now, plan)
+
+    def background_in(self, rows, layer, now, plan):
+        """The same, of the layer ordinals `rows` [r] (ascending) only: those keys come in the
+        same order, the order being total."""
+        versions = np.stack([self.predictor.row_version[rows], self.cache.row_version[rows]])
+        stale = (versions != self._cand_seen[:, rows]).any(axis=0)  # [r]
+        changed = rows[stale]
+        self._cand_seen[:, changed] = versions[:, stale]
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
         c, k, mask = self.predictor.native, self._cand.shape[1], self.cache.mask
+        P, _ = self.predictor.matrices()
         if c is not None:
             c.rows[: len(changed)] = changed
             masks, cand = self._addresses()
             c.lib.hm_value_cand(c.p, masks[0], c.rows_at, len(changed), k, cand)
+            c.rows[: len(rows)] = rows
             here, t = self.planner.position % self.L, self.planner.layer_period
             n = c.lib.hm_value_keys(
-                c.p, masks[0], cand, k, here, now, arrive, t, self._keys_at, self._dist_at
+                c.p,
+                masks[0],
+                cand,
+                c.rows_at,
+                len(rows),
+                k,
+                here,
+                now,
+                arrive,
+                t,
+                self._keys_at,
+                self._dist_at,
             )
             return self._in_order(self._keys_out[:n], self._dist_out[:n])
         for i in changed:
             p = np.where(mask[i], -np.inf, P[i])  # [E]
             self._cand[i] = np.argsort(-p, kind="stable")[:k]
-        rows = np.repeat(np.arange(self.L), k)
-        cols = self._cand.ravel()
-        keep = ~mask[rows, cols]  # a layer with fewer than k non-residents
-        rows, cols = rows[keep], cols[keep]
-        distance = self._distances(rows, cols, now, arrive)
-        return self._in_order(rows * self.E + cols, distance)
+        at = np.repeat(rows, k)
+        cols = self._cand[rows].ravel()
+        keep = ~mask[at, cols]  # a layer with fewer than k non-residents
+        at, cols = at[keep], cols[keep]
+        distance = self._distances(at, cols, now, arrive)
+        return self._in_order(at * self.E + cols, distance)
 
     def _addresses(self) -> tuple[tuple[int, int], int]:
         """The addresses of the cache's (mask, pinned_mask) and of the candidates, taken once
