@@ -65,6 +65,13 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
         for (int r = 0; r < R; r++) acc[r][J] = _mm512_dpbf16_ps(acc[r][J], wv, (__m512bh)LOAD_X); \
     } while (0)
 
+/* How far ahead (bytes) a one-row product asks for its weights as non-temporal (prefetchnta): a decode
+   step streams hundreds of MB of weights once each, and through the caches as plain loads they evicted
+   everything else from L3, so the Python and torch steps between two kernels ran on cold caches (a
+   router's softmax and top-k took ~170 us after a kernel against ~15 us warm, ~40 us with this). 256
+   and 512 bytes ahead measured alike, 1 KB and more slower (docs/notes/2026-11-25-decode-two-threads.md). */
+#define NTA_AHEAD 512
+
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
    One x row (decode of one sequence: the weights stream from RAM and nothing else counts) reads the
    four weight rows one after the other, each whole: read side by side (four streams a row apart)
@@ -88,8 +95,10 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     const __mmask32 k = (__mmask32)((1ULL << tail) - 1);
     if (R == 1) {
         for (int j = 0; j < 4; j++) {
-            for (long i = 0; i < end; i += 32)
+            for (long i = 0; i < end; i += 32) {
+                _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_NTA);
                 CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
+            }
             if (tail) CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
         }
     } else {
