@@ -898,15 +898,19 @@ static void gemms_region(void *arg, int t, int T) {
    gives it, bit for bit, but the three in one region of up to `threads` threads where they are alike:
    all plain bf16 (their units shared out together), or all in blocks (quant.c's hm_qlinear_many: X
    quantised once per kind of activations, not once per projection). Apart, k and v (a fifth of q's
-   bytes each) fell under threaded_min_bytes and ran on one thread while the other waited; together
-   the three count as one product. scratch: M (O[0] + O[1] + O[2]) floats. */
+   bytes each on Qwen3-30B-A3B) fell under threaded_min_bytes and ran on one thread while the other
+   waited; now they go wherever q goes: on threads where q alone has threaded_min_bytes. (Counting
+   the three together sent the demo's 1.1 MB of q, k and v to two threads, where its attention half
+   took ~20 us longer: docs/notes/2026-11-25-decode-two-threads.md.) scratch: M (O[0] + O[1] + O[2])
+   floats. */
 static int project_qkv(const attn_block *a, const uint16_t *X, long ldx, uint16_t *const Y[3], const long O[3],
                        long I, long M, int threads, long threaded_min_bytes, float *scratch) {
     int blocks = 0;
-    long bytes = 0;
+    long bytes = 0; /* the largest projection's */
     for (int j = 0; j < 3; j++) {
         blocks += a->fmt[j] != 0;
-        bytes += a->fmt[j] ? a->ldw[j] * O[j] : 2 * O[j] * I;
+        const long b = a->fmt[j] ? a->ldw[j] * O[j] : 2 * O[j] * I;
+        bytes = b > bytes ? b : bytes;
     }
     const int T = bytes < threaded_min_bytes ? 1 : threads;
     if (blocks == 0) {
