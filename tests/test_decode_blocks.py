@@ -17,6 +17,7 @@ from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.loader import load_model
 from hybridmoe.models.qwen2_moe import SharedExpertMoE
+from hybridmoe.native import bf16 as native_bf16
 from tests.halves import attention_half_checked, torch_threads
 from tests.tiny import bf16_batch_greedy, build_tiny
 
@@ -28,13 +29,16 @@ needs_kernels = pytest.mark.skipif(
 # q/k/v biases without o bias (Qwen2-MoE), per-head q/k norms (Qwen3-MoE), neither (Llama)
 @needs_kernels
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "llama"])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads, least_bytes", [(1, None), (2, None), (2, 0)])
 def test_a_layers_attention_half_in_one_call_gives_the_layers_bits(
-    arch, threads, tmp_path, monkeypatch
+    arch, threads, least_bytes, tmp_path, monkeypatch
 ):
     """The input norm, the attention block, the residual sum and the post-attention norm in one
     call (Attention.decoder_half) against the modules one by one, on every decode step's input:
-    the same outputs and the same KV entries written."""
+    the same outputs and the same KV entries written; least_bytes 0: every product of the block
+    shared out over the threads, however small (q, k and v in one region)."""
+    if least_bytes is not None:
+        monkeypatch.setattr(native_bf16, "THREADED_MIN_BYTES", least_bytes)
     generate = bf16_batch_greedy(arch, tmp_path / arch)
     forward, compared = DecoderLayer.forward, []
 

@@ -17,6 +17,7 @@ from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.loader import load_model
 from hybridmoe.models.base import CausalLM
+from hybridmoe.native import bf16 as native_bf16
 from hybridmoe.native import quant as kernels
 from tests.gguf_writer import Q, write_gguf
 from tests.halves import attention_half_checked, torch_threads
@@ -58,13 +59,16 @@ def blocks_off(m: pytest.MonkeyPatch) -> None:
 @needs_bf16
 @needs_quant
 @pytest.mark.parametrize("name", [*FILES, BIASED])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads, least_bytes", [(1, None), (2, None), (2, 0)])
 def test_the_attention_half_on_weights_in_blocks_gives_the_layers_bits(
-    name, threads, gguf, monkeypatch
+    name, threads, least_bytes, gguf, monkeypatch
 ):
     """The input norm, q/k/v/o in blocks, the residual sum and the post-attention norm in one
     call against the modules one by one, on every decode step's input: the same outputs and KV
-    entries."""
+    entries; least_bytes 0: every product shared out over the threads, however small (q, k and v
+    in one region on one quantised row)."""
+    if least_bytes is not None:
+        monkeypatch.setattr(native_bf16, "THREADED_MIN_BYTES", least_bytes)
 
     model = load_model(gguf(name), dtype=torch.bfloat16, progress=False)
     forward, compared = DecoderLayer.forward, []

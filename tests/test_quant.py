@@ -196,6 +196,27 @@ def test_threads_split_a_linear_without_changing_a_bit():
             assert torch.equal(one, kernels.linear(x, fmt.ggml, raw, 512, workers=workers))
 
 
+def test_products_of_the_same_rows_in_one_call_equal_each_alone_on_any_thread_count():
+    """A decode step's q, k and v in one call (hm_qlinear_many): the rows quantised once per kind
+    of activations the formats read (Q4_K and Q5_K share theirs, Q6_K and each format of blocks of
+    32 have their own), every product's units shared out together; each output is `linear`'s,
+    bit for bit, on 1 to 3 threads, one token, a few, and a panel's worth."""
+    rng, cols = np.random.default_rng(12), 512
+    names = ["q4_k", "q6_k", "q4_k", "q8_0", "q4_0", "q4_1", "q5_k", "q8_0"]
+    rows = [1000, 130, 60, 600, 70, 90, 300, 20]  # several units of rows, and a unit alone
+    weights = [
+        (FORMATS[n].ggml, torch.from_numpy(random_blocks(FORMATS[n], r, cols, rng)))
+        for n, r in zip(names, rows)
+    ]
+    for m in (1, 3, 12):
+        for x in (torch.randn(m, cols), torch.randn(m, cols).bfloat16()):
+            alone = [kernels.linear(x, fmt, raw, cols, workers=1) for fmt, raw in weights]
+            for path in PATHS:
+                for workers in (1, 2, 3):
+                    together = kernels.linears(x, weights, cols, path=path, workers=workers)
+                    assert all(torch.equal(a, b) for a, b in zip(alone, together)), (m, path)
+
+
 def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch):
     fmt, rng = FORMATS["q4_1"], np.random.default_rng(9)
     w = QTensor(torch.from_numpy(random_blocks(fmt, 16, 256, rng)), fmt, 256)

@@ -65,6 +65,13 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
         for (int r = 0; r < R; r++) acc[r][J] = _mm512_dpbf16_ps(acc[r][J], wv, (__m512bh)LOAD_X); \
     } while (0)
 
+/* How far ahead (bytes) a one-row product asks for its weights as non-temporal (prefetchnta): a decode
+   step streams hundreds of MB of weights once each, and through the caches as plain loads they evicted
+   everything else from L3, so the Python and torch steps between two kernels ran on cold caches (a
+   router's softmax and top-k took ~170 us after a kernel against ~15 us warm, ~40 us with this). 256
+   and 512 bytes ahead measured alike, 1 KB and more slower (docs/notes/2026-11-25-decode-two-threads.md). */
+#define NTA_AHEAD 512
+
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
    One x row (decode of one sequence: the weights stream from RAM and nothing else counts) reads the
    four weight rows one after the other, each whole: read side by side (four streams a row apart)
@@ -88,8 +95,10 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     const __mmask32 k = (__mmask32)((1ULL << tail) - 1);
     if (R == 1) {
         for (int j = 0; j < 4; j++) {
-            for (long i = 0; i < end; i += 32)
+            for (long i = 0; i < end; i += 32) {
+                _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_NTA);
                 CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
+            }
             if (tail) CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
         }
     } else {
@@ -822,7 +831,32 @@ typedef int (*qlinear_fn)(int fmt, const void *W, long ldw, long N, long K, cons
                           long M, float *Y, long ldy, int threads, int isa);
 static qlinear_fn qlinear;
 
-void hm_bind_quant(qlinear_fn f) { qlinear = f; }
+/* quant.c's qproduct and hm_qlinear_many: several products of one x, quantised once, in one region. */
+typedef struct {
+    long fmt;
+    const void *W;
+    long ldw, N;
+    float *Y;
+    long ldy;
+} qproduct;
+typedef int (*qmany_fn)(const qproduct *p, long n, long K, const void *x, long ldx, int x_bf16, long M, int threads,
+                        int isa);
+static qmany_fn qmany;
+
+void hm_bind_quant(qlinear_fn f, qmany_fn g) {
+    qlinear = f;
+    qmany = g;
+}
+
+/* Y [M, O] bf16 (rows ldy apart) = bf16(P) + bias, P [M, O] fp32 a product in blocks: quant/tensor.py's
+   `linear` rounds the product to bf16, then adds the bias in bf16 (torch's bf16 sum: fp32, rounded once). */
+static void round_bias(const float *P, const uint16_t *bias, uint16_t *Y, long ldy, long O, long M) {
+    for (long m = 0; m < M; m++)
+        for (long o = 0; o < O; o++) {
+            float y = round_bf16(P[m * O + o]);
+            Y[m * ldy + o] = bf16(bias ? y + f32(bias[o]) : y);
+        }
+}
 
 /* Y [M, O] bf16 (rows ldy apart) = projection j of the block on X [M, I], as layers/linear.py computes it:
    a bf16 weight as F.linear (hm_linear_bf16); a weight in blocks as quant/tensor.py's `linear`: the fp32
@@ -838,11 +872,72 @@ static int project(const attn_block *a, int j, const uint16_t *X, long ldx, uint
     if (!qlinear) return -1;
     int status = qlinear((int)a->fmt[j], a->w[j], a->ldw[j], O, I, X, ldx, 1, M, scratch, O,
                          a->ldw[j] * O < threaded_min_bytes ? 1 : threads, (int)a->isa);
-    for (long m = 0; m < M && status == 0; m++)
-        for (long o = 0; o < O; o++) {
-            float y = round_bf16(scratch[m * O + o]);
-            Y[m * ldy + o] = bf16(bias ? y + f32(bias[o]) : y);
+    if (status == 0) round_bias(scratch, bias, Y, ldy, O, M);
+    return status;
+}
+
+/* Several bf16 products' units in one region (each unit as gemm_unit computes it alone). */
+typedef struct {
+    const gemm_call *c;
+    long n, first[5]; /* product i's units are first[i] .. first[i + 1] - 1 */
+    atomic_long next;
+} gemms_call;
+
+static void gemms_region(void *arg, int t, int T) {
+    (void)t;
+    (void)T;
+    gemms_call *g = arg;
+    for (long u; (u = next_unit(&g->next, g->first[g->n])) >= 0;) {
+        long i = 0;
+        while (g->first[i + 1] <= u) i++;
+        gemm_unit(&g->c[i], u - g->first[i]);
+    }
+}
+
+/* q, k and v (projections 0..2) of X [M, I] into Y[j] [M, O[j]] bf16 (rows O[j] apart), each as project()
+   gives it, bit for bit, but the three in one region of up to `threads` threads where they are alike:
+   all plain bf16 (their units shared out together), or all in blocks (quant.c's hm_qlinear_many: X
+   quantised once per kind of activations, not once per projection). Apart, k and v (a fifth of q's
+   bytes each on Qwen3-30B-A3B) fell under threaded_min_bytes and ran on one thread while the other
+   waited; now they go wherever q goes: on threads where q alone has threaded_min_bytes. (Counting
+   the three together sent the demo's 1.1 MB of q, k and v to two threads, where its attention half
+   took ~20 us longer: docs/notes/2026-11-25-decode-two-threads.md.) scratch: M (O[0] + O[1] + O[2])
+   floats. */
+static int project_qkv(const attn_block *a, const uint16_t *X, long ldx, uint16_t *const Y[3], const long O[3],
+                       long I, long M, int threads, long threaded_min_bytes, float *scratch) {
+    int blocks = 0;
+    long bytes = 0; /* the largest projection's */
+    for (int j = 0; j < 3; j++) {
+        blocks += a->fmt[j] != 0;
+        const long b = a->fmt[j] ? a->ldw[j] * O[j] : 2 * O[j] * I;
+        bytes = b > bytes ? b : bytes;
+    }
+    const int T = bytes < threaded_min_bytes ? 1 : threads;
+    if (blocks == 0) {
+        out_bf16 b[3];
+        gemms_call g = {.n = 3};
+        gemm_call c[3];
+        for (int j = 0; j < 3; j++) {
+            b[j] = (out_bf16){Y[j], O[j], a->bias[j]};
+            c[j] = (gemm_call){a->w[j], X, ldx, 0, O[j], I, M, unit_rows(I), NULL, &b[j]};
+            g.first[j + 1] = g.first[j] + gemm_units(&c[j]);
         }
+        g.c = c;
+        atomic_init(&g.next, 0);
+        hm_parallel(gemms_region, &g, (int)min_l(T, g.first[3]));
+        return 0;
+    }
+    if (blocks < 3 || !qmany) {
+        int status = 0;
+        for (int j = 0; j < 3 && !status; j++)
+            status = project(a, j, X, ldx, Y[j], O[j], O[j], I, M, threads, threaded_min_bytes, scratch);
+        return status;
+    }
+    qproduct p[3];
+    for (int j = 0, at = 0; j < 3; at += M * O[j], j++)
+        p[j] = (qproduct){a->fmt[j], a->w[j], a->ldw[j], O[j], scratch + at, O[j]};
+    int status = qmany(p, 3, I, X, ldx, 1, M, T, (int)a->isa);
+    for (int j = 0; j < 3 && !status; j++) round_bias(p[j].Y, a->bias[j], Y[j], O[j], O[j], M);
     return status;
 }
 
@@ -855,14 +950,14 @@ static int attention_block(const attn_block *a, const uint16_t *X, long ldx, lon
                             const int32_t *lengths, const int32_t *rows, long n, long block_size, float scale,
                             float eps, uint16_t *out, long ldo, int threads, long threaded_min_bytes) {
     const long H = a->hidden, d = a->d, hd = a->heads * d, kd = a->kv_heads * d;
-    const long most = hd > H ? hd : H;
+    const long most = hd + 2 * kd > H ? hd + 2 * kd : H;
     uint16_t *buf = malloc(sizeof(uint16_t) * T * (3 * hd + 3 * kd) + sizeof(float) * T * most);
     if (!buf) return -1;
     uint16_t *q = buf, *k = q + T * hd, *v = k + T * kd, *qr = v + T * kd, *kr = qr + T * hd, *att = kr + T * kd;
-    float *scratch = (float *)(att + T * hd);  /* [T, max(h d, H)]: a product in blocks before its rounding */
-    int status = project(a, 0, X, ldx, q, hd, hd, H, T, threads, threaded_min_bytes, scratch);  /* [T, h d] */
-    if (!status) status = project(a, 1, X, ldx, k, kd, kd, H, T, threads, threaded_min_bytes, scratch);  /* [T, kvh d] */
-    if (!status) status = project(a, 2, X, ldx, v, kd, kd, H, T, threads, threaded_min_bytes, scratch);  /* [T, kvh d] */
+    float *scratch = (float *)(att + T * hd);  /* [T, max(h d + 2 kvh d, H)]: products in blocks before rounding */
+    uint16_t *const qkv[3] = {q, k, v};  /* [T, h d], [T, kvh d], [T, kvh d] */
+    const long O[3] = {hd, kd, kd};
+    int status = project_qkv(a, X, ldx, qkv, O, H, T, threads, threaded_min_bytes, scratch);
     if (status) {
         free(buf);
         return status;

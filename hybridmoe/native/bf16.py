@@ -84,8 +84,9 @@ SIGNATURES = {
     #     long ldk, long ldkh, const uint16_t *V, long ldv, long ldvh, long n, long L, long heads,
     #     long kv_heads, long d, long dv, float scale, void *out, long ldo, int out_bf16)
     "hm_prefill_attention_bf16": ([P, N, N, P, N, N, P, N, N, N, N, N, N, N, N, F, P, N, INT], INT),
-    # void hm_bind_quant(qlinear_fn f): quant.c's hm_qlinear, for attention weights in blocks
-    "hm_bind_quant": ([P], None),
+    # void hm_bind_quant(qlinear_fn f, qmany_fn g): quant.c's hm_qlinear and hm_qlinear_many, for
+    # attention weights in blocks
+    "hm_bind_quant": ([P, P], None),
     # void hm_share_pool(parallel_fn f): run this library's regions on another's pool (pool.h)
     "hm_share_pool": ([P], None),
 }

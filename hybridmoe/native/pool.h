@@ -3,7 +3,8 @@
    hm_parallel(fn, arg, T) runs fn(arg, t, T) on T threads at once (the caller is thread 0) and returns when
    all have returned. Inside, threads take work units from shared atomic counters (next_unit), so a thread
    that the OS deschedules on a shared machine leaves its units to the others instead of holding everyone
-   at a fixed split; stages that depend on each other are separated by barrier().
+   at a fixed split; a stage that depends on the one before waits for that stage's units to be done
+   (stage_wait), never for the other threads, which may not have joined.
 
    The threads are made at first use and kept. Between regions a worker first spins for a while (a decode
    step opens a region every ~50-100 us: waking a sleeping thread through the kernel cost more than
@@ -26,11 +27,6 @@
 
 typedef void (*region_fn)(void *arg, int t, int T);
 
-typedef struct {
-    atomic_int count;
-    atomic_int sense;
-} barrier_t;
-
 static struct {
     pthread_mutex_t busy;  /* held by the caller for the whole region */
     pthread_mutex_t mu;
@@ -44,29 +40,14 @@ static struct {
     int T;
     region_fn fn;
     void *arg;
-    barrier_t bar;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER};
 
-/* All T threads of the region wait here until every one has arrived. Spins briefly (stages are short),
-   then yields the core, which a descheduled thread may need. */
-static void barrier(int T) {
-    if (T <= 1) return;
-    int sense = atomic_load(&pool.bar.sense);
-    if (atomic_fetch_add(&pool.bar.count, 1) == T - 1) {
-        atomic_store(&pool.bar.count, 0);
-        atomic_store(&pool.bar.sense, !sense);
-        return;
-    }
-    for (long spins = 0; atomic_load(&pool.bar.sense) == sense; spins++) {
-        if (spins < 4000) __builtin_ia32_pause();
-        else sched_yield();
-    }
-}
-
 /* Waits until *done (units finished, counted by the threads that did them) reaches total: the next
    stage may start once every unit of this one is done, without waiting for a thread that took none
-   (barrier() waits for all T, even one that has not been scheduled yet). */
+   (a barrier of all T threads waited for a worker the OS had not run yet: a time slice on a busy
+   machine). Spins briefly (stages are short), then yields the core, which a descheduled thread may
+   need. */
 static void stage_wait(atomic_long *done, long total) {
     for (long spins = 0; atomic_load(done) < total; spins++) {
         if (spins < 4000) __builtin_ia32_pause();
@@ -125,8 +106,7 @@ static int pool_grow(int T) {
 /* One pool for every library that includes this header: each library has its own copy of the pool,
    and two pools' workers, each spinning after its own regions, took each other's cores on a 2-core
    machine. Python points all but one library at that one's hm_pool_parallel (hm_share_pool); their
-   regions then run on its threads. (barrier() keeps its counter in the region's own library: only one
-   region runs at a time, and a barrier leaves its counter at 0.) */
+   regions then run on its threads. */
 typedef void (*parallel_fn)(region_fn fn, void *arg, int T);
 static parallel_fn shared_parallel;
 
@@ -160,7 +140,6 @@ void hm_pool_parallel(region_fn fn, void *arg, int T) {
     pool.T = T;
     pool.seats = T - 1;
     atomic_store(&pool.running, T - 1);
-    atomic_store(&pool.bar.count, 0);
     atomic_fetch_add(&pool.generation, 1);
     pthread_cond_broadcast(&pool.start);
     pthread_mutex_unlock(&pool.mu);

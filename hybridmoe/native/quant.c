@@ -916,6 +916,77 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
     return 0;
 }
 
+/* One of several products of the same activation rows (hm_qlinear_many); Python and bf16.c pass an int64
+   table [n, 6] of these fields in this order. */
+typedef struct {
+    long fmt;           /* ggml type of W */
+    const uint8_t *W;   /* [N, K] in blocks, rows ldw bytes apart */
+    long ldw, N;
+    float *Y;           /* [M, N] fp32, rows ldy apart */
+    long ldy;
+} qproduct;
+
+/* Which quantised activations a format's kernels read: formats with the same key read the same
+   (blocks of 32 differ in the offset folded into So; Q6_K's super-blocks keep their natural block
+   order, Q4_K's and Q5_K's the paired one). */
+static int acts_key(int fmt) { return is_k(fmt) ? 1 + (fmt != Q6_K) : 3 + offset_of(fmt); }
+
+typedef struct {
+    const qproduct *p;
+    long n;
+    product *pr;     /* per product: its tiles' parameters */
+    long *first;     /* per product: its first unit (n + 1 entries) */
+    long *rows;      /* per product: rows per unit */
+    atomic_long next;
+} many_call;
+
+static void many_region(void *arg, int t, int T) {
+    (void)t;
+    (void)T;
+    many_call *c = arg;
+    for (long u; (u = next_unit(&c->next, c->first[c->n])) >= 0;) {
+        long i = 0;
+        while (c->first[i + 1] <= u) i++;
+        long n0 = (u - c->first[i]) * c->rows[i];
+        product_rows(&c->pr[i], n0, min_l(n0 + c->rows[i], c->p[i].N));
+    }
+}
+
+/* n products of the same rows X [M, K] (fp32, or bf16 when x_bf16): Y_i [M, N_i] = X W_i^T, as n calls
+   of hm_qlinear give them, bit for bit, but X quantised once per kind of activations the formats read
+   (acts_key) and every product's units shared out in one region of up to `threads` threads (a decode
+   step's q, k and v: the two small ones no longer stay on one thread while the other waits). n <= 8. */
+int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, int x_bf16, long M, int threads,
+                    int isa) {
+    if (n > 8) return -1;
+    for (long i = 0; i < n; i++)
+        if (check_shape((int)p[i].fmt, p[i].ldw, K)) return -1;
+    acts a[8];
+    product pr[8];
+    long first[9] = {0}, rows[8], owner[8];
+    int status = 0;
+    for (long i = 0; i < n; i++) {
+        owner[i] = i;
+        for (long j = 0; j < i && owner[i] == i; j++)
+            if (acts_key((int)p[j].fmt) == acts_key((int)p[i].fmt)) owner[i] = j;
+        if (owner[i] == i && !status) status = acts_of(&a[i], (int)p[i].fmt, x, ldx, x_bf16, M, K);
+        if (owner[i] == i && status) a[i].mem = NULL;
+        int fmt = (int)p[i].fmt;
+        pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
+                          panel_for(fmt, isa, M, K)};
+        rows[i] = unit_rows(p[i].ldw, M);
+        first[i + 1] = first[i] + (p[i].N + rows[i] - 1) / rows[i];
+    }
+    if (!status) {
+        many_call c = {p, n, pr, first, rows};
+        atomic_init(&c.next, 0);
+        hm_parallel(many_region, &c, (int)min_l(threads, first[n]));
+    }
+    for (long i = 0; i < n; i++)
+        if (owner[i] == i) free(a[i].mem);
+    return status;
+}
+
 /* One routed expert's share of a call: its weights, its tokens, where its output goes. Python passes an
    int64 table [n, 12] of these fields in this order. */
 typedef struct {
@@ -937,7 +1008,7 @@ typedef struct {
     float **gu;      /* per expert: [M, 2I] fp32, gate then up; h overwrites gate */
     long *first1, *first3;  /* per expert: its first unit in stages 1 and 3 (n + 1 entries) */
     long *rows1, *rows3;    /* per expert: rows per unit in stages 1 and 3 */
-    atomic_long next[4];
+    atomic_long next[4], done[3]; /* per stage: units taken, units finished */
     atomic_int status;
 } experts_call;
 
@@ -980,24 +1051,32 @@ static long expert_of(const long *first, long n, long *u) {
     return lo;
 }
 
+/* Four stages, each starting when every unit of the one before is done (stage_wait): a thread the OS
+   has not run yet holds no unit, so nobody waits for it (barrier() would). */
 static void experts_region(void *arg, int t, int T) {
     (void)t;
+    (void)T;
     experts_call *c = arg;
     long u;
     while ((u = next_unit(&c->next[0], c->n)) >= 0) {  /* quantise each distinct token set once */
         const expert_job *e = &c->e[u];
         if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, e->M, c->H))
             atomic_store(&c->status, -2);
+        atomic_fetch_add(&c->done[0], 1);
     }
-    barrier(T);
+    stage_wait(&c->done[0], c->n);
     if (atomic_load(&c->status)) return;
     while ((u = next_unit(&c->next[1], c->first1[c->n])) >= 0) {
         long i = expert_of(c->first1, c->n, &u);
         gate_up_unit(c, i, u);
+        atomic_fetch_add(&c->done[1], 1);
     }
-    barrier(T);
-    while ((u = next_unit(&c->next[2], c->n)) >= 0) swiglu_unit(c, u);
-    barrier(T);
+    stage_wait(&c->done[1], c->first1[c->n]);
+    while ((u = next_unit(&c->next[2], c->n)) >= 0) {
+        swiglu_unit(c, u);
+        atomic_fetch_add(&c->done[2], 1);
+    }
+    stage_wait(&c->done[2], c->n);
     if (atomic_load(&c->status)) return;
     while ((u = next_unit(&c->next[3], c->first3[c->n])) >= 0) {
         long i = expert_of(c->first3, c->n, &u);
@@ -1037,6 +1116,7 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
         at += e[i].M * 2 * I;
     }
     for (int s = 0; s < 4; s++) atomic_init(&c.next[s], 0);
+    for (int s = 0; s < 3; s++) atomic_init(&c.done[s], 0);
     atomic_init(&c.status, 0);
     hm_parallel(experts_region, &c, (int)min_l(threads, c.first1[n]));
     for (long i = 0; i < n; i++) {

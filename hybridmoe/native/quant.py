@@ -26,6 +26,7 @@ HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("rows.h"
 FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
+PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
 TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_token's table
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
@@ -33,6 +34,9 @@ SIGNATURES = {
     # int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx,
     #                int x_bf16, long M, float *Y, long ldy, int threads, int isa)
     "hm_qlinear": ([INT, P, N, N, N, P, N, INT, N, P, N, INT, INT], INT),
+    # int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, int x_bf16,
+    #                     long M, int threads, int isa)
+    "hm_qlinear_many": ([P, N, N, P, N, INT, N, INT, INT], INT),
     # int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa)
     "hm_qexperts": ([P, N, N, N, INT, INT, INT], INT),
     # int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out)
@@ -79,7 +83,10 @@ def _bind(lib) -> None:
 
     other = bf16.library()
     if other is not None:
-        other.hm_bind_quant(ctypes.cast(lib.hm_qlinear, ctypes.c_void_p).value)
+        other.hm_bind_quant(
+            ctypes.cast(lib.hm_qlinear, ctypes.c_void_p).value,
+            ctypes.cast(lib.hm_qlinear_many, ctypes.c_void_p).value,
+        )
         other.hm_share_pool(ctypes.cast(lib.hm_pool_parallel, ctypes.c_void_p).value)
 
 
@@ -132,6 +139,39 @@ def linear(
     )
     _check(status, "quantised linear")
     return y
+
+
+def linears(
+    x: torch.Tensor,
+    weights: list[tuple[int, torch.Tensor]],
+    cols: int,
+    path: int | None = None,
+    workers: int | None = None,
+) -> list[torch.Tensor]:
+    """x [M, K] (fp32 or bf16, rows contiguous) times each weight [N_i, K] in blocks (ggml type,
+    data [N_i, row bytes]) -> [M, N_i] fp32 each, the bits of `linear` on each, in one call: x
+    quantised once per kind of activations the formats read, every product's rows shared out over
+    `workers` threads together (default threads())."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m = x.shape[0]
+    ys = [torch.empty(m, data.shape[0], dtype=torch.float32) for _, data in weights]  # [M, N_i]
+    table = []
+    for (fmt, data), y in zip(weights, ys):
+        table += [fmt, data.data_ptr(), data.stride(0), data.shape[0], y.data_ptr(), y.shape[1]]
+    products = torch.tensor(table, dtype=torch.int64)  # [n, PRODUCT_FIELDS]
+    status = library().hm_qlinear_many(
+        products.data_ptr(),
+        len(weights),
+        cols,
+        x.data_ptr(),
+        x.stride(0),
+        x.dtype == torch.bfloat16,
+        m,
+        workers or threads(),
+        path or isa(),
+    )
+    _check(status, "quantised linears")
+    return ys
 
 
 def experts(
