@@ -58,6 +58,10 @@ def test_rows_in_eights_are_the_stated_layout_and_come_back():
     x8 = interleave(plain)
     assert np.array_equal(x8.numpy(), laid_out_by_hand(plain.numpy()))
     assert torch.equal(deinterleave(x8), plain)
+    if kernels.available():  # the load's rearrangement in place (quant.c) makes the same bytes
+        in_place = plain.clone()
+        kernels.to_rows_in_eights(in_place, 512)
+        assert torch.equal(in_place, x8)
 
 
 @pytest.mark.parametrize("n,k", [(768, 2048), (16, 256), (40, 768)])

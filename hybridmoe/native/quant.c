@@ -696,6 +696,32 @@ static void x8_to_q4k(const uint8_t *p, uint8_t *out, long ldo) {
     }
 }
 
+/* N rows of Q4_K blocks (N a multiple of 8, rows of exactly K / 256 * 144 bytes) rearranged in place into
+   Q4_K_X8 (made at load: quant/tensor.py for_kernels). Returns 0, -1 for a shape it does not take, -2
+   without memory. */
+int hm_q4k_to_x8(uint8_t *W, long N, long K) {
+    if (N % X8 || K <= 0 || K % 256) return -1;
+    const long ns = K / 256, ldw = ns * 144;
+    uint8_t *rows = malloc((size_t)(X8 * ldw));
+    if (!rows) return -2;
+    for (long n = 0; n < N; n += X8) {
+        uint8_t *G = W + n * ldw;
+        memcpy(rows, G, (size_t)(X8 * ldw));
+        for (long s = 0; s < ns; s++) {
+            uint8_t *p = G + s * X8_BYTES;
+            for (int r = 0; r < X8; r++) {
+                const uint8_t *o = rows + r * ldw + s * 144;
+                memcpy(p + 2 * r, o, 2);
+                memcpy(p + 16 + 2 * r, o + 2, 2);
+                for (int j = 0; j < 12; j++) p[32 + 8 * j + r] = o[4 + j];
+                for (int k = 0; k < 16; k++) memcpy(p + 128 + 64 * k + 8 * r, o + 16 + 8 * k, 8);
+            }
+        }
+    }
+    free(rows);
+    return 0;
+}
+
 /* Word i of a scale register is row i / 4's (WSEL[k]: of block k of 32 words 8k + r); lane 8t + r of a
    minimums' register takes the 16-value sums of block 2j + t (BSEL[j]). */
 #define W4(v) v, v, v, v
@@ -722,25 +748,32 @@ AVX512 ALWAYS_INLINE void x8_scales(const uint8_t *p, __m512i sw[2], __m256i mn[
                             _mm256_and_si256(_mm256_srli_epi16(u1, 2), m30));
 }
 
-/* Half h of super-block p against token bytes x (paired order): groups h and h + 2, blocks 2h, 2h+1,
-   2h+4, 2h+5, which dotk_512_t's registers hold in their lanes 0..7 (h = 0) or 8..15 (h = 1). Z[c] lane
-   2r + i: row r's lane 8h + 2c + i of dotk_512_t's A. */
-AVX512 ALWAYS_INLINE void x8_half(const uint8_t *p, const int8_t *x, const __m512i sw[2], int h, __m512i Z[4]) {
+/* Half h of super-block p against the R tokens' bytes x[r] (paired order): groups h and h + 2, blocks 2h,
+   2h+1, 2h+4, 2h+5, which dotk_512_t's registers hold in their lanes 0..7 (h = 0) or 8..15 (h = 1). Each
+   64-byte load of nibbles is unpacked once for all R tokens. Z[r][c] lane 2k + i: row k's lane 8h + 2c + i
+   of dotk_512_t's A for token r. */
+AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *const x[GROUP], const __m512i sw[2],
+                                  int h, __m512i Z[GROUP][4]) {
     static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* natural block b's place in a paired token */
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int c = 0; c < 4; c++) Z[c] = _mm512_setzero_si512();
-    for (int q = h; q < 4; q += 2) { /* group q: low nibbles block 2q, high nibbles 2q + 1 */
-        const int bl = 2 * q, bh = 2 * q + 1;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) Z[r][c] = _mm512_setzero_si512();
+    for (int g = h; g < 4; g += 2) { /* group g: low nibbles block 2g, high nibbles 2g + 1 */
+        const int bl = 2 * g, bh = 2 * g + 1;
         __m512i sl = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
         __m512i sh = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
         for (int c = 0; c < 4; c++) {
-            __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * q + c)));
+            __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
             __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-            int64_t vl, vh; /* the token's same 8 bytes, for all eight rows */
-            memcpy(&vl, x + 32 * pos[bl] + 8 * c, 8);
-            memcpy(&vh, x + 32 * pos[bh] + 8 * c, 8);
-            Z[c] = _mm512_add_epi32(Z[c], _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl))));
-            Z[c] = _mm512_add_epi32(Z[c], _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh))));
+            for (int r = 0; r < R; r++) {
+                int64_t vl, vh; /* the token's same 8 bytes, for all eight rows */
+                memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
+                memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
+                __m512i t = _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl)));
+                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
+                t = _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh)));
+                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
+            }
         }
     }
 }
@@ -761,32 +794,95 @@ static void x8_results(const __m512 F[8], const __m512 M[4], float *Y) {
     }
 }
 
-/* Eight interleaved rows at G (ns super-blocks) against token row m of `a`: Y[0..8). Lanes hold eight
-   rows: F[c + 4h] lane 2r + i is dotk_512_t's acc lane 8h + 2c + i of row r, M[j] lane 8t + r its accm
-   lane 2j + t; each goes through the same integer sums and float operations. */
-AVX512 static void dotk_x8_512(const uint8_t *G, long ns, const acts *a, long m, float *Y) {
+/* Eight interleaved rows at G (ns super-blocks) against the R tokens mi[0..R) of `a`: Y[r * ldy + 0..8).
+   Lanes hold eight rows: F[r][c + 4h] lane 2k + i is dotk_512_t's acc lane 8h + 2c + i of row k, M[r][j]
+   lane 8t + k its accm lane 2j + t; each goes through the same integer sums and float operations. */
+AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
+                                        float *Y, long ldy) {
     const __m512i two = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 F[GROUP][8], M[GROUP][4];
+    for (int r = 0; r < R; r++) {
+        for (int i = 0; i < 8; i++) F[r][i] = _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) M[r][j] = _mm512_setzero_ps();
+    }
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *p = G + s * X8_BYTES;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
+        __m512i sw[2], Z[GROUP][4];
+        __m256i mn[2];
+        const int8_t *x[GROUP];
+        x8_scales(p, sw, mn);
+        __m512 ddx[GROUP], dmdx[GROUP];
+        for (int r = 0; r < R; r++) {
+            const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]), dmdx8 = _mm256_mul_ps(dm, dx);
+            x[r] = a->qs + mi[r] * a->K + s * 256;
+            ddx[r] = _mm512_permutexvar_ps(two, _mm512_castps256_ps512(_mm256_mul_ps(d, dx))); /* lane 2k+i: row k */
+            dmdx[r] = _mm512_insertf32x8(_mm512_castps256_ps512(dmdx8), dmdx8, 1);              /* lane 8t+k: row k */
+        }
+        for (int h = 0; h < 2; h++) {
+            x8_half(R, p, x, sw, h, Z);
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < 4; c++)
+                    F[r][c + 4 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Z[r][c]), ddx[r], F[r][c + 4 * h]);
+        }
+        for (int j = 0; j < 4; j++) { /* blocks 2j, 2j+1: each minimum twice, against its two 16-value sums */
+            __m128i b = j % 2 ? _mm256_extracti128_si256(mn[j / 2], 1) : _mm256_castsi256_si128(mn[j / 2]);
+            __m512i mw = _mm512_cvtepu8_epi32(b);
+            mw = _mm512_or_si512(mw, _mm512_slli_epi32(mw, 16));
+            for (int r = 0; r < R; r++) {
+                const int16_t *bs = a->bsum + (mi[r] * ns + s) * 16;
+                __m512i bsum = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)bs));
+                __m512i C = _mm512_madd_epi16(mw, _mm512_permutexvar_epi32(_mm512_loadu_si512((const void *)BSEL[j]), bsum));
+                M[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(C), dmdx[r], M[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) x8_results(F[r], M[r], Y + r * ldy);
+}
+
+/* One token (decode), the same arithmetic as dotk_x8_512_t with R = 1, written out: in that form the
+   compiler keeps every accumulator in a register (the template's R = 1 ran 8-10% slower,
+   docs/notes/2026-11-25-q4k-rows-in-eights.md). */
+AVX512 static void dotk_x8_one(const uint8_t *G, long ns, const acts *a, long m, float *Y) {
+    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const __m512i two = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), m4 = _mm512_set1_epi8(0x0F);
     __m512 F[8], M[4];
     for (int i = 0; i < 8; i++) F[i] = _mm512_setzero_ps();
     for (int j = 0; j < 4; j++) M[j] = _mm512_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_BYTES;
+        const int8_t *x = a->qs + m * a->K + s * 256;
         prefetch_far(p, X8_BYTES);
         const __m256 dx = _mm256_set1_ps(a->dx[m * ns + s]);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
-        __m512 ddx = _mm512_permutexvar_ps(two, _mm512_castps256_ps512(_mm256_mul_ps(d, dx))); /* lane 2r+i: row r */
+        __m512 ddx = _mm512_permutexvar_ps(two, _mm512_castps256_ps512(_mm256_mul_ps(d, dx)));
         __m256 dmdx8 = _mm256_mul_ps(dm, dx);
-        __m512 dmdx = _mm512_insertf32x8(_mm512_castps256_ps512(dmdx8), dmdx8, 1); /* lane 8t+r: row r */
-        __m512i sw[2], Z[4];
+        __m512 dmdx = _mm512_insertf32x8(_mm512_castps256_ps512(dmdx8), dmdx8, 1);
+        __m512i sw[2];
         __m256i mn[2];
         x8_scales(p, sw, mn);
         for (int h = 0; h < 2; h++) {
-            x8_half(p, a->qs + m * a->K + s * 256, sw, h, Z);
+            __m512i Z[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int g = h; g < 4; g += 2) {
+                const int bl = 2 * g, bh = 2 * g + 1;
+                __m512i sl = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
+                __m512i sh = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
+                for (int c = 0; c < 4; c++) {
+                    __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
+                    __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+                    int64_t vl, vh;
+                    memcpy(&vl, x + 32 * pos[bl] + 8 * c, 8);
+                    memcpy(&vh, x + 32 * pos[bh] + 8 * c, 8);
+                    Z[c] = _mm512_add_epi32(Z[c], _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl))));
+                    Z[c] = _mm512_add_epi32(Z[c], _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh))));
+                }
+            }
             for (int c = 0; c < 4; c++) F[c + 4 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Z[c]), ddx, F[c + 4 * h]);
         }
         __m512i bsum = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a->bsum + (m * ns + s) * 16)));
-        for (int j = 0; j < 4; j++) { /* blocks 2j, 2j+1: each minimum twice, against its two 16-value sums */
+        for (int j = 0; j < 4; j++) {
             __m128i b = j % 2 ? _mm256_extracti128_si256(mn[j / 2], 1) : _mm256_castsi256_si128(mn[j / 2]);
             __m512i mw = _mm512_cvtepu8_epi32(b);
             mw = _mm512_or_si512(mw, _mm512_slli_epi32(mw, 16));
@@ -795,6 +891,21 @@ AVX512 static void dotk_x8_512(const uint8_t *G, long ns, const acts *a, long m,
         }
     }
     x8_results(F, M, Y);
+}
+
+/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights against tokens mi[0..R) (R <= GROUP). */
+AVX512 static void dotk_x8_512(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
+                               float *Y, long ldy) {
+    const long ns = a->K / 256;
+    for (long n = n0; n < n1; n += X8) {
+        const uint8_t *G = W + n * ldw;
+        switch (R) {
+        case 1: dotk_x8_one(G, ns, a, mi[0], Y + n); break;
+        case 2: dotk_x8_512_t(2, G, ns, a, mi, Y + n, ldy); break;
+        case 3: dotk_x8_512_t(3, G, ns, a, mi, Y + n, ldy); break;
+        default: dotk_x8_512_t(GROUP, G, ns, a, mi, Y + n, ldy); break;
+        }
+    }
 }
 
 /* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
@@ -881,15 +992,33 @@ static void product_tiles(const product *p, long n0, long n1) {
     }
 }
 
-/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights: one token on AVX-512 reads them as they lie; any
-   other product puts them back as Q4_K rows in a buffer once (a unit's rows: tens of KB, in L2 while
-   its tokens pass) and runs the Q4_K kernels there, so every path gives Q4_K's bits. */
+/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights. On AVX-512 a product of fewer than X8_COPY_TOKENS
+   tokens reads them as they lie, eight rows against up to GROUP tokens at a time (CHUNK_TOKENS tokens'
+   activations meeting every eight rows before the next tokens, as product_tiles). With more tokens, and
+   on AVX2, the rows are put back as Q4_K rows in a buffer once (a unit's rows: tens of KB) and go through
+   the Q4_K kernels, which then run faster per token than the eights (rows in eights keep every token's
+   work apart; Q4_K's tiles share a row's unpacking over GROUP tokens). Either way: Q4_K's bits. */
+#define X8_COPY_TOKENS 24
 static void product_x8(const product *p, long n0, long n1) {
-    const long ns = p->a->K / 256, ldq = ns * 144;
-    if (p->M == 1 && p->x8 == PATH_AVX512) {
-        for (long n = n0; n < n1; n += X8) dotk_x8_512(p->W + n * p->ldw, ns, p->a, p->mi ? p->mi[0] : 0, p->Y + n);
+    if (p->x8 == PATH_AVX512 && p->M == 1) {
+        const long ns = p->a->K / 256, m = p->mi ? p->mi[0] : 0;
+        for (long n = n0; n < n1; n += X8) dotk_x8_one(p->W + n * p->ldw, ns, p->a, m, p->Y + n);
         return;
     }
+    if (p->x8 == PATH_AVX512 && p->M < X8_COPY_TOKENS) {
+        for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
+            long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
+            for (long n = n0; n < n1; n += X8)
+                for (long m = m0; m < m1; m += GROUP) {
+                    long idx[GROUP];
+                    int R = (int)min_l(m1 - m, GROUP);
+                    for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
+                    dotk_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+                }
+        }
+        return;
+    }
+    const long ns = p->a->K / 256, ldq = ns * 144;
     uint8_t *buf = malloc((size_t)((n1 - n0) * ldq));
     if (!buf) abort(); /* a unit's rows: tens of KB */
     for (long n = n0; n < n1; n += X8)

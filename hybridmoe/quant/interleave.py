@@ -17,7 +17,9 @@ SUPER = 144  # bytes of a Q4_K super-block
 
 
 def interleave(data: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, row bytes] Q4_K rows (N a multiple of 8) -> the same shape in q4_k_x8."""
+    """uint8 [N, row bytes] Q4_K rows (N a multiple of 8) -> the same shape in q4_k_x8 (a new
+    tensor; a model's weights are rearranged in place at load by quant.c's hm_q4k_to_x8, which
+    tests/test_quant_rows_in_eights.py holds to this)."""
     n, width = data.shape
     ns = width // SUPER
     b = data.reshape(n // ROWS, ROWS, ns, SUPER).transpose(1, 2)  # [G, ns, 8, 144]

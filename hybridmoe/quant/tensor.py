@@ -16,7 +16,7 @@ from hybridmoe import native
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.dequant import dequantize
 from hybridmoe.quant.formats import FORMATS, Q4_K_X8, Format
-from hybridmoe.quant.interleave import ROWS, deinterleave, interleave
+from hybridmoe.quant.interleave import ROWS, deinterleave
 from hybridmoe.quant.transposed import times
 
 
@@ -115,7 +115,7 @@ def for_kernels(m: QTensor) -> QTensor:
     if not all(p.shape[0] % ROWS == 0 and p.is_contiguous() for p in m.parts):
         return m
     for part in m.parts:
-        part.copy_(interleave(part))
+        kernels.to_rows_in_eights(part, m.cols)
     return QTensor(m.parts, Q4_K_X8, m.cols)
 
 
