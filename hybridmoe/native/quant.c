@@ -778,8 +778,10 @@ AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *c
     }
 }
 
-/* Row r of eight: its 16 + 8 accumulator lanes out of F, M (dotk_x8_512's) through k_result. */
-static void x8_results(const __m512 F[8], const __m512 M[4], float *Y) {
+/* Row r of eight: its 16 + 8 accumulator lanes out of F, M (dotk_x8_512_t's) through k_result. Inlined:
+   called out of line, F and M lived in memory through the whole loop (31 -> 35 us a 768 x 2048 token,
+   docs/notes/2026-11-25-q4k-rows-in-eights.md). */
+ALWAYS_INLINE void x8_results(const __m512 F[8], const __m512 M[4], float *Y) {
     float f[8][16], g[4][16];
     for (int i = 0; i < 8; i++) memcpy(f[i], &F[i], sizeof f[i]);
     for (int j = 0; j < 4; j++) memcpy(g[j], &M[j], sizeof g[j]);
@@ -807,6 +809,7 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
     }
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_BYTES;
+        if (R == 1) prefetch_far(p, X8_BYTES); /* a token's stream, as for Q4_K */
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
         __m512i sw[2], Z[GROUP][4];
@@ -841,58 +844,6 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
     for (int r = 0; r < R; r++) x8_results(F[r], M[r], Y + r * ldy);
 }
 
-/* One token (decode), the same arithmetic as dotk_x8_512_t with R = 1, written out: in that form the
-   compiler keeps every accumulator in a register (the template's R = 1 ran 8-10% slower,
-   docs/notes/2026-11-25-q4k-rows-in-eights.md). */
-AVX512 static void dotk_x8_one(const uint8_t *G, long ns, const acts *a, long m, float *Y) {
-    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-    const __m512i two = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), m4 = _mm512_set1_epi8(0x0F);
-    __m512 F[8], M[4];
-    for (int i = 0; i < 8; i++) F[i] = _mm512_setzero_ps();
-    for (int j = 0; j < 4; j++) M[j] = _mm512_setzero_ps();
-    for (long s = 0; s < ns; s++) {
-        const uint8_t *p = G + s * X8_BYTES;
-        const int8_t *x = a->qs + m * a->K + s * 256;
-        prefetch_far(p, X8_BYTES);
-        const __m256 dx = _mm256_set1_ps(a->dx[m * ns + s]);
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
-        __m512 ddx = _mm512_permutexvar_ps(two, _mm512_castps256_ps512(_mm256_mul_ps(d, dx)));
-        __m256 dmdx8 = _mm256_mul_ps(dm, dx);
-        __m512 dmdx = _mm512_insertf32x8(_mm512_castps256_ps512(dmdx8), dmdx8, 1);
-        __m512i sw[2];
-        __m256i mn[2];
-        x8_scales(p, sw, mn);
-        for (int h = 0; h < 2; h++) {
-            __m512i Z[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-            for (int g = h; g < 4; g += 2) {
-                const int bl = 2 * g, bh = 2 * g + 1;
-                __m512i sl = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
-                __m512i sh = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
-                for (int c = 0; c < 4; c++) {
-                    __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
-                    __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-                    int64_t vl, vh;
-                    memcpy(&vl, x + 32 * pos[bl] + 8 * c, 8);
-                    memcpy(&vh, x + 32 * pos[bh] + 8 * c, 8);
-                    Z[c] = _mm512_add_epi32(Z[c], _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl))));
-                    Z[c] = _mm512_add_epi32(Z[c], _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh))));
-                }
-            }
-            for (int c = 0; c < 4; c++) F[c + 4 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Z[c]), ddx, F[c + 4 * h]);
-        }
-        __m512i bsum = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a->bsum + (m * ns + s) * 16)));
-        for (int j = 0; j < 4; j++) {
-            __m128i b = j % 2 ? _mm256_extracti128_si256(mn[j / 2], 1) : _mm256_castsi256_si128(mn[j / 2]);
-            __m512i mw = _mm512_cvtepu8_epi32(b);
-            mw = _mm512_or_si512(mw, _mm512_slli_epi32(mw, 16));
-            __m512i C = _mm512_madd_epi16(mw, _mm512_permutexvar_epi32(_mm512_loadu_si512((const void *)BSEL[j]), bsum));
-            M[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(C), dmdx, M[j]);
-        }
-    }
-    x8_results(F, M, Y);
-}
-
 /* Rows [n0, n1) (whole eights) of Q4_K_X8 weights against tokens mi[0..R) (R <= GROUP). */
 AVX512 static void dotk_x8_512(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
                                float *Y, long ldy) {
@@ -900,7 +851,7 @@ AVX512 static void dotk_x8_512(const uint8_t *W, long ldw, long n0, long n1, con
     for (long n = n0; n < n1; n += X8) {
         const uint8_t *G = W + n * ldw;
         switch (R) {
-        case 1: dotk_x8_one(G, ns, a, mi[0], Y + n); break;
+        case 1: dotk_x8_512_t(1, G, ns, a, mi, Y + n, ldy); break;
         case 2: dotk_x8_512_t(2, G, ns, a, mi, Y + n, ldy); break;
         case 3: dotk_x8_512_t(3, G, ns, a, mi, Y + n, ldy); break;
         default: dotk_x8_512_t(GROUP, G, ns, a, mi, Y + n, ldy); break;
@@ -992,20 +943,12 @@ static void product_tiles(const product *p, long n0, long n1) {
     }
 }
 
-/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights. On AVX-512 a product of fewer than X8_COPY_TOKENS
-   tokens reads them as they lie, eight rows against up to GROUP tokens at a time (CHUNK_TOKENS tokens'
-   activations meeting every eight rows before the next tokens, as product_tiles). With more tokens, and
-   on AVX2, the rows are put back as Q4_K rows in a buffer once (a unit's rows: tens of KB) and go through
-   the Q4_K kernels, which then run faster per token than the eights (rows in eights keep every token's
-   work apart; Q4_K's tiles share a row's unpacking over GROUP tokens). Either way: Q4_K's bits. */
-#define X8_COPY_TOKENS 24
+/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights. AVX-512 reads them as they lie, eight rows against up
+   to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every eight rows before the next
+   tokens (as product_tiles). AVX2 puts them back as Q4_K rows in a buffer once (a unit's rows: tens of
+   KB) and runs the Q4_K kernels there. Either way the results are Q4_K's bits. */
 static void product_x8(const product *p, long n0, long n1) {
-    if (p->x8 == PATH_AVX512 && p->M == 1) {
-        const long ns = p->a->K / 256, m = p->mi ? p->mi[0] : 0;
-        for (long n = n0; n < n1; n += X8) dotk_x8_one(p->W + n * p->ldw, ns, p->a, m, p->Y + n);
-        return;
-    }
-    if (p->x8 == PATH_AVX512 && p->M < X8_COPY_TOKENS) {
+    if (p->x8 == PATH_AVX512) {
         for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
             long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
             for (long n = n0; n < n1; n += X8)
