@@ -668,9 +668,10 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
 
 /* ---- Q4_K rows in eights (Q4_K_X8) ------------------------------------------------------------------ */
 
-/* The layout, made at load (hybridmoe/quant/interleave.py) where the AVX-512 path runs: a matrix of Q4_K
-   rows, their number a multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes,
-   rows of exactly K / 256 * 144 bytes) hold their super-blocks s side by side, 1152 bytes each, at s * 1152:
+/* The layout, made at load where the AVX-512 path runs (hm_q4k_to_x8, called by quant/tensor.py
+   for_kernels; quant/interleave.py turns it back in torch ops): a matrix of Q4_K rows, their number a
+   multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes, rows of exactly
+   K / 256 * 144 bytes) hold their super-blocks s side by side, 1152 bytes each, at s * 1152:
      [0, 16)      the eight rows' d (fp16), row r's at 2r
      [16, 32)     their dmin
      [32, 128)    their 12 scale bytes, byte j of row r at 32 + 8j + r
