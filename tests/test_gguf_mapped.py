@@ -1,7 +1,10 @@
 """A GGUF file's blocks stay in the file: the matrices the engine computes on (routed experts,
 linears, the output head) are views of the file's memory map, file-backed pages the kernel may
-drop and read again, not copies in the process's own (anonymous) memory; and a matrix whose rows
-lie in two places (an expert's gate and up) computes exactly as the same rows joined."""
+drop and read again, not copies in the process's own (anonymous) memory; except Q4_K matrices
+where the AVX-512 path reads them in rows of eight (quant/interleave.py), rearranged in place at
+load: their pages become the process's own in the place of the file's, never beside them. And a
+matrix whose rows lie in two places (an expert's gate and up) computes exactly as the same rows
+joined."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader import load_model
 from hybridmoe.native import quant as kernels
+from hybridmoe.quant.formats import Q4_K_X8
+from hybridmoe.quant.interleave import deinterleave
 from hybridmoe.quant.tensor import QTensor, matmul
 from tests.gguf_writer import Q
 from tests.test_quant_models import PROMPT, wide_mixtral_gguf
@@ -67,25 +72,27 @@ def test_a_gguf_models_blocks_are_views_of_the_file(mapped):
     dense = [model.lm_head.weight, model.layers[1].self_attn.v_proj.weight]
     assert all(isinstance(m, QTensor) and inside(m.parts[0], maps) for m in dense)
     w = model.runtime.store.get(1, 2)
-    assert np.array_equal(
-        w.gate_up.parts[0].numpy(), file_bytes(path, "blk.1.ffn_gate_exps.weight", 2)
-    )
-    assert np.array_equal(
-        w.gate_up.parts[1].numpy(), file_bytes(path, "blk.1.ffn_up_exps.weight", 2)
-    )
-    assert np.array_equal(
-        w.down.parts[0].numpy(), file_bytes(path, "blk.1.ffn_down_exps.weight", 2)
-    )
+    for part, fmt, name in zip(
+        (*w.gate_up.parts, *w.down.parts),
+        (w.gate_up.fmt, w.gate_up.fmt, w.down.fmt),
+        ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+    ):
+        stored = deinterleave(part) if fmt == Q4_K_X8 else part
+        assert np.array_equal(stored.numpy(), file_bytes(path, f"blk.1.{name}.weight", 2))
 
 
 def test_serving_from_the_map_reads_file_pages_and_writes_none(mapped):
     path, model = mapped
+    # a private (copy-on-write) map: a page written becomes anonymous memory
+    rearranged = sum(m["Anonymous"] for m in file_mappings(path))
     tokens = list(generate_ids(model, PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)))
     assert len(tokens) == 8
     maps = file_mappings(path)
     assert sum(m["Rss"] for m in maps) > 0  # the experts were read where they are
-    # a private (copy-on-write) map: a page written would become anonymous memory
-    assert sum(m["Anonymous"] for m in maps) == 0
+    assert sum(m["Anonymous"] for m in maps) == rearranged  # serving wrote nothing
+    # rearranged at load where the kernels read rows in eights, in the file pages' place
+    assert (rearranged > 0) == (kernels.isa() == kernels.AVX512)
+    assert sum(m["Rss"] for m in maps) * 1024 <= Path(path).stat().st_size + 4096
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k"])

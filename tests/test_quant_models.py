@@ -103,11 +103,15 @@ def test_experts_and_linears_stay_in_their_blocks(tmp_path):
     path = wide_mixtral_gguf(tmp_path, Q.Q4_K)
     model = load_model(path, progress=False)
     w = model.runtime.store.get(0, 1)
+    # Q4_K blocks, in rows of eight where the AVX-512 path reads them (quant/interleave.py)
+    layout = "q4_k_x8" if kernels.isa() == kernels.AVX512 else "q4_k"
     assert (
         isinstance(w.gate_up, QTensor)
-        and w.gate_up.fmt.name == "q4_k"
+        and w.gate_up.fmt.name == layout
+        and w.gate_up.fmt.blocks_of == "q4_k"
         and tuple(w.gate_up.shape) == (512, 256)
     )
+    assert model.layers[0].self_attn.q_proj.weight.fmt.name == layout
     assert isinstance(model.layers[0].self_attn.q_proj.weight, QTensor)
     assert isinstance(model.lm_head.weight, QTensor)
     assert model.runtime.store.expert_nbytes() == w.nbytes() == 3 * 256 * 256 * 144 // 256

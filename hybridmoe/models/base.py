@@ -22,7 +22,7 @@ from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, rope_parameters
 from hybridmoe.quant.formats import FORMATS, suits
-from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.tensor import QTensor, for_kernels
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
 _EXPERT = re.compile(
@@ -227,7 +227,8 @@ class CausalLM(nn.Module):
             tensor = QTensor.quantize(tensor, self.quant)
         if blocks and isinstance(tensor, QTensor):
             delattr(module, "weight")
-            module.weight = tensor
+            # an embedding's rows are looked up one by one: only products take the kernels' layout
+            module.weight = tensor if isinstance(module, Embedding) else for_kernels(tensor)
             module.dtype = param.dtype  # what an Embedding's looked-up rows come out as
             return
         with torch.no_grad():

@@ -37,6 +37,9 @@
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* Not a ggml type: Q4_K blocks whose rows are interleaved eight at a time (the layout at "Q4_K rows in
+   eights" below; hybridmoe/quant/formats.py's q4_k_x8). */
+enum { Q4_K_X8 = 268 };
 enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 /* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
@@ -70,14 +73,15 @@ static long block_bytes(int fmt) {
     case Q8_0: return 34;
     case Q4_0: return 18;
     case Q4_1: return 20;
-    case Q4_K: return 144;
+    case Q4_K:
+    case Q4_K_X8: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
     }
     return 0;
 }
 
-static int is_k(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
+static int is_k(int fmt) { return fmt == Q4_K || fmt == Q4_K_X8 || fmt == Q5_K || fmt == Q6_K; }
 
 static long block_elems(int fmt) { return is_k(fmt) ? 256 : 32; }
 
@@ -662,6 +666,200 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
     }
 }
 
+/* ---- Q4_K rows in eights (Q4_K_X8) ------------------------------------------------------------------ */
+
+/* The layout, made at load where the AVX-512 path runs (hm_q4k_to_x8, called by quant/tensor.py
+   for_kernels; quant/interleave.py turns it back in torch ops): a matrix of Q4_K rows, their number a
+   multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes, rows of exactly
+   K / 256 * 144 bytes) hold their super-blocks s side by side, 1152 bytes each, at s * 1152:
+     [0, 16)      the eight rows' d (fp16), row r's at 2r
+     [16, 32)     their dmin
+     [32, 128)    their 12 scale bytes, byte j of row r at 32 + 8j + r
+     [128, 1152)  their nibbles: bytes 32q + 8c .. 32q + 8c + 7 of row r's qs (group q, chunk c) at
+                  128 + 64 (4q + c) + 8r
+   One 64-byte load of nibbles then holds the same 8 bytes of eight rows, whose low (high) nibbles share
+   one sub-block scale per row: a sub-block's scale register serves four registers of eight rows, and the
+   scales of eight rows unpack in a few vector operations, where Q4_K's layout unpacks them row by row in
+   scalar code (llama.cpp repacks its CPU weights likewise, block_q4_Kx8). The integer lane sums, their
+   scaling and the final reduction are those of dotk_512_t lane for lane, so the results keep their bits
+   (docs/notes/2026-11-25-q4k-rows-in-eights.md). */
+#define X8 8
+#define X8_BYTES (X8 * 144)
+
+/* Super-block s of eight interleaved rows (p) back to the Q4_K blocks of rows out + r * ldo. */
+static void x8_to_q4k(const uint8_t *p, uint8_t *out, long ldo) {
+    for (int r = 0; r < X8; r++) {
+        uint8_t *o = out + r * ldo;
+        memcpy(o, p + 2 * r, 2);
+        memcpy(o + 2, p + 16 + 2 * r, 2);
+        for (int j = 0; j < 12; j++) o[4 + j] = p[32 + 8 * j + r];
+        for (int k = 0; k < 16; k++) memcpy(o + 16 + 8 * k, p + 128 + 64 * k + 8 * r, 8);
+    }
+}
+
+/* N rows of Q4_K blocks (N a multiple of 8, rows of exactly K / 256 * 144 bytes) rearranged in place into
+   Q4_K_X8 (made at load: quant/tensor.py for_kernels). Returns 0, -1 for a shape it does not take, -2
+   without memory. */
+int hm_q4k_to_x8(uint8_t *W, long N, long K) {
+    if (N % X8 || K <= 0 || K % 256) return -1;
+    const long ns = K / 256, ldw = ns * 144;
+    uint8_t *rows = malloc((size_t)(X8 * ldw));
+    if (!rows) return -2;
+    for (long n = 0; n < N; n += X8) {
+        uint8_t *G = W + n * ldw;
+        memcpy(rows, G, (size_t)(X8 * ldw));
+        for (long s = 0; s < ns; s++) {
+            uint8_t *p = G + s * X8_BYTES;
+            for (int r = 0; r < X8; r++) {
+                const uint8_t *o = rows + r * ldw + s * 144;
+                memcpy(p + 2 * r, o, 2);
+                memcpy(p + 16 + 2 * r, o + 2, 2);
+                for (int j = 0; j < 12; j++) p[32 + 8 * j + r] = o[4 + j];
+                for (int k = 0; k < 16; k++) memcpy(p + 128 + 64 * k + 8 * r, o + 16 + 8 * k, 8);
+            }
+        }
+    }
+    free(rows);
+    return 0;
+}
+
+/* Word i of a scale register is row i / 4's (WSEL[k]: of block k of 32 words 8k + r); lane 8t + r of a
+   minimums' register takes the 16-value sums of block 2j + t (BSEL[j]). */
+#define W4(v) v, v, v, v
+#define W32(k) W4(8 * k), W4(8 * k + 1), W4(8 * k + 2), W4(8 * k + 3), W4(8 * k + 4), W4(8 * k + 5), W4(8 * k + 6), \
+    W4(8 * k + 7)
+static const int16_t WSEL[4][32] = {{W32(0)}, {W32(1)}, {W32(2)}, {W32(3)}};
+#undef W4
+#undef W32
+#define B8(v) v, v, v, v, v, v, v, v
+static const int32_t BSEL[4][16] = {{B8(0), B8(1)}, {B8(2), B8(3)}, {B8(4), B8(5)}, {B8(6), B8(7)}};
+#undef B8
+
+/* Super-block p's 6-bit scales of eight rows as words (sw[0]: blocks 0..3, word 8b + r; sw[1]: 4..7) and
+   its minimums as bytes (mn[0]: blocks 0..3, byte 8b + r; mn[1]: 4..7), as unpack_scales_k4 splits them. */
+AVX512 ALWAYS_INLINE void x8_scales(const uint8_t *p, __m512i sw[2], __m256i mn[2]) {
+    const __m256i m63 = _mm256_set1_epi8(63), m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    __m256i u0 = _mm256_loadu_si256((const __m256i *)(p + 32)), u1 = _mm256_loadu_si256((const __m256i *)(p + 64));
+    __m256i u2 = _mm256_loadu_si256((const __m256i *)(p + 96));
+    __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(u2, m15), _mm256_and_si256(_mm256_srli_epi16(u0, 2), m30));
+    sw[0] = _mm512_cvtepu8_epi16(_mm256_and_si256(u0, m63));
+    sw[1] = _mm512_cvtepu8_epi16(sc_hi);
+    mn[0] = _mm256_and_si256(u1, m63);
+    mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u2, 4), m15),
+                            _mm256_and_si256(_mm256_srli_epi16(u1, 2), m30));
+}
+
+/* Half h of super-block p against the R tokens' bytes x[r] (paired order): groups h and h + 2, blocks 2h,
+   2h+1, 2h+4, 2h+5, which dotk_512_t's registers hold in their lanes 0..7 (h = 0) or 8..15 (h = 1). Each
+   64-byte load of nibbles is unpacked once for all R tokens. Z[r][c] lane 2k + i: row k's lane 8h + 2c + i
+   of dotk_512_t's A for token r. */
+AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *const x[GROUP], const __m512i sw[2],
+                                  int h, __m512i Z[GROUP][4]) {
+    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* natural block b's place in a paired token */
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) Z[r][c] = _mm512_setzero_si512();
+    for (int g = h; g < 4; g += 2) { /* group g: low nibbles block 2g, high nibbles 2g + 1 */
+        const int bl = 2 * g, bh = 2 * g + 1;
+        __m512i sl = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
+        __m512i sh = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
+        for (int c = 0; c < 4; c++) {
+            __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
+            __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+            for (int r = 0; r < R; r++) {
+                int64_t vl, vh; /* the token's same 8 bytes, for all eight rows */
+                memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
+                memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
+                __m512i t = _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl)));
+                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
+                t = _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh)));
+                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
+            }
+        }
+    }
+}
+
+/* Row r of eight: its 16 + 8 accumulator lanes out of F, M (dotk_x8_512_t's) through k_result. Inlined:
+   called out of line, F and M lived in memory through the whole loop (31 -> 35 us a 768 x 2048 token,
+   docs/notes/2026-11-25-q4k-rows-in-eights.md). */
+ALWAYS_INLINE void x8_results(const __m512 F[8], const __m512 M[4], float *Y) {
+    float f[8][16], g[4][16];
+    for (int i = 0; i < 8; i++) memcpy(f[i], &F[i], sizeof f[i]);
+    for (int j = 0; j < 4; j++) memcpy(g[j], &M[j], sizeof g[j]);
+    for (int r = 0; r < X8; r++) {
+        float A[8], B[8], C[8];
+        for (int l = 0; l < 8; l++) {
+            A[l] = f[l / 2][2 * r + l % 2];
+            B[l] = f[4 + l / 2][2 * r + l % 2];
+            C[l] = g[l / 2][8 * (l % 2) + r];
+        }
+        Y[r] = k_result(A, B, C);
+    }
+}
+
+/* Eight interleaved rows at G (ns super-blocks) against the R tokens mi[0..R) of `a`: Y[r * ldy + 0..8).
+   Lanes hold eight rows: F[r][c + 4h] lane 2k + i is dotk_512_t's acc lane 8h + 2c + i of row k, M[r][j]
+   lane 8t + k its accm lane 2j + t; each goes through the same integer sums and float operations. */
+AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
+                                        float *Y, long ldy) {
+    const __m512i two = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 F[GROUP][8], M[GROUP][4];
+    for (int r = 0; r < R; r++) {
+        for (int i = 0; i < 8; i++) F[r][i] = _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) M[r][j] = _mm512_setzero_ps();
+    }
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *p = G + s * X8_BYTES;
+        if (R == 1) prefetch_far(p, X8_BYTES); /* a token's stream, as for Q4_K */
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
+        __m512i sw[2], Z[GROUP][4];
+        __m256i mn[2];
+        const int8_t *x[GROUP];
+        x8_scales(p, sw, mn);
+        __m512 ddx[GROUP], dmdx[GROUP];
+        for (int r = 0; r < R; r++) {
+            const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]), dmdx8 = _mm256_mul_ps(dm, dx);
+            x[r] = a->qs + mi[r] * a->K + s * 256;
+            ddx[r] = _mm512_permutexvar_ps(two, _mm512_castps256_ps512(_mm256_mul_ps(d, dx))); /* lane 2k+i: row k */
+            dmdx[r] = _mm512_insertf32x8(_mm512_castps256_ps512(dmdx8), dmdx8, 1);              /* lane 8t+k: row k */
+        }
+        for (int h = 0; h < 2; h++) {
+            x8_half(R, p, x, sw, h, Z);
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < 4; c++)
+                    F[r][c + 4 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Z[r][c]), ddx[r], F[r][c + 4 * h]);
+        }
+        for (int j = 0; j < 4; j++) { /* blocks 2j, 2j+1: each minimum twice, against its two 16-value sums */
+            __m128i b = j % 2 ? _mm256_extracti128_si256(mn[j / 2], 1) : _mm256_castsi256_si128(mn[j / 2]);
+            __m512i mw = _mm512_cvtepu8_epi32(b);
+            mw = _mm512_or_si512(mw, _mm512_slli_epi32(mw, 16));
+            for (int r = 0; r < R; r++) {
+                const int16_t *bs = a->bsum + (mi[r] * ns + s) * 16;
+                __m512i bsum = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)bs));
+                __m512i C = _mm512_madd_epi16(mw, _mm512_permutexvar_epi32(_mm512_loadu_si512((const void *)BSEL[j]), bsum));
+                M[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(C), dmdx[r], M[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) x8_results(F[r], M[r], Y + r * ldy);
+}
+
+/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights against tokens mi[0..R) (R <= GROUP). */
+AVX512 static void dotk_x8_512(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
+                               float *Y, long ldy) {
+    const long ns = a->K / 256;
+    for (long n = n0; n < n1; n += X8) {
+        const uint8_t *G = W + n * ldw;
+        switch (R) {
+        case 1: dotk_x8_512_t(1, G, ns, a, mi, Y + n, ldy); break;
+        case 2: dotk_x8_512_t(2, G, ns, a, mi, Y + n, ldy); break;
+        case 3: dotk_x8_512_t(3, G, ns, a, mi, Y + n, ldy); break;
+        default: dotk_x8_512_t(GROUP, G, ns, a, mi, Y + n, ldy); break;
+        }
+    }
+}
+
 /* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
 
 typedef void (*dot_fn)(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
@@ -696,7 +894,8 @@ static dot_fn dot_for(int fmt, int isa) {
     case Q8_0: return wide ? dot_512_Q8_0 : dot_avx2_Q8_0;
     case Q4_0: return wide ? dot_512_Q4_0 : dot_avx2_Q4_0;
     case Q4_1: return wide ? dot_512_Q4_1 : dot_avx2_Q4_1;
-    case Q4_K: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;
+    case Q4_K:
+    case Q4_K_X8: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;  /* on rows put back as Q4_K (product_x8) */
     case Q5_K: return wide ? dot_512_Q5_K : dot_avx2_Q5_K;
     case Q6_K: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
     }
@@ -720,9 +919,16 @@ struct product {
     float *Y;
     long ldy;
     panel_fn panel; /* the many-token path, or NULL */
+    int x8;         /* Q4_K_X8 weights: the path (isa) that reads them, else 0 */
 };
 
+static void product_x8(const product *p, long n0, long n1);
+
 static void product_tiles(const product *p, long n0, long n1) {
+    if (p->x8) {
+        product_x8(p, n0, n1);
+        return;
+    }
     long tile = TILE_BYTES / p->ldw > 0 ? TILE_BYTES / p->ldw : 1;
     for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
         long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
@@ -736,6 +942,35 @@ static void product_tiles(const product *p, long n0, long n1) {
             }
         }
     }
+}
+
+/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights. AVX-512 reads them as they lie, eight rows against up
+   to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every eight rows before the next
+   tokens (as product_tiles). AVX2 puts them back as Q4_K rows in a buffer once (a unit's rows: tens of
+   KB) and runs the Q4_K kernels there. Either way the results are Q4_K's bits. */
+static void product_x8(const product *p, long n0, long n1) {
+    if (p->x8 == PATH_AVX512) {
+        for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
+            long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
+            for (long n = n0; n < n1; n += X8)
+                for (long m = m0; m < m1; m += GROUP) {
+                    long idx[GROUP];
+                    int R = (int)min_l(m1 - m, GROUP);
+                    for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
+                    dotk_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+                }
+        }
+        return;
+    }
+    const long ns = p->a->K / 256, ldq = ns * 144;
+    uint8_t *buf = malloc((size_t)((n1 - n0) * ldq));
+    if (!buf) abort(); /* a unit's rows: tens of KB */
+    for (long n = n0; n < n1; n += X8)
+        for (long s = 0; s < ns; s++) x8_to_q4k(p->W + n * p->ldw + s * X8_BYTES, buf + (n - n0) * ldq + s * 144, ldq);
+    product q = *p;
+    q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.x8 = 0;
+    product_tiles(&q, 0, n1 - n0);
+    free(buf);
 }
 
 /* ---- panels: many tokens (prefill) on AVX-512 ------------------------------------------------------- */
@@ -871,10 +1106,14 @@ static void product_rows(const product *p, long n0, long n1) {
 /* Rows of one unit of work: about UNIT_BYTES of weights, fewer as more tokens share them, at least
    MIN_UNIT_ROWS. (Every token's result is computed alike whatever the unit, tile and group sizes: each
    output is one row's dot product with one token, in the order of its blocks.) */
-static long unit_rows(long ldw, long M) {
+static long unit_rows(int fmt, long ldw, long M) {
     long rows = UNIT_BYTES / (ldw * (M < GROUP ? 1 : M / GROUP));
-    return rows > MIN_UNIT_ROWS ? rows : MIN_UNIT_ROWS;
+    rows = rows > MIN_UNIT_ROWS ? rows : MIN_UNIT_ROWS;
+    return fmt == Q4_K_X8 ? (rows + X8 - 1) / X8 * X8 : rows; /* whole eights */
 }
+
+/* Which path reads Q4_K_X8 weights in a product (product_x8), 0 for other formats. */
+static int x8_path(int fmt, int isa) { return fmt == Q4_K_X8 ? isa : 0; }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
 
@@ -883,6 +1122,7 @@ static long unit_rows(long ldw, long M) {
 
 static int check_shape(int fmt, long ldw, long K) {
     if (!block_bytes(fmt) || K <= 0 || K % block_elems(fmt)) return -1;
+    if (fmt == Q4_K_X8) return ldw == K / 256 * 144 ? 0 : -1; /* eights of whole rows, no padding */
     return ldw >= K / block_elems(fmt) * block_bytes(fmt) ? 0 : -1;
 }
 
@@ -905,10 +1145,11 @@ static void linear_region(void *arg, int t, int T) {
    on up to `threads` threads. */
 int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16, long M,
                float *Y, long ldy, int threads, int isa) {
-    if (check_shape(fmt, ldw, K)) return -1;
+    if (check_shape(fmt, ldw, K) || (fmt == Q4_K_X8 && N % X8)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, M, K)) return -2;
-    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K)}, N, unit_rows(ldw, M)};
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K), x8_path(fmt, isa)}, N,
+                     unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
     long units = (N + c.rows - 1) / c.rows;
     hm_parallel(linear_region, &c, (int)min_l(threads, units));
@@ -1017,7 +1258,8 @@ static void gate_up_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long per = (c->I + c->rows1[i] - 1) / c->rows1[i], up = u >= per, n0 = (u % per) * c->rows1[i];
     product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], NULL,
-                 e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H)};
+                 e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H),
+                 x8_path((int)e->fmt_gu, c->isa)};
     product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
@@ -1025,7 +1267,7 @@ static void down_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long n0 = u * c->rows3[i];
     product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H,
-                 panel_for((int)e->fmt_d, c->isa, e->M, c->I)};
+                 panel_for((int)e->fmt_d, c->isa, e->M, c->I), x8_path((int)e->fmt_d, c->isa)};
     product_rows(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
@@ -1089,7 +1331,9 @@ static void experts_region(void *arg, int t, int T) {
    h = silu(gate) * up and quantises it, stage 3 runs every down row. y = down h. */
 int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa) {
     for (long i = 0; i < n; i++)
-        if (check_shape((int)e[i].fmt_gu, e[i].ld_gu, H) || check_shape((int)e[i].fmt_d, e[i].ld_d, I)) return -1;
+        if (check_shape((int)e[i].fmt_gu, e[i].ld_gu, H) || check_shape((int)e[i].fmt_d, e[i].ld_d, I) ||
+            (e[i].fmt_gu == Q4_K_X8 && I % X8) || (e[i].fmt_d == Q4_K_X8 && H % X8))
+            return -1;
     experts_call c = {.e = e, .n = n, .H = H, .I = I, .x_bf16 = x_bf16, .isa = isa};
     size_t words = (size_t)n * 6 + 2;
     char *mem = calloc(1, words * sizeof(long) + (size_t)n * (2 * sizeof(acts) + sizeof(float *)));
@@ -1108,8 +1352,8 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
         c.owner[i] = i;
         for (long j = 0; j < i && c.owner[i] == i; j++)
             if (e[j].x == e[i].x && e[j].M == e[i].M && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu) c.owner[i] = j;
-        c.rows1[i] = unit_rows(e[i].ld_gu, e[i].M);
-        c.rows3[i] = unit_rows(e[i].ld_d, e[i].M);
+        c.rows1[i] = unit_rows((int)e[i].fmt_gu, e[i].ld_gu, e[i].M);
+        c.rows3[i] = unit_rows((int)e[i].fmt_d, e[i].ld_d, e[i].M);
         c.first1[i + 1] = c.first1[i] + 2 * ((I + c.rows1[i] - 1) / c.rows1[i]);
         c.first3[i + 1] = c.first3[i] + (H + c.rows3[i] - 1) / c.rows3[i];
         c.gu[i] = gu + at;

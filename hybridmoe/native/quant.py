@@ -41,6 +41,8 @@ SIGNATURES = {
     "hm_qexperts": ([P, N, N, N, INT, INT, INT], INT),
     # int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out)
     "hm_quantize": ([INT, P, N, N, P], INT),
+    # int hm_q4k_to_x8(uint8_t *W, long N, long K)
+    "hm_q4k_to_x8": ([P, N, N], INT),
     # int hm_qmoe_token(const int64_t *experts, const int64_t *ids, const float *w, long K,
     #                   const void *x, int x_bf16, long H, long I, int threads, int isa, void *out)
     "hm_qmoe_token": ([P, P, P, N, P, INT, N, N, INT, INT, P], INT),
@@ -284,3 +286,9 @@ def quantize(x: torch.Tensor, fmt: int, row_bytes: int) -> torch.Tensor:
     status = library().hm_quantize(fmt, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     _check(status, "quantising")
     return out
+
+
+def to_rows_in_eights(data: torch.Tensor, cols: int) -> None:
+    """Q4_K rows [N, row bytes] (N a multiple of 8, contiguous) rearranged in place into
+    q4_k_x8 (quant/interleave.py's layout; quant.c's hm_q4k_to_x8 says it byte by byte)."""
+    _check(library().hm_q4k_to_x8(data.data_ptr(), data.shape[0], cols), "rows in eights")

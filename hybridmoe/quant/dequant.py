@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.quant.formats import Format
+from hybridmoe.quant.formats import Q4_K_X8, Format
+from hybridmoe.quant.interleave import deinterleave
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -88,5 +89,7 @@ _DEQUANT = {
 def dequantize(data: torch.Tensor, fmt: Format, cols: int) -> torch.Tensor:
     """uint8 [rows, row bytes] of `fmt` blocks -> float32 [rows, cols]."""
     rows = data.shape[0]
+    if fmt == Q4_K_X8:
+        data = deinterleave(data)
     blocks = data.reshape(rows, cols // fmt.block, fmt.nbytes)
-    return _DEQUANT[fmt.name](blocks).reshape(rows, cols)
+    return _DEQUANT[fmt.blocks_of](blocks).reshape(rows, cols)

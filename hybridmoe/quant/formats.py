@@ -15,6 +15,10 @@ Each row of a matrix [rows, cols] is cols / block blocks of `nbytes` bytes, one 
 |      |       |       | bit of element i of block j                         |                   |
 | q6_k | 256   | 210   | ql[128], qh[64]: low 4 and high 2 bits; int8        | d sc_t (q - 32)   |
 |      |       |       | scales[16] (one per 16 values); d                   |                   |
+
+One layout is not GGUF's: q4_k_x8 holds q4_k blocks with rows interleaved eight at a time, the same
+bytes rearranged for the AVX-512 one-token product (quant/interleave.py; made at load, never
+written to a file). Its `family` is q4_k: its values, its cost, its bytes on the bus.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ class Format:
     ggml: int  # gguf.GGMLQuantizationType value
     block: int  # elements per block
     nbytes: int  # bytes per block
+    family: str = ""  # a layout of another format's blocks: that format (q4_k_x8: q4_k)
+
+    @property
+    def blocks_of(self) -> str:
+        """The GGUF format whose blocks these are: the family, else this format."""
+        return self.family or self.name
 
     def row_bytes(self, cols: int) -> int:
         return cols // self.block * self.nbytes
@@ -49,6 +59,10 @@ FORMATS = {
         Format("q6_k", 14, 256, 210),
     )
 }
+# Layouts of those blocks that only the engine makes (no file holds them); 268 is no ggml type but
+# native/quant.c's Q4_K_X8.
+Q4_K_X8 = Format("q4_k_x8", 268, 256, 144, family="q4_k")
+LAYOUTS = {Q4_K_X8.name: Q4_K_X8}
 BY_GGML = {f.ggml: f for f in FORMATS.values()}
 # The formats `--quant` quantises to at load (and GGUF writers write): the others are read only.
 QUANTIZE_TO = ("q8_0", "q4_k", "q4_0", "q6_k")
@@ -57,3 +71,8 @@ QUANTIZE_TO = ("q8_0", "q4_k", "q4_0", "q6_k")
 def suits(fmt: Format, cols: int) -> bool:
     """Whether rows of `cols` values split into whole blocks of `fmt`."""
     return cols % fmt.block == 0
+
+
+def named(name: str) -> Format:
+    """The format or layout called `name` (FORMATS, LAYOUTS)."""
+    return FORMATS.get(name) or LAYOUTS[name]

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from hybridmoe import native
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.dequant import dequantize
-from hybridmoe.quant.formats import FORMATS, Format
+from hybridmoe.quant.formats import FORMATS, Q4_K_X8, Format
+from hybridmoe.quant.interleave import ROWS, deinterleave
 from hybridmoe.quant.transposed import times
 
 
@@ -65,7 +66,11 @@ class QTensor:
         return sum(p.numel() for p in self.parts)
 
     def rows(self, index) -> QTensor:
-        """The rows `index` selects (a slice, a list or a tensor of row numbers)."""
+        """The rows `index` selects (a slice, a list or a tensor of row numbers); rows in eights
+        come out as the q4_k rows they are (a copy of the whole matrix first: for loading, not
+        for a step)."""
+        if self.fmt == Q4_K_X8:
+            return QTensor(deinterleave(self.data)[index], FORMATS["q4_k"], self.cols)
         return QTensor(self.data[index], self.fmt, self.cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -93,6 +98,25 @@ class QTensor:
 
     def __repr__(self) -> str:
         return f"QTensor({self.fmt.name}, {tuple(self.shape)})"
+
+
+def for_kernels(m: QTensor) -> QTensor:
+    """m in the layout the CPU kernels read fastest: Q4_K rows in eights (quant/interleave.py) where
+    the AVX-512 path runs and every part's rows are whole eights of unpadded rows; else m. The
+    bytes are rearranged in place: a part viewing a model file's copy-on-write map turns its pages
+    into the process's own, in the place of the file's, so resident memory does not grow."""
+    if (
+        m.fmt.name != "q4_k"
+        or m.device.type != "cpu"
+        or not kernels.available()
+        or kernels.isa() != kernels.AVX512
+    ):
+        return m
+    if not all(p.shape[0] % ROWS == 0 and p.is_contiguous() for p in m.parts):
+        return m
+    for part in m.parts:
+        kernels.to_rows_in_eights(part, m.cols)
+    return QTensor(m.parts, Q4_K_X8, m.cols)
 
 
 def dense(m, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -151,4 +175,4 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     return y if bias is None else y + bias.to(y.dtype)
 
 
-__all__ = ["QTensor", "dense", "matmul", "linear", "native_applies", "native"]
+__all__ = ["QTensor", "dense", "for_kernels", "matmul", "linear", "native_applies", "native"]

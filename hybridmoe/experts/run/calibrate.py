@@ -45,7 +45,7 @@ from hybridmoe.files import write_atomic
 from hybridmoe.native import quant as kernels
 from hybridmoe.paths import user_cache_dir
 from hybridmoe.quant.formats import FORMATS
-from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.tensor import QTensor, for_kernels
 from hybridmoe.tuning import GPU_ROTATE_BYTES, ROTATE_BYTES
 
 log = logging.getLogger("hybridmoe")
@@ -117,10 +117,13 @@ def _experts(
     hidden: int, inter: int, dtype, device, total_bytes: float, fmt: str | None = None
 ) -> list[ExpertWeights]:
     """Enough random experts to pass `total_bytes` (at least 2): dense in `dtype`, or in the blocks
-    of `fmt` (copies of one, the same bytes at other addresses)."""
+    of `fmt` (copies of one, the same bytes at other addresses), in the layout the store keeps
+    them in (for_kernels)."""
     if fmt in FORMATS:
         first = _experts(hidden, inter, torch.float32, "cpu", 0)[0]
-        one = ExpertWeights(*(QTensor.quantize(m, fmt) for m in (first.gate_up, first.down)))
+        one = ExpertWeights(
+            *(for_kernels(QTensor.quantize(m, fmt)) for m in (first.gate_up, first.down))
+        )
         count = max(2, int(total_bytes // one.nbytes()) + 1)
         clone = lambda m: QTensor(m.data.clone(), m.fmt, m.cols)  # noqa: E731
         return [one] + [ExpertWeights(clone(one.gate_up), clone(one.down)) for _ in range(count)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.experts.run.store import ExpertWeights, Matrix
-from hybridmoe.quant.formats import FORMATS
+from hybridmoe.quant.formats import named
 from hybridmoe.quant.tensor import QTensor
 
 
@@ -77,7 +77,7 @@ def pack(w: ExpertWeights, out: torch.Tensor) -> Layout:
 
 def _view(b: torch.Tensor, p: Part) -> Matrix:
     if isinstance(p.kind, str):
-        fmt = FORMATS[p.kind]
+        fmt = named(p.kind)
         return QTensor(b.view(p.rows, fmt.row_bytes(p.cols)), fmt, p.cols)
     return b.view(p.kind).view(p.rows, p.cols)
 

@@ -17,7 +17,7 @@ import torch
 
 from hybridmoe.experts.plan.shape import ExpertShape, Key
 from hybridmoe.quant.formats import FORMATS, suits
-from hybridmoe.quant.tensor import QTensor, dense
+from hybridmoe.quant.tensor import QTensor, dense, for_kernels
 
 Matrix = torch.Tensor | QTensor
 # Dense experts' format names (experts/plan/cost_model.py FLOAT_BYTES)
@@ -39,7 +39,7 @@ def _nbytes(m: Matrix) -> int:
 
 def format_of(m: Matrix) -> str:
     """A matrix's format name: its blocks' (q4_k, ...), or its dtype's (bf16, f32, f16)."""
-    return m.fmt.name if isinstance(m, QTensor) else DTYPE_FORMAT.get(m.dtype, str(m.dtype))
+    return m.fmt.blocks_of if isinstance(m, QTensor) else DTYPE_FORMAT.get(m.dtype, str(m.dtype))
 
 
 class ExpertStore:
@@ -63,7 +63,8 @@ class ExpertStore:
         self.version = 0  # counts puts: what was read of the records before a put may be stale
 
     def put(self, layer: int, expert: int, w_gate: Matrix, w_up: Matrix, w_down: Matrix) -> None:
-        """Store one expert given its gate [I, H], up [I, H] and down [H, I] weights."""
+        """Store one expert given its gate [I, H], up [I, H] and down [H, I] weights (blocks in
+        the layout the CPU kernels read fastest: quant/tensor.py for_kernels)."""
         w = ExpertWeights(self._fused(w_gate, w_up), self._kept(w_down))
         self.records[(layer, expert)] = w
         self._bytes += w.nbytes()
@@ -71,7 +72,7 @@ class ExpertStore:
 
     def _fused(self, gate: Matrix, up: Matrix) -> Matrix:
         if isinstance(gate, QTensor) and isinstance(up, QTensor) and gate.fmt == up.fmt:
-            return QTensor.cat([gate, up])
+            return QTensor.cat([for_kernels(gate), for_kernels(up)])
         return self._kept(
             torch.cat([dense(gate, self.dtype), dense(up, self.dtype)], dim=0)
         )  # [2I, H]
@@ -80,9 +81,9 @@ class ExpertStore:
         """As the store keeps it: blocks stay blocks; dense matrices in the store's dtype, or
         quantised to `quant` where their rows split into its blocks."""
         if isinstance(m, QTensor):
-            return m
+            return for_kernels(m)
         if self.quant and suits(FORMATS[self.quant], m.shape[1]):
-            return QTensor.quantize(m, self.quant)
+            return for_kernels(QTensor.quantize(m, self.quant))
         return m.to(self.dtype).contiguous()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
