@@ -8,6 +8,8 @@ joined."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -17,11 +19,13 @@ import torch
 
 from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.sampler import SamplingParams
-from hybridmoe.loader import load_model
+from hybridmoe.loader import gguf_file, load_model
+from hybridmoe.loader.free_memory import available_bytes, may_rearrange
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.formats import Q4_K_X8
 from hybridmoe.quant.interleave import deinterleave
 from hybridmoe.quant.tensor import QTensor, matmul
+from hybridmoe.tuning import REARRANGE_SHARE_OF_FREE
 from tests.gguf_writer import Q
 from tests.test_quant_models import PROMPT, wide_mixtral_gguf
 
@@ -111,3 +115,39 @@ def test_a_matrix_in_two_parts_computes_as_the_rows_joined(fmt):
     assert torch.equal(matmul(x, parts), matmul(x, joined))
     assert torch.equal(parts.dequantize(), joined.dequantize())
     assert parts.nbytes() == joined.nbytes() and parts.shape == joined.shape
+
+
+def test_a_file_too_large_for_free_memory_keeps_its_layout(mapped, tmp_path, monkeypatch):
+    """Where the Q4_K bytes would not fit in free memory, no page of the file becomes the
+    process's own, and the blocks read in place give the same tokens as the rearranged ones."""
+    path = str(
+        tmp_path / "copy.gguf"
+    )  # the same bytes in a file of its own: its map is this model's
+    shutil.copyfile(mapped[0], path)
+    monkeypatch.setattr(gguf_file, "available_bytes", lambda: 1 << 20)
+    model = load_model(path, progress=False)
+    weights = [m for w in model.runtime.store.records.values() for m in (w.gate_up, w.down)]
+    weights.append(model.layers[1].self_attn.v_proj.weight)  # q/k: rows reordered, copies
+    assert all(m.fmt != Q4_K_X8 and m.keep_layout for m in weights)
+    assert Q4_K_X8 in {m.fmt for m in weights_of(mapped[1])} or kernels.isa() != kernels.AVX512
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    kept = list(generate_ids(model, PROMPT, greedy))
+    assert kept == list(generate_ids(mapped[1], PROMPT, greedy))
+    assert sum(m["Anonymous"] for m in file_mappings(path)) == 0
+
+
+def weights_of(model) -> list:
+    return [m for w in model.runtime.store.records.values() for m in (w.gate_up, w.down)]
+
+
+def test_rearranging_takes_at_most_a_share_of_the_free_memory(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24576000 kB\nMemAvailable:    4000000 kB\n")
+    assert available_bytes(meminfo) == 4000000 * 1024
+    assert available_bytes(tmp_path / "absent") is None
+    free = available_bytes()  # this machine's, where Linux reports it
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert free is None or 0 < free <= physical
+    share = int(REARRANGE_SHARE_OF_FREE * 4096e6)
+    assert may_rearrange(share, 4096e6) and not may_rearrange(share + 1, 4096e6)
+    assert may_rearrange(0, None) and not may_rearrange(1, None)

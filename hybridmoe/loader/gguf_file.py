@@ -25,6 +25,7 @@ import torch
 from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
 from hybridmoe.loader import gguf_names as names
+from hybridmoe.loader.free_memory import available_bytes, may_rearrange
 from hybridmoe.loader.gguf_config import hf_config
 from hybridmoe.quant.formats import BY_GGML, FORMATS
 from hybridmoe.quant.tensor import QTensor
@@ -81,30 +82,31 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     if _metadata(reader).get("general.architecture") != "llama":
         heads = {}
     mla: dict[tuple[int, str], torch.Tensor] = {}
+    keep = not may_rearrange(_q4k_bytes(reader), available_bytes())
     # values that are copied into the model (floats, dequantised blocks) are read plainly: pages
     # of the memory map would stay in our RSS after their use; blocks are views of the map
     f = open(where, "rb")
     try:
         for t in reader.tensors:
             if legacy := names.legacy_expert(t.name):
-                yield names.expert_name(*legacy, naming), _tensor(t, f, where)
+                yield names.expert_name(*legacy, naming), _tensor(t, f, where, keep=keep)
                 continue
             layer, base, suffix = names.split(t.name, where)
             if base in names.EXPERT_STACKS:
                 for e in range(int(t.shape[-1])):
                     yield (
                         names.expert_name(layer, e, names.EXPERT_STACKS[base], naming),
-                        _tensor(t, f, where, e),
+                        _tensor(t, f, where, e, keep),
                     )
             elif base in names.MLA_HALVES:
-                mla[(layer, base)] = _tensor(t, f, where)
+                mla[(layer, base)] = _tensor(t, f, where, keep=keep)
                 if all((layer, half) in mla for half in names.MLA_HALVES):
                     kv_b = _join_kv_b(mla.pop((layer, "attn_k_b")), mla.pop((layer, "attn_v_b")))
                     yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b
             else:
                 yield (
                     names.hf_name(layer, base, suffix, naming, where),
-                    _fix_layout(base, _tensor(t, f, where), heads),
+                    _fix_layout(base, _tensor(t, f, where, keep=keep), heads),
                 )
     finally:
         f.close()
@@ -152,9 +154,10 @@ DEQUANTISED = ("Q5_0", "Q5_1")
 READABLE = ("F32", "F16", "BF16", *(f.upper() for f in FORMATS), *DEQUANTISED)
 
 
-def _tensor(t, f, where: str, index: int | None = None):
+def _tensor(t, f, where: str, index: int | None = None, keep: bool = False):
     """One GGUF tensor (or one expert `index` of a stack): a QTensor viewing the memory map for a
-    matrix in blocks, else a torch tensor read from the open file `f`."""
+    matrix in blocks (its layout kept as it lies where `keep`), else a torch tensor read from the
+    open file `f`."""
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     fmt = BY_GGML.get(int(qtype))
     if fmt is None and qtype.name not in READABLE:
@@ -163,7 +166,7 @@ def _tensor(t, f, where: str, index: int | None = None):
             "convert or requantize the model to one of them"
         )
     if fmt is not None and t.data.ndim - (index is not None) == 2:
-        return _mapped_blocks(t, fmt, index)
+        return _mapped_blocks(t, fmt, index, keep)
     data = _read(t, f, index)
     if qtype.name in DEQUANTISED:  # [..., row bytes] -> float32 [..., cols]
         return torch.from_numpy(gguf.quants.dequantize(data, qtype))
@@ -176,14 +179,20 @@ def _tensor(t, f, where: str, index: int | None = None):
     return blocks.dequantize().reshape(*data.shape[:-1], cols)  # 3-D: values
 
 
-def _mapped_blocks(t, fmt, index: int | None) -> QTensor:
+def _q4k_bytes(reader) -> int:
+    """Bytes of the file's Q4_K tensors: what rearranging them at load makes the process's own."""
+    q4k = int(gguf.GGMLQuantizationType.Q4_K)
+    return sum(int(t.n_bytes) for t in reader.tensors if int(t.tensor_type) == q4k)
+
+
+def _mapped_blocks(t, fmt, index: int | None, keep: bool = False) -> QTensor:
     """A matrix in blocks (or expert `index` of a stack, contiguous in GGUF's layout) as a view of
     the file's memory map: nothing is read until a kernel touches it, and what it touches is page
     cache the kernel may drop and read again, not the process's own memory (llama.cpp maps its
     files alike). The map is copy-on-write, so torch takes it as writable, and the file is never
     written."""
     data = t.data if index is None else t.data[index]  # uint8 [rows, bytes per row]
-    return QTensor(torch.from_numpy(data), fmt, data.shape[-1] // fmt.nbytes * fmt.block)
+    return QTensor(torch.from_numpy(data), fmt, data.shape[-1] // fmt.nbytes * fmt.block, keep)
 
 
 def _read(t, f, index: int | None) -> np.ndarray:

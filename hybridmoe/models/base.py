@@ -143,7 +143,11 @@ class CausalLM(nn.Module):
                         )
             for name, value in list(vars(module).items()):
                 if isinstance(value, QTensor):
-                    setattr(module, name, QTensor(put(value.data), value.fmt, value.cols))
+                    setattr(
+                        module,
+                        name,
+                        QTensor(put(value.data), value.fmt, value.cols, value.keep_layout),
+                    )
         self.device = self.runtime.device
 
     def place_tensor(self, t: torch.Tensor) -> torch.Tensor:

@@ -1201,7 +1201,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
                     int isa) {
     if (n > 8) return -1;
     for (long i = 0; i < n; i++)
-        if (check_shape((int)p[i].fmt, p[i].ldw, K)) return -1;
+        if (check_shape((int)p[i].fmt, p[i].ldw, K) || (p[i].fmt == Q4_K_X8 && p[i].N % X8)) return -1;
     acts a[8];
     product pr[8];
     long first[9] = {0}, rows[8], owner[8];
@@ -1214,8 +1214,8 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
         pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
-                          panel_for(fmt, isa, M, K)};
-        rows[i] = unit_rows(p[i].ldw, M);
+                          panel_for(fmt, isa, M, K), x8_path(fmt, isa)};
+        rows[i] = unit_rows(fmt, p[i].ldw, M);
         first[i + 1] = first[i] + (p[i].N + rows[i] - 1) / rows[i];
     }
     if (!status) {

@@ -21,7 +21,13 @@ from hybridmoe.quant.transposed import times
 
 
 class QTensor:
-    def __init__(self, data: torch.Tensor | tuple[torch.Tensor, ...], fmt: Format, cols: int):
+    def __init__(
+        self,
+        data: torch.Tensor | tuple[torch.Tensor, ...],
+        fmt: Format,
+        cols: int,
+        keep_layout: bool = False,
+    ):
         parts = (data,) if isinstance(data, torch.Tensor) else tuple(data)
         for part in parts:
             if part.dtype != torch.uint8 or part.dim() != 2 or part.shape[1] != fmt.row_bytes(cols):
@@ -30,6 +36,9 @@ class QTensor:
                     f"{fmt.row_bytes(cols)} bytes"
                 )
         self.parts, self.fmt, self.cols = parts, fmt, cols
+        # the blocks stay as they lie (for_kernels leaves them): a file map too large to be
+        # rewritten into the process's own memory (loader/gguf_file.py)
+        self.keep_layout = keep_layout
         self._runs: dict[tuple[int, int], tuple[int, int] | None] = {}
 
     @property
@@ -78,7 +87,8 @@ class QTensor:
         return values[0] if len(values) == 1 else torch.cat(values)  # [rows, cols]
 
     def to(self, device) -> QTensor:
-        return QTensor(tuple(p.to(device) for p in self.parts), self.fmt, self.cols)
+        parts = tuple(p.to(device) for p in self.parts)
+        return QTensor(parts, self.fmt, self.cols, self.keep_layout)
 
     @classmethod
     def cat(cls, matrices: list[QTensor]) -> QTensor:
@@ -86,7 +96,9 @@ class QTensor:
         one format and width."""
         if len({(m.fmt, m.cols) for m in matrices}) != 1:
             raise ValueError("only matrices of one block format and width are stacked")
-        return cls(tuple(p for m in matrices for p in m.parts), matrices[0].fmt, matrices[0].cols)
+        parts = tuple(p for m in matrices for p in m.parts)
+        keep = any(m.keep_layout for m in matrices)
+        return cls(parts, matrices[0].fmt, matrices[0].cols, keep)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt_name: str) -> QTensor:
@@ -104,9 +116,12 @@ def for_kernels(m: QTensor) -> QTensor:
     """m in the layout the CPU kernels read fastest: Q4_K rows in eights (quant/interleave.py) where
     the AVX-512 path runs and every part's rows are whole eights of unpadded rows; else m. The
     bytes are rearranged in place: a part viewing a model file's copy-on-write map turns its pages
-    into the process's own, in the place of the file's, so resident memory does not grow."""
+    into the process's own, in the place of the file's, so resident memory does not grow; but
+    those pages can no longer be dropped, so the loader marks a file's blocks `keep_layout` where
+    its Q4_K bytes would not fit in the free memory (loader/gguf_file.py)."""
     if (
         m.fmt.name != "q4_k"
+        or m.keep_layout
         or m.device.type != "cpu"
         or not kernels.available()
         or kernels.isa() != kernels.AVX512
