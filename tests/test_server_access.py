@@ -200,6 +200,9 @@ def test_a_request_waiting_past_its_time_limit_ends_too(tiny_chat_model):
     engine = LLMEngine(load_model(tiny_chat_model, progress=False), tok, config)
     long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
     first, second = (engine.add_request(tok.encode("Hi"), long) for _ in range(2))
+    # arrived at one instant: else the second's limit can fall just after the step that ends the
+    # first, and it is scheduled (and served a token) before it expires
+    engine.requests[second].arrived = engine.requests[first].arrived
     ends = {}
     while engine.has_unfinished():
         for out in engine.step():
