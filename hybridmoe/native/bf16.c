@@ -888,9 +888,8 @@ static void gemms_region(void *arg, int t, int T) {
     (void)T;
     gemms_call *g = arg;
     for (long u; (u = next_unit(&g->next, g->first[g->n])) >= 0;) {
-        long i = 0;
-        while (g->first[i + 1] <= u) i++;
-        gemm_unit(&g->c[i], u - g->first[i]);
+        long i = part_of(g->first, g->n, &u);
+        gemm_unit(&g->c[i], u);
     }
 }
 

@@ -159,6 +159,18 @@ void hm_pool_parallel(region_fn fn, void *arg, int T) {
 
 static long min_l(long a, long b) { return a < b ? a : b; }
 
+/* Which of n parts a stage's unit `u` is in, given the parts' first units `first` [n + 1] (empty parts
+   allowed); u becomes its index within that part. */
+static long part_of(const long *first, long n, long *u) {
+    long lo = 0, hi = n - 1;
+    while (lo < hi) {
+        long mid = (lo + hi + 1) / 2;
+        if (first[mid] <= *u) lo = mid; else hi = mid - 1;
+    }
+    *u -= first[lo];
+    return lo;
+}
+
 /* The next unit of a stage's `total` for the calling thread, or -1 when all are taken. */
 static long next_unit(atomic_long *counter, long total) {
     long u = atomic_fetch_add(counter, 1);

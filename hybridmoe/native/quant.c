@@ -1186,9 +1186,8 @@ static void many_region(void *arg, int t, int T) {
     (void)T;
     many_call *c = arg;
     for (long u; (u = next_unit(&c->next, c->first[c->n])) >= 0;) {
-        long i = 0;
-        while (c->first[i + 1] <= u) i++;
-        long n0 = (u - c->first[i]) * c->rows[i];
+        long i = part_of(c->first, c->n, &u);
+        long n0 = u * c->rows[i];
         product_rows(&c->pr[i], n0, min_l(n0 + c->rows[i], c->p[i].N));
     }
 }
@@ -1282,17 +1281,6 @@ AVX2 static void swiglu_unit(experts_call *c, long i) {
     if (acts_of(&c->ah[i], (int)e->fmt_d, c->gu[i], 2 * I, 0, e->M, I)) atomic_store(&c->status, -2);
 }
 
-/* The unit of a stage's prefix table `first` that `u` is: its expert, and u becomes its index there. */
-static long expert_of(const long *first, long n, long *u) {
-    long lo = 0, hi = n - 1;
-    while (lo < hi) {
-        long mid = (lo + hi + 1) / 2;
-        if (first[mid] <= *u) lo = mid; else hi = mid - 1;
-    }
-    *u -= first[lo];
-    return lo;
-}
-
 /* Four stages, each starting when every unit of the one before is done (stage_wait): a thread the OS
    has not run yet holds no unit, so nobody waits for it (barrier() would). */
 static void experts_region(void *arg, int t, int T) {
@@ -1309,7 +1297,7 @@ static void experts_region(void *arg, int t, int T) {
     stage_wait(&c->done[0], c->n);
     if (atomic_load(&c->status)) return;
     while ((u = next_unit(&c->next[1], c->first1[c->n])) >= 0) {
-        long i = expert_of(c->first1, c->n, &u);
+        long i = part_of(c->first1, c->n, &u);
         gate_up_unit(c, i, u);
         atomic_fetch_add(&c->done[1], 1);
     }
@@ -1321,7 +1309,7 @@ static void experts_region(void *arg, int t, int T) {
     stage_wait(&c->done[2], c->n);
     if (atomic_load(&c->status)) return;
     while ((u = next_unit(&c->next[3], c->first3[c->n])) >= 0) {
-        long i = expert_of(c->first3, c->n, &u);
+        long i = part_of(c->first3, c->n, &u);
         down_unit(c, i, u);
     }
 }
