@@ -1,11 +1,16 @@
 """What the decode-block tests share: a layer's attention half in one native call checked against
-the modules one by one, and runs at a chosen torch thread count."""
+the modules one by one, a MoE layer's native token path checked against the runtime's, and runs
+at a chosen torch thread count."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+
+from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.experts.run.runtime import CPURuntime
 
 
 def attention_half_checked(layer, x, cos_sin, ctx, monkeypatch, switch_off) -> int | None:
@@ -39,3 +44,30 @@ def torch_threads(n: int):
             yield
     finally:
         torch.set_num_threads(before)
+
+
+def moe_halves_checked(model, monkeypatch, in_blocks: bool) -> None:
+    """Decode 16 tokens with every MoE layer's native token path (the runtime's `_mix_token`)
+    checked against the runtime's experts_ffn + combine_token on the same input, bit for bit, and
+    assert it ran on every decode token of every layer (its experts' table in blocks where
+    `in_blocks`)."""
+    layer_of, compared = CPURuntime._layer, []
+
+    def both(self, layer, x, topk_ids, topk_weights, hint, lora=None):
+        fast = self._mix_token(layer, x, topk_ids, topk_weights)
+        out, report = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
+        if fast is None:
+            return out, report
+        assert not in_blocks or self._expert_table(layer)[1]  # the experts' table in blocks
+        with monkeypatch.context() as m:
+            m.setattr(CPURuntime, "_mix_token", lambda *a: None)
+            ref, _ = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
+        assert torch.equal(out, ref) and torch.equal(fast[0], ref)
+        compared.append(layer)
+        return out, report
+
+    monkeypatch.setattr(CPURuntime, "_layer", both)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with torch.inference_mode():
+        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
+    assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer

@@ -12,13 +12,12 @@ from hybridmoe import native
 from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from hybridmoe.engine.sampler import SamplingParams
-from hybridmoe.experts.run.runtime import CPURuntime
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.loader import load_model
 from hybridmoe.models.qwen2_moe import SharedExpertMoE
 from hybridmoe.native import bf16 as native_bf16
-from tests.halves import attention_half_checked, torch_threads
+from tests.halves import attention_half_checked, moe_halves_checked, torch_threads
 from tests.tiny import bf16_batch_greedy, build_tiny
 
 needs_kernels = pytest.mark.skipif(
@@ -82,25 +81,7 @@ def test_a_tokens_experts_in_one_call_give_the_runtimes_bits(arch, tmp_path, mon
     build_tiny(arch, tmp_path / arch, seed=3)
     model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
     monkeypatch.setattr(SharedExpertMoE, "decoder_half", lambda *a: None)
-    layer_of, compared = CPURuntime._layer, []
-
-    def both(self, layer, x, topk_ids, topk_weights, hint, lora=None):
-        fast = self._mix_token(layer, x, topk_ids, topk_weights)
-        out, report = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
-        if fast is None:
-            return out, report
-        with monkeypatch.context() as m:
-            m.setattr(CPURuntime, "_mix_token", lambda *a: None)
-            ref, _ = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
-        assert torch.equal(out, ref) and torch.equal(fast[0], ref)
-        compared.append(layer)
-        return out, report
-
-    monkeypatch.setattr(CPURuntime, "_layer", both)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with torch.inference_mode():
-        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
-    assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer
+    moe_halves_checked(model, monkeypatch, in_blocks=False)
 
 
 @needs_kernels

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from hybridmoe import native
-from hybridmoe.engine.generate import generate_ids
-from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.run.runtime import CPURuntime
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
@@ -20,7 +18,7 @@ from hybridmoe.models.base import CausalLM
 from hybridmoe.native import bf16 as native_bf16
 from hybridmoe.native import quant as kernels
 from tests.gguf_writer import Q, write_gguf
-from tests.halves import attention_half_checked, torch_threads
+from tests.halves import attention_half_checked, moe_halves_checked, torch_threads
 from tests.tiny import batch_greedy, build_tiny, build_wide_mixtral
 
 needs_bf16 = pytest.mark.skipif(
@@ -96,26 +94,7 @@ def test_a_tokens_experts_in_blocks_in_one_call_give_the_runtimes_bits(
     """Every MoE layer of every decode token both ways on the same input: hm_qmoe_token against
     the runtime's experts_ffn + combine_token, bit for bit, for bf16 and fp32 tokens."""
     model = load_model(gguf(name), dtype=dtype, progress=False)
-    layer_of, compared = CPURuntime._layer, []
-
-    def both(self, layer, x, topk_ids, topk_weights, hint, lora=None):
-        fast = self._mix_token(layer, x, topk_ids, topk_weights)
-        out, report = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
-        if fast is None:
-            return out, report
-        assert self._expert_table(layer)[1]  # the experts' table in blocks
-        with monkeypatch.context() as m:
-            m.setattr(CPURuntime, "_mix_token", lambda *a: None)
-            ref, _ = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
-        assert torch.equal(out, ref) and torch.equal(fast[0], ref)
-        compared.append(layer)
-        return out, report
-
-    monkeypatch.setattr(CPURuntime, "_layer", both)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with torch.inference_mode():
-        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
-    assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer
+    moe_halves_checked(model, monkeypatch, in_blocks=True)
 
 
 def run_logits(path: str, monkeypatch, isa: str, blocks: bool):
