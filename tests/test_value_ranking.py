@@ -1,6 +1,6 @@
-"""The value policy's rankings in C (predictor.c: hm_rank, hm_rank_head, hm_value_cand,
-hm_value_keys) give the numpy reference's order, ties included; a narrowed ranking, and the
-background keys of some layers only, are the full ones filtered."""
+"""The value policy's rankings in C (predictor.c: hm_rank, hm_rank_head, hm_value_background,
+hm_value_view) give the numpy reference's order, ties included; a narrowed ranking, the background
+keys of some layers only, and the hinted ones, are the full ones filtered."""
 
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ def _planner(with_c, monkeypatch):
 
 
 def _orders(with_c, monkeypatch):
-    """Every background order value's policy gives over 24 steps, read to the end."""
+    """Every background order value's policy gives over 24 steps, read to the end, and its keys
+    the look-ahead hint ranks top-k (what the planner asks for past the usual deadline)."""
     planner, layers, steps, hints = _planner(with_c, monkeypatch)
     assert (planner.predictor.native is not None) == with_c
     out, clock = [], 0.0
@@ -89,14 +90,29 @@ def _orders(with_c, monkeypatch):
         for o, routed in enumerate(steps[s]):
             plan = planner.plan(layers[o], routed, now=clock, defer=True)
             full = list(planner.policy.background(layers[o], clock, plan))
+            if with_c:  # the distances it ranked by, bit for bit
+                _check_distances(planner, full, clock)
             rows = np.flatnonzero(np.random.default_rng(s * 100 + o).random(len(layers)) < 0.2)
             some = list(planner.policy.background_in(rows, layers[o], clock, plan))
             assert some == [k for k in full if planner.ordinal[k[0]] in rows]
-            out.append(full)
+            hinted = list(planner._hinted_keys(layers[o], clock, plan))
+            router = planner.predictor.router
+            assert hinted == [k for k in full if router[planner.ordinal[k[0]], k[1]] == 3]
+            out += [full, hinted]
             planner.prepare(plan, hints[s][o] if s % 2 else None)
             planner.complete(plan)
             clock = plan.makespan
     return out
+
+
+def _check_distances(planner, keys, now):
+    """hm_value_background's distances of `keys` (its last call's) are numpy's, bit for bit."""
+    policy, v = planner.policy, planner.policy._kernels()
+    rows = np.array([planner.ordinal[k[0]] for k in keys], dtype=np.intp)
+    cols = np.array([k[1] for k in keys], dtype=np.intp)
+    arrive = max(now, planner.copy_free) + planner.cost.t_copy()
+    want = policy._distances(rows, cols, now, arrive)
+    assert v.D[: len(keys)].tobytes() == want.tobytes()
 
 
 def test_background_candidates_in_c_are_numpys(monkeypatch):
@@ -104,4 +120,5 @@ def test_background_candidates_in_c_are_numpys(monkeypatch):
         pytest.fail("the predictor's C kernels did not build (no C compiler?)")
     with_c, reference = _orders(True, monkeypatch), _orders(False, monkeypatch)
     assert sum(map(len, with_c)) > 1000  # orders of some length were compared
+    assert sum(map(len, with_c[1::2])) > 20  # hinted keys among them
     assert with_c == reference

@@ -19,12 +19,14 @@ typedef struct {
     double *P, *Q;                                 /* [L, E] each */
     double *co, *n, *scale;                        /* [H, L, E, E], [H, L, E], [H, L] */
     double *free_hits, *free_trials;               /* [NA * NF]: any router bucket (p_base) */
+    int64_t *row_version;                          /* [L] bumped when a layer's P may change */
 } pred_t;
 
-/* np.searchsorted(edges, v, "left"): the edges below v */
+/* np.searchsorted(edges, v, "left") of ascending edges: the edges below v (counted without a
+ * branch: which bucket a value falls in is unpredictable) */
 static long below(const double *edges, long n, double v) {
     long a = 0;
-    while (a < n && edges[a] < v) a++;
+    for (long j = 0; j < n; j++) a += edges[j] < v;
     return a;
 }
 
@@ -89,29 +91,30 @@ void hm_pred_count_use(const pred_t *p, long i, const long *used, long n_used, i
     memset(p->band + i * E, 0, E * sizeof(intptr_t));
 }
 
-/* the ids 0..E-1 by descending probs, ties by id: np.argsort(-probs, kind="stable") (a merge
- * sort; tmp: E more longs) */
-static void by_descending(const double *probs, long E, long *order, long *tmp) {
-    for (long e = 0; e < E; e++) order[e] = e;
-    for (long w = 1; w < E; w *= 2) {
-        for (long lo = 0; lo < E; lo += 2 * w) {
-            long mid = lo + w < E ? lo + w : E, hi = lo + 2 * w < E ? lo + 2 * w : E;
-            long a = lo, b = mid, o = lo;
-            while (a < mid && b < hi) /* the left one on ties: stable */
-                tmp[o++] = -probs[order[b]] < -probs[order[a]] ? order[b++] : order[a++];
-            while (a < mid) tmp[o++] = order[a++];
-            while (b < hi) tmp[o++] = order[b++];
-        }
-        memcpy(order, tmp, E * sizeof(long));
+/* Insert id e with value v into the m best so far (best[0..*n), ids[0..*n)) by descending value,
+ * an equal one after those before it: the head of np.argsort(-v, kind="stable") as the ids come
+ * in ascending order */
+static void keep_best(double *best, long *ids, long *n, long m, double v, long e) {
+    if (*n == m && !(v > best[m - 1])) return; /* an equal one came first */
+    long at = *n < m ? (*n)++ : m - 1;
+    while (at > 0 && v > best[at - 1]) {
+        best[at] = best[at - 1];
+        ids[at] = ids[at - 1];
+        at--;
     }
+    best[at] = v;
+    ids[at] = e;
 }
 
-/* Predictor.set_router_scores: rank < k: 3, < 2k: 2, else 1 (order: 2E longs of scratch) */
+/* Predictor.set_router_scores: rank < k: 3, < 2k: 2, else 1, ranks by descending probs, ties by
+ * id (order: 2E longs of scratch; only the 2k best are ranked) */
 void hm_pred_router(const pred_t *p, long i, const double *probs, long *order) {
-    long E = p->E, K = p->K;
-    by_descending(probs, E, order, order + E);
+    long E = p->E, K = p->K, m = 2 * K < E ? 2 * K : E, n = 0;
+    double *best = (double *)(order + E); /* m doubles, in the second half of the scratch */
+    for (long e = 0; e < E; e++) keep_best(best, order, &n, m, probs[e], e);
     intptr_t *row = p->router + i * E;
-    for (long r = 0; r < E; r++) row[order[r]] = r < K ? 3 : (r < 2 * K ? 2 : 1);
+    for (long e = 0; e < E; e++) row[e] = 1;
+    for (long r = 0; r < n; r++) row[order[r]] = r < K ? 3 : 2;
 }
 
 /* CrossLayer.learn: layer i used `used`; src[h] (n_src[h] of them, or none) is what layer i-h-1
@@ -192,7 +195,7 @@ void hm_pred_after_visit(const pred_t *p, long i, double *out) {
  * row-major order, as flat indices (out) and minus their distance (neg): d + L (1 - p) / q, d the
  * layers from ordinal `here` on until theirs runs (L for itself), p and q floored at 1e-3, where
  * `here`'s residents read p_not for both (unless p_not is NULL). Returns their number. */
-long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
+static long residents_by(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
                   const double *p_not, long *out, double *neg) {
     long n = 0, E = p->E, L = p->L;
     for (long i = 0; i < L; i++) {
@@ -249,52 +252,86 @@ long hm_rank_head(const double *score, const long *flat, long n, long first, lon
     return m;
 }
 
-/* ValuePolicy.background's candidates of the layer ordinals rows[0..nrows): each layer's k experts
- * of highest p_next, residents (mask) counted as -inf, ties by expert id (np.argsort(-p,
+/* ValuePolicy.background_in's candidates of the layer ordinals rows[0..nrows): each layer's k
+ * experts of highest p_next, residents (mask) counted as -inf, ties by expert id (np.argsort(-p,
  * kind="stable")[:k]), into cand[i * k ...] */
-void hm_value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long nrows, long k,
+static void value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long nrows, long k,
                    long *cand) {
     long E = p->E;
     double best[k > 0 ? k : 1];
     for (long r = 0; r < nrows; r++) {
-        long i = rows[r], *out = cand + i * k, n = 0;
-        for (long e = 0; e < E; e++) {
-            double v = mask[i * E + e] ? -1.0 / 0.0 : p->P[i * E + e];
-            if (n == k && !(v > best[k - 1])) continue; /* an equal one came first */
-            long at = n < k ? n++ : k - 1;
-            while (at > 0 && v > best[at - 1]) {
-                best[at] = best[at - 1];
-                out[at] = out[at - 1];
-                at--;
-            }
-            best[at] = v;
-            out[at] = e;
-        }
+        long i = rows[r], n = 0;
+        for (long e = 0; e < E; e++)
+            keep_best(best, cand + i * k, &n, k, mask[i * E + e] ? -1.0 / 0.0 : p->P[i * E + e], e);
     }
 }
 
-/* ValuePolicy.background's keys: of the candidates cand [L, k] of the layer ordinals rows[0..nrows)
- * (ascending), those not resident, as flat keys
- * (ordinal * E + expert) into out, their expected distances into D; returns their number.
- * Distance: d + L (1 - p) / q with p, q floored at 1e-3, d the layers from ordinal `here` on
- * until the layer runs (L for itself), plus L where a copy ready at `arrive` misses that visit
- * (arrive > now + d * period; only with period > 0). */
-long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, const long *rows,
-                   long nrows, long k, long here, double now, double arrive, double period,
-                   long *out, double *D) {
-    long L = p->L, E = p->E, n = 0;
-    for (long r = 0; r < nrows; r++) {
-        long i = rows[r];
+/* ---- the value policy's state, named once (predictor_kernels.BoundValue) ----------------------- */
+
+typedef struct {
+    const pred_t *p;
+    const uint8_t *mask, *pinned; /* [L, E] each: the cache's resident and pinned keys */
+    const int64_t *cache_version; /* [L]: bumped when a layer's residents change */
+    int64_t *seen;                /* [2, L]: the (predictor, cache) versions each row's candidates
+                                     were made at */
+    long *cand, k;                /* [L, k]: each layer's candidates */
+    long *flat;                   /* [L * E]: keys (ordinal * E + expert), in no order */
+    double *score;                /* [L * E]: their scores */
+    long *idx, *tmp;              /* [L * E] each: a ranking's positions, and scratch */
+    long *out;                    /* [L * E]: keys ranked */
+    double *D;                    /* [L * E]: their scores */
+    double *after;                /* [2, E]: hm_pred_after_visit's */
+} value_t;
+
+/* ValuePolicy.background_in in one call: the candidates of the layer ordinals rows[0..nrows)
+ * (ascending; every layer where rows is NULL) made afresh where the layer's predictor or cache
+ * row changed since (value_cand), their keys and distances (d + L (1 - p) / q with p, q floored at
+ * 1e-3, d the layers from ordinal `here` on until the layer runs, L for itself, plus L where a
+ * copy ready at `arrive` misses that visit: arrive > now + d * period, with period > 0; with top_only,
+ * only the keys the router ranks among its layer's top-k, bucket 3), ranked by (distance, key)
+ * into v->out and v->D. Returns their number. */
+long hm_value_background(const value_t *v, const long *rows, long nrows, int top_only, long here,
+                         double now, double arrive, double period) {
+    const pred_t *p = v->p;
+    long L = p->L, E = p->E, k = v->k, n = 0, count = rows ? nrows : L;
+    for (long r = 0; r < count; r++) {
+        long i = rows ? rows[r] : r;
+        int64_t pv = p->row_version[i], cv = v->cache_version[i];
+        if (v->seen[i] == pv && v->seen[L + i] == cv) continue;
+        v->seen[i] = pv;
+        v->seen[L + i] = cv;
+        value_cand(p, v->mask, &i, 1, k, v->cand);
+    }
+    for (long r = 0; r < count; r++) {
+        long i = rows ? rows[r] : r;
+        long d = ((i - here) % L + L) % L;
+        d = d ? d : L;
+        if (period > 0 && arrive > now + (double)d * period) d += L;
         for (long c = 0; c < k; c++) {
-            long x = i * E + cand[i * k + c];
-            if (mask[x]) continue;
-            long d = ((i - here) % L + L) % L;
-            d = d ? d : L;
-            if (period > 0 && arrive > now + (double)d * period) d += L;
+            long x = i * E + v->cand[i * k + c];
+            if (v->mask[x] || (top_only && p->router[x] != 3)) continue;
             double pp = p->P[x] > 1e-3 ? p->P[x] : 1e-3, qq = p->Q[x] > 1e-3 ? p->Q[x] : 1e-3;
-            out[n] = x;
-            D[n++] = (double)d + (double)L * (1.0 - pp) / qq;
+            v->flat[n] = x;
+            v->score[n++] = (double)d + (double)L * (1.0 - pp) / qq;
         }
     }
+    hm_rank(v->score, v->flat, n, v->idx, v->tmp);
+    for (long j = 0; j < n; j++) {
+        v->out[j] = v->flat[v->idx[j]];
+        v->D[j] = v->score[v->idx[j]];
+    }
+    return n;
+}
+
+/* ValuePolicy._make_view in one call: with_after, layer `here`'s probabilities after its coming
+ * visit into v->after (hm_pred_after_visit) and its residents scored with the not-used ones;
+ * every dynamic resident into v->flat and minus its distance into v->score (residents_by), the
+ * positions of the `first` ranked lowest by (score, key) into v->idx (hm_rank_head). Returns the
+ * residents' number. */
+long hm_value_view(const value_t *v, long here, int with_after, long first) {
+    if (with_after) hm_pred_after_visit(v->p, here, v->after);
+    const double *p_not = with_after ? v->after + v->p->E : NULL;
+    long n = residents_by(v->p, v->mask, v->pinned, here, p_not, v->flat, v->score);
+    hm_rank_head(v->score, v->flat, n, first, v->idx);
     return n;
 }

@@ -38,20 +38,15 @@ SIGNATURES = {
     "hm_pred_bands": ([P, N, P, N, P], None),
     # void hm_pred_after_visit(const pred_t *p, long i, double *out)
     "hm_pred_after_visit": ([P, N, P], None),
-    # long hm_pred_view(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
-    #                   const double *p_not, long *out, double *neg)
-    "hm_pred_view": ([P, P, P, N, P, P, P], N),
     # void hm_rank(const double *score, const long *flat, long n, long *idx, long *tmp)
     "hm_rank": ([P, P, N, P, P], None),
-    # void hm_value_cand(const pred_t *p, const uint8_t *mask, const long *rows, long nrows, long k,
-    #                    long *cand)
-    "hm_value_cand": ([P, P, P, N, N, P], None),
     # long hm_rank_head(const double *score, const long *flat, long n, long first, long *idx)
     "hm_rank_head": ([P, P, N, N, P], N),
-    # long hm_value_keys(const pred_t *p, const uint8_t *mask, const long *cand, const long *rows,
-    #                    long nrows, long k, long here, double now, double arrive, double period,
-    #                    long *out, double *D)
-    "hm_value_keys": ([P, P, P, P, N, N, N, D, D, D, P, P], N),
+    # long hm_value_background(const value_t *v, const long *rows, long nrows, int top_only,
+    #                          long here, double now, double arrive, double period)
+    "hm_value_background": ([P, P, N, INT, N, D, D, D], N),
+    # long hm_value_view(const value_t *v, long here, int with_after, long first)
+    "hm_value_view": ([P, N, INT, N], N),
 }
 
 # pred_t's fields in order: (name, ctypes type)
@@ -60,7 +55,7 @@ FIELDS += [(f, P) for f in ("age_edges", "freq_edges", "lift_edges")]
 FIELDS += [(f, D) for f in ("prior_w", "cross_prior", "keep", "cross_keep")]
 FIELDS += [(f, P) for f in ("last_use", "visits", "count", "weight", "router", "band", "cell")]
 FIELDS += [(f, P) for f in ("banded", "hits", "trials", "band_hits", "band_trials", "P", "Q")]
-FIELDS += [(f, P) for f in ("co", "n", "scale", "free_hits", "free_trials")]
+FIELDS += [(f, P) for f in ("co", "n", "scale", "free_hits", "free_trials", "row_version")]
 
 
 class PredT(ctypes.Structure):
@@ -103,6 +98,7 @@ class Bound:
             "Q": pred.Q,
             "free_hits": pred.free_hits,
             "free_trials": pred.free_trials,
+            "row_version": pred.row_version,
         }
         if cross is not None:
             arrays.update(co=cross._co, n=cross._n, scale=cross._scale)
@@ -136,3 +132,51 @@ class Bound:
         """`used` copied into row i of `self.used`: its address."""
         self.used[i, : len(used)] = used
         return self.used_at + i * self.used.strides[0]
+
+
+class ValueT(ctypes.Structure):
+    """value_t: the value policy's state as predictor.c's hm_value_* read it."""
+
+    _fields_ = [("p", P), ("mask", P), ("pinned", P), ("cache_version", P), ("seen", P)]
+    _fields_ += [("cand", P), ("k", N), ("flat", P), ("score", P), ("idx", P), ("tmp", P)]
+    _fields_ += [("out", P), ("D", P), ("after", P)]
+
+
+class BoundValue:
+    """hm_value_background and hm_value_view bound to one value policy's arrays and its cache's
+    (all updated in place, never rebound), with the arrays they write: `out`, `D` (the ranked
+    background keys and their distances), `flat`, `score`, `idx` (a view's residents, minus their
+    distances, the head's positions) and `after` (the view's layer after its visit)."""
+
+    def __init__(self, native: Bound, cache, seen: np.ndarray, cand: np.ndarray):
+        self.lib, self.native = native.lib, native
+        L, E = native.used.shape
+        self.out = np.empty(L * E, dtype=np.int64)  # [L*E]
+        self.D = np.empty(L * E)  # [L*E]
+        self._keep = (cache.mask, cache.pinned_mask, cache.row_version, seen, cand)
+        assert all(a.flags.c_contiguous for a in self._keep)
+        assert cache.mask.dtype == cache.pinned_mask.dtype == np.bool_
+        self.flat, self.score, self.after = native.flat, native.neg, native.after
+        self.idx = native.rank_idx
+        self.struct = ValueT(
+            p=native.p,
+            mask=address(cache.mask),
+            pinned=address(cache.pinned_mask),
+            cache_version=address(cache.row_version),
+            seen=address(seen),
+            cand=address(cand),
+            k=cand.shape[1],
+            flat=native.flat_at,
+            score=native.neg_at,
+            idx=native.rank_at,
+            tmp=native.tmp_at,
+            out=address(self.out),
+            D=address(self.D),
+            after=native.after_at,
+        )
+        self.v = ctypes.addressof(self.struct)
+        self.rows, self.rows_at = native.rows, native.rows_at
+
+    def bound_to(self, cache) -> bool:
+        """Whether the cache's arrays are still the ones bound."""
+        return self._keep[0] is cache.mask and self._keep[1] is cache.pinned_mask

@@ -577,8 +577,8 @@ class Planner:
         last = max(end, end_hinted)
         if self.copy_free > now and self.copy_free >= last:
             return
-        protect, keys = self.protected(now, plan), self._background_keys(layer, now, plan, end)
-        narrowed = False
+        protect = self.protected(now, plan)
+        keys, narrowed = self._background_keys(layer, now, plan, end)
         while not (self.copy_free > now and self.copy_free >= last):
             if not narrowed and self.copy_free > now and self.copy_free >= end:
                 keys, narrowed = self._hinted_only(keys), True  # the stream's backlog only grows
@@ -596,12 +596,22 @@ class Planner:
             self.stats.prefetches_issued += 1
 
     def _background_keys(self, layer: int, now: float, plan: Plan, end: float):
-        """The policy's background keys; past the usual deadline `end` already, only those of the
-        layers the look-ahead hint speaks of (the loop keeps just the hinted keys)."""
+        """The policy's background keys, and whether they are narrowed to the hinted ones already:
+        past the usual deadline `end` from the start, the loop keeps just the keys the look-ahead
+        hint ranks top-k, so only those are asked for (`_hinted_keys`)."""
         if self.copy_free > now and self.copy_free >= end:
-            rows = np.flatnonzero((self.predictor.router == ROUTER_TOP).any(axis=1))  # ordinals
-            return iter(self.policy.background_in(rows, layer, now, plan))
-        return iter(self.policy.background(layer, now, plan))
+            return self._hinted_keys(layer, now, plan), True
+        return iter(self.policy.background(layer, now, plan)), False
+
+    def _hinted_keys(self, layer: int, now: float, plan: Plan):
+        """The policy's background keys that the look-ahead hint ranks among their layer's top-k,
+        in their order: the policy's own way to them, else those of the layers the hint speaks
+        of, narrowed."""
+        keys = self.policy.background_hinted(layer, now, plan)
+        if keys is not None:
+            return keys
+        rows = np.flatnonzero((self.predictor.router == ROUTER_TOP).any(axis=1))  # ordinals
+        return self._hinted_only(iter(self.policy.background_in(rows, layer, now, plan)))
 
     def _hinted_only(self, keys):
         """Of the keys still to come, those the look-ahead hint ranks among their layer's top-k,

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
+import hybridmoe.native.predictor_kernels as predictor_kernels
 from hybridmoe import tuning
 from hybridmoe.errors import UserError
-from hybridmoe.experts.plan.ranked import Ranked
+from hybridmoe.experts.plan.ranked import HEAD, Ranked
 from hybridmoe.experts.plan.shape import Key
 
 
@@ -101,6 +102,12 @@ class Policy:
         """`background`'s keys of the layer ordinals `rows` only, in the same order (the planner
         wants no others; a policy may return them all, and the planner skips the rest)."""
         return self.background(layer, now, plan)
+
+    def background_hinted(self, layer: int, now: float, plan):
+        """`background`'s keys that the look-ahead hint ranks among their layer's top-k, in the
+        same order, where the policy has a quicker way to them than the planner's (which narrows
+        `background_in` of the hinted layers); None: it has not."""
+        return None
 
     def prepare_next(self) -> None:
         """Work for the next plan that can be done while this layer's experts run."""
@@ -372,15 +379,12 @@ class ValuePolicy(Policy):
     # ---- the same, for many keys at once ---------------------------------------------------
     def bind(self, planner) -> None:
         super().bind(planner)
-        self._layer_ids = np.asarray(planner.layers)
+        self._layer_ids = tuple(planner.layers)
         k = min(tuning.VALUE_CANDIDATES_PER_LAYER, self.E)
         self._cand = np.zeros((self.L, k), dtype=np.intp)  # [L, k] each layer's best non-residents
         self._cand_seen = np.full((2, self.L), -1, dtype=np.int64)  # versions they were made at
-        self._keys_out = np.empty(self.L * k, dtype=np.int64)  # [L*k] hm_value_keys' keys
-        self._dist_out = np.empty(self.L * k)  # [L*k] and their distances
-        self._keys_at, self._dist_at = self._keys_out.ctypes.data, self._dist_out.ctypes.data
-        self._cand_at, self._masks_of = self._cand.ctypes.data, None
         self._ranked_at = None
+        self._c = None  # predictor.c's value kernels over these arrays (`_kernels`)
 
     def prepare_next(self) -> None:
         """Make the next plan's view now, while this layer's experts run (its first victims
@@ -407,9 +411,16 @@ class ValuePolicy(Policy):
         evictable residents by distance, largest first. The plan's layer's residents are scored as
         not used at this visit: the used ones are hits, protected from eviction."""
         here = position % self.L
-        p_used, p_not = self.predictor.after_visit(self.planner.layers[here])
-        P, Q = self.predictor.matrices()
-        flat, minus_distance = self._residents_by(position, here, p_not)
+        v = self._kernels()
+        if v is not None:  # after_visit, _residents_by and the ranking's head in one call
+            P, _ = self.predictor.matrices()
+            n = v.lib.hm_value_view(v.v, here, 1, HEAD)
+            p_used, p_not = v.after[0].copy(), v.after[1].copy()
+            victims = self._in_order(v.flat[:n], v.score[:n], head=v.idx[: min(n, HEAD)])
+        else:
+            p_used, p_not = self.predictor.after_visit(self.planner.layers[here])
+            P, Q = self.predictor.matrices()
+            victims = self._in_order(*self._residents_by(position, here, p_not))
         return _View(
             self._stamp(position),
             here,
@@ -418,17 +429,13 @@ class ValuePolicy(Policy):
             P,
             self.planner.ordinal,
             self.cost.hit_saving(1),
-            _Lazy(self._in_order(flat, minus_distance)),
+            _Lazy(victims),
         )
 
     def _residents_by(self, position: int, here: int, p_not) -> tuple[np.ndarray, np.ndarray]:
         """The dynamic residents as flat keys (ordinal * E + expert) [n], in row-major order, and
         minus their distance [n], the planned layer's (ordinal `here`) scored with p_not."""
-        c, mask, pinned = self.predictor.native, self.cache.mask, self.cache.pinned_mask
-        if c is not None:
-            (m, pm), _ = self._addresses()
-            n = c.lib.hm_pred_view(c.p, m, pm, here, p_not.ctypes.data, c.flat_at, c.neg_at)
-            return c.flat[:n], c.neg[:n]  # Ranked copies them
+        mask, pinned = self.cache.mask, self.cache.pinned_mask
         P, Q = self.predictor.matrices()
         flat = np.flatnonzero(mask & ~pinned)  # [n]
         rows = flat // self.E
@@ -463,56 +470,57 @@ class ValuePolicy(Policy):
 
     def _every_key(self, now):
         """The dynamic residents, largest distance first, ties by key."""
-        c, mask, pinned = self.predictor.native, self.cache.mask, self.cache.pinned_mask
-        if c is not None:
+        v, mask, pinned = self._kernels(), self.cache.mask, self.cache.pinned_mask
+        if v is not None:
             self.predictor.matrices()
-            here = self.planner.position % self.L
-            (m, pm), _ = self._addresses()
-            n = c.lib.hm_pred_view(c.p, m, pm, here, None, c.flat_at, c.neg_at)
-            return self._in_order(c.flat[:n], c.neg[:n])  # Ranked copies them
+            n = v.lib.hm_value_view(v.v, self.planner.position % self.L, 0, HEAD)
+            return self._in_order(v.flat[:n], v.score[:n], head=v.idx[: min(n, HEAD)])
         rows, cols = np.nonzero(mask & ~pinned)
         return self._in_order(rows * self.E + cols, -self._distances(rows, cols, now))
 
-    def _in_order(self, flat, scores) -> Ranked:
-        """Keys (flat: ordinal * E + expert) by `scores`, lowest first, ties by key."""
-        return Ranked(flat, scores, self._layer_ids, self.E, self.predictor.native)
+    def _in_order(self, flat, scores, head=None) -> Ranked:
+        """Keys (flat: ordinal * E + expert) by `scores`, lowest first, ties by key (`head`: the
+        positions of the first ones, where a kernel ranked them)."""
+        return Ranked(flat, scores, self._layer_ids, self.E, self.predictor.native, head)
 
     def background(self, layer, now, plan):
         """Each layer's most likely experts not resident, shortest distance first, ties by key
         (counting a copy that cannot arrive in time as a miss of that visit)."""
+        v = self._kernels()
+        if v is not None:
+            return self._background_c(v, None, False, now)
         return self.background_in(np.arange(self.L), layer, now, plan)
+
+    def background_hinted(self, layer, now, plan):
+        """In C, the hinted keys straight away (the hint's rows are those with hinted keys)."""
+        v = self._kernels()
+        return None if v is None else self._background_c(v, None, True, now)
+
+    def _background_c(self, v, rows, top_only: bool, now: float) -> Ranked:
+        """background_in (every layer where `rows` is None), or with `top_only` its keys the
+        router ranks top-k, in one call (predictor.c's hm_value_background)."""
+        self.predictor.matrices()
+        arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
+        here, t = self.planner.position % self.L, self.planner.layer_period
+        if rows is not None:
+            v.rows[: len(rows)] = rows
+        at, count = (None, 0) if rows is None else (v.rows_at, len(rows))
+        n = v.lib.hm_value_background(v.v, at, count, top_only, here, now, arrive, t)
+        return Ranked.ordered(v.out[:n], self._layer_ids, self.E)
 
     def background_in(self, rows, layer, now, plan):
         """The same, of the layer ordinals `rows` [r] (ascending) only: those keys come in the
         same order, the order being total."""
+        v = self._kernels()
+        if v is not None:
+            return self._background_c(v, rows, False, now)
         versions = np.stack([self.predictor.row_version[rows], self.cache.row_version[rows]])
         stale = (versions != self._cand_seen[:, rows]).any(axis=0)  # [r]
         changed = rows[stale]
         self._cand_seen[:, changed] = versions[:, stale]
         arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
-        c, k, mask = self.predictor.native, self._cand.shape[1], self.cache.mask
+        k, mask = self._cand.shape[1], self.cache.mask
         P, _ = self.predictor.matrices()
-        if c is not None:
-            c.rows[: len(changed)] = changed
-            masks, cand = self._addresses()
-            c.lib.hm_value_cand(c.p, masks[0], c.rows_at, len(changed), k, cand)
-            c.rows[: len(rows)] = rows
-            here, t = self.planner.position % self.L, self.planner.layer_period
-            n = c.lib.hm_value_keys(
-                c.p,
-                masks[0],
-                cand,
-                c.rows_at,
-                len(rows),
-                k,
-                here,
-                now,
-                arrive,
-                t,
-                self._keys_at,
-                self._dist_at,
-            )
-            return self._in_order(self._keys_out[:n], self._dist_out[:n])
         for i in changed:
             p = np.where(mask[i], -np.inf, P[i])  # [E]
             self._cand[i] = np.argsort(-p, kind="stable")[:k]
@@ -523,14 +531,17 @@ class ValuePolicy(Policy):
         distance = self._distances(at, cols, now, arrive)
         return self._in_order(at * self.E + cols, distance)
 
-    def _addresses(self) -> tuple[tuple[int, int], int]:
-        """The addresses of the cache's (mask, pinned_mask) and of the candidates, taken once
-        (the cache updates its masks in place)."""
-        masks = (self.cache.mask, self.cache.pinned_mask)
-        if self._masks_of is None or any(a is not b for a, b in zip(masks, self._masks_of)):
-            self._masks_of = masks
-            self._masks_at = tuple(m.ctypes.data for m in masks)
-        return self._masks_at, self._cand_at
+    def _kernels(self) -> predictor_kernels.BoundValue | None:
+        """predictor.c's value kernels over this policy's arrays and its cache's, or None (the
+        numpy path) where the predictor has no C kernels."""
+        v, native = self._c, self.predictor.native
+        if native is None:
+            return None
+        if v is None or not v.bound_to(self.cache):
+            v = self._c = predictor_kernels.BoundValue(
+                native, self.cache, self._cand_seen, self._cand
+            )
+        return v
 
 
 class _Lazy:

@@ -45,15 +45,27 @@ def _arguments(native, flat, scores) -> tuple[int, int]:
 class Ranked:
     """Flat keys [n] by ascending (scores, flat), as an iterator of (layer id, expert): the HEAD
     lowest ranked at once, the others only if read that far (or narrowed). `native`: a
-    predictor's bound kernels (predictor_kernels.Bound), or None for numpy."""
+    predictor's bound kernels (predictor_kernels.Bound), or None for numpy; `head`: the positions
+    of the HEAD lowest, in order, where a kernel has ranked them already."""
 
-    def __init__(self, flat, scores, layer_ids: np.ndarray, E: int, native=None):
+    def __init__(self, flat, scores, layer_ids, E: int, native=None, head=None):
         self._flat = np.array(flat, dtype=np.int64)  # [n]; owned: the rest is ranked later
         self._scores = np.array(scores, dtype=float)  # [n]
         self._ids, self._E, self._native = layer_ids, E, native
-        self._head = rank_head(self._flat, self._scores, HEAD, native)
+        if head is None:
+            self._head = rank_head(self._flat, self._scores, HEAD, native)
+        else:
+            self._head = np.array(head[:HEAD], dtype=np.int64)
         self._rest_left = len(self._flat) > len(self._head)
         self._start(self._flat[self._head])
+
+    @classmethod
+    def ordered(cls, flat, layer_ids, E: int) -> Ranked:
+        """Flat keys [n] in their order already (a kernel has ranked them all)."""
+        self = cls.__new__(cls)
+        self._ids, self._E, self._native, self._rest_left = layer_ids, E, None, False
+        self._start(np.array(flat, dtype=np.int64))
+        return self
 
     def __iter__(self):
         return self
@@ -90,6 +102,12 @@ class Ranked:
         return flat[rank(flat, scores, self._native)]
 
     def _start(self, seq: np.ndarray) -> None:
-        rows, cols = np.divmod(seq, self._E)
-        self._seq, self._i = seq, 0
-        self._keys = list(zip(self._ids[rows].tolist(), cols.tolist()))
+        self._seq, self._i, E, ids = seq, 0, self._E, self._ids
+        if len(seq) <= _FEW:  # a few keys: Python's arithmetic beats numpy's calls
+            self._keys = [(int(ids[f // E]), f % E) for f in seq.tolist()]
+            return
+        rows, cols = np.divmod(seq, E)
+        self._keys = list(zip(np.asarray(ids)[rows].tolist(), cols.tolist()))
+
+
+_FEW = 32
