@@ -169,6 +169,47 @@ def test_the_c_kernels_give_the_numpy_paths_bits():
     assert vars(fast.stats) == vars(plain.stats)
 
 
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross-layer", "without"])
+def test_a_visit_in_one_c_call_gives_the_numpy_paths_bits(cross_layer):
+    """Predictor.visit (the planner's: count_use, the next router's scores, look_ahead, matrices)
+    as one call of predictor.c's hm_pred_visit and as numpy's steps: every array, version, count
+    and score of the guess equal after every visit, ties of the guess included (warm-started
+    counts make many equal probabilities)."""
+    _, lines = planted(200, seed=11)
+    rng = np.random.default_rng(11)
+    fast = Predictor(list(range(L)), E, K, cross_layer=cross_layer)
+    plain = Predictor(list(range(L)), E, K, cross_layer=cross_layer, native=False)
+    assert fast.native is not None, "the predictor's C kernels did not build (no C compiler?)"
+    for p in (fast, plain):
+        if cross_layer:
+            p.cross.keep = 1e-3  # a short memory, so that the pairs' scale folds often
+            if p.native:
+                p.native.struct.cross_keep = p.cross.keep
+        p.warm_start([[t % 2 for t in range(E)]] * L, 10)
+    names = ("P", "Q", "cell", "count", "weight", "last_use", "router", "band", "hits", "trials")
+    names += ("band_hits", "band_trials", "free_hits", "free_trials", "row_version")
+    for t, line in enumerate(lines):
+        for p in (fast, plain):
+            p.begin_step()
+        for i, ids in enumerate(line.layers):
+            probs = rng.dirichlet(np.full(E, 0.3)) if rng.random() < 0.5 else None
+            if t % 7 == 0:  # a few stale rows before the visit, as the profile leaves them
+                for p in (fast, plain):
+                    p.recompute()
+            for p in (fast, plain):
+                p.visit(i, ids, probs)
+            for name in names:
+                np.testing.assert_array_equal(getattr(fast, name), getattr(plain, name), name)
+            assert (fast.changes, fast.lift) == (plain.changes, plain.lift)
+            assert not fast._stale_rows and not plain._stale_rows
+            if cross_layer:
+                for h in fast.cross.horizons:
+                    np.testing.assert_array_equal(fast.cross.co[h], plain.cross.co[h])
+                    np.testing.assert_array_equal(fast.cross.scale[h], plain.cross.scale[h])
+    assert vars(fast.stats) == vars(plain.stats)
+    assert fast.stats.predicted > 0
+
+
 def test_after_visit_is_what_counting_the_visit_gives():
     """after_visit, made before a visit, against the probabilities count_use leaves after it:
     equal but for the one trial the visit adds to each calibration cell it touched."""

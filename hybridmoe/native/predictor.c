@@ -20,6 +20,13 @@ typedef struct {
     double *co, *n, *scale;                        /* [H, L, E, E], [H, L, E], [H, L] */
     double *free_hits, *free_trials;               /* [NA * NF]: any router bucket (p_base) */
     int64_t *row_version;                          /* [L] bumped when a layer's P may change */
+    /* the visit's arguments and scratch (predictor_kernels.Bound) */
+    long *used;                                    /* [L, E] row i: layer i's experts this step */
+    long *n_set;                                   /* [L] how many (0: not visited this step) */
+    long *rows;                                    /* [L] rows to refresh */
+    double *probs;                                 /* [E] the next layer's router probabilities */
+    long *order;                                   /* [2E] scratch */
+    double *score;                                 /* [2E] scratch */
 } pred_t;
 
 /* np.searchsorted(edges, v, "left") of ascending edges: the edges below v (counted without a
@@ -117,14 +124,14 @@ void hm_pred_router(const pred_t *p, long i, const double *probs, long *order) {
     for (long r = 0; r < n; r++) row[order[r]] = r < K ? 3 : 2;
 }
 
-/* CrossLayer.learn: layer i used `used`; src[h] (n_src[h] of them, or none) is what layer i-h-1
- * used at this step, for horizon index h */
-void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used, const long *const *src,
-                   const long *n_src) {
+/* CrossLayer.learn: layer i used `used`; for horizon index h, what layer i-h-1 used at this step
+ * is row i-h-1 of p->used, p->n_set[i-h-1] of them (none: not visited yet) */
+void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used) {
     long L = p->L, E = p->E;
     for (long h = 0; h < p->H; h++) {
         long from = i - (h + 1);
-        if (from < 0 || src[h] == NULL || n_src[h] == 0) continue;
+        if (from < 0 || p->n_set[from] == 0) continue;
+        const long *src = p->used + from * E;
         double *scale = p->scale + h * L + from;
         double *co = p->co + (h * L + from) * E * E, *n = p->n + (h * L + from) * E;
         *scale *= p->cross_keep;
@@ -134,10 +141,10 @@ void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used, const
             *scale = 1.0;
         }
         double one = 1.0 / *scale;
-        for (long a = 0; a < n_src[h]; a++) {
-            double *row = co + src[h][a] * E;
+        for (long a = 0; a < p->n_set[from]; a++) {
+            double *row = co + src[a] * E;
             for (long u = 0; u < n_used; u++) row[used[u]] += one;
-            n[src[h][a]] += one;
+            n[src[a]] += one;
         }
     }
 }
@@ -191,27 +198,75 @@ void hm_pred_after_visit(const pred_t *p, long i, double *out) {
     }
 }
 
+/* Predictor._score_guess without numpy's argpartition: how many of `used` are among the k = min(K,
+ * E) experts of highest P[i]; -1 where the k-th and the next are equal (which ones argpartition
+ * takes among them is its own affair) */
+static long guessed(const pred_t *p, long i, const long *used, long n_used) {
+    long E = p->E, k = p->K < E ? p->K : E, n = 0, hits = 0;
+    if (k == E) return n_used;
+    const double *P = p->P + i * E;
+    for (long e = 0; e < E; e++) keep_best(p->score, p->order, &n, k + 1, P[e], e);
+    if (!(p->score[k - 1] > p->score[k])) return -1;
+    for (long u = 0; u < n_used; u++) hits += P[used[u]] >= p->score[k - 1];
+    return hits;
+}
+
+/* Predictor.visit: layer i's visit as the planner makes it, in one call. Its row refreshed first
+ * (VISIT_REFRESH) and its top-k guess scored (unless VISIT_GUESSED: the caller has), its visit
+ * counted (hm_pred_count_use; VISIT_BAND: it has a cross-layer score), the next layer's router
+ * buckets from p->probs (VISIT_ROUTER), the cross-layer pairs learnt and the next layers'
+ * bands (with horizons), each changed row's version bumped as Predictor._stale does, and last
+ * the rows p->rows[0..nstale) refreshed. used: row i of p->used. Returns the guess's hits (0
+ * with VISIT_GUESSED), or -1, having changed nothing but the refresh, where the guess is tied
+ * (the caller scores it and calls again with VISIT_GUESSED). */
+enum { VISIT_REFRESH = 1, VISIT_BAND = 2, VISIT_ROUTER = 4, VISIT_GUESSED = 8 };
+long hm_pred_visit(const pred_t *p, long i, long n_used, int flags, long nstale) {
+    long L = p->L, E = p->E, hits = 0;
+    const long *used = p->used + i * E;
+    if (flags & VISIT_REFRESH) hm_pred_refresh(p, &i, 1);
+    if (!(flags & VISIT_GUESSED) && (hits = guessed(p, i, used, n_used)) < 0) return -1;
+    hm_pred_count_use(p, i, used, n_used, (flags & VISIT_BAND) != 0);
+    p->row_version[i]++;
+    if ((flags & VISIT_ROUTER) && i + 1 < L) {
+        hm_pred_router(p, i + 1, p->probs, p->order);
+        p->row_version[i + 1]++;
+    }
+    if (p->H > 0) {
+        hm_pred_learn(p, i, used, n_used);
+        p->n_set[i] = n_used;
+        hm_pred_bands(p, i, used, n_used, p->score);
+        for (long h = 1; h <= p->H && i + h < L; h++) p->row_version[i + h]++;
+    }
+    hm_pred_refresh(p, p->rows, nstale);
+    return hits;
+}
+
 /* ValuePolicy._make_view's ranking keys: the dynamic residents (resident, not pinned), in
  * row-major order, as flat indices (out) and minus their distance (neg): d + L (1 - p) / q, d the
  * layers from ordinal `here` on until theirs runs (L for itself), p and q floored at 1e-3, where
  * `here`'s residents read p_not for both (unless p_not is NULL). Returns their number. */
 static long residents_by(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
-                  const double *p_not, long *out, double *neg) {
-    long n = 0, E = p->E, L = p->L;
+                         const double *p_not, long *out, double *neg) {
+    long E = p->E, L = p->L, start = 0;
     for (long i = 0; i < L; i++) {
-        long d = ((i - here) % L + L) % L;
+        long d = ((i - here) % L + L) % L, n = start;
         double dist = (double)(d ? d : L);
         int sub = i == here && p_not != NULL;
         const double *P = sub ? p_not : p->P + i * E, *Q = sub ? p_not : p->Q + i * E;
+        /* the row's dynamic residents first, without a branch (which ones is unpredictable) */
         for (long e = 0; e < E; e++) {
-            long x = i * E + e;
-            if (!mask[x] || pinned[x]) continue;
-            double pp = P[e] > 1e-3 ? P[e] : 1e-3, qq = Q[e] > 1e-3 ? Q[e] : 1e-3;
-            out[n] = x;
-            neg[n++] = -(dist + (double)L * (1.0 - pp) / qq);
+            out[n] = e;
+            n += mask[i * E + e] & !pinned[i * E + e];
         }
+        for (long j = start; j < n; j++) {
+            long e = out[j];
+            double pp = P[e] > 1e-3 ? P[e] : 1e-3, qq = Q[e] > 1e-3 ? Q[e] : 1e-3;
+            out[j] = i * E + e;
+            neg[j] = -(dist + (double)L * (1.0 - pp) / qq);
+        }
+        start = n;
     }
-    return n;
+    return start;
 }
 
 /* (score, flat key) of a before that of b: the ranking's total order, ties by key */

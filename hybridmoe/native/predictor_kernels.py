@@ -31,13 +31,14 @@ SIGNATURES = {
     "hm_pred_count_use": ([P, N, P, N, INT], None),
     # void hm_pred_router(const pred_t *p, long i, const double *probs, long *order)
     "hm_pred_router": ([P, N, P, P], None),
-    # void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used,
-    #                    const long *const *src, const long *n_src)
-    "hm_pred_learn": ([P, N, P, N, P, P], None),
+    # void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used)
+    "hm_pred_learn": ([P, N, P, N], None),
     # void hm_pred_bands(const pred_t *p, long i, const long *used, long n_used, double *score)
     "hm_pred_bands": ([P, N, P, N, P], None),
     # void hm_pred_after_visit(const pred_t *p, long i, double *out)
     "hm_pred_after_visit": ([P, N, P], None),
+    # long hm_pred_visit(const pred_t *p, long i, long n_used, int flags, long nstale)
+    "hm_pred_visit": ([P, N, N, INT, N], N),
     # void hm_rank(const double *score, const long *flat, long n, long *idx, long *tmp)
     "hm_rank": ([P, P, N, P, P], None),
     # long hm_rank_head(const double *score, const long *flat, long n, long first, long *idx)
@@ -56,6 +57,9 @@ FIELDS += [(f, D) for f in ("prior_w", "cross_prior", "keep", "cross_keep")]
 FIELDS += [(f, P) for f in ("last_use", "visits", "count", "weight", "router", "band", "cell")]
 FIELDS += [(f, P) for f in ("banded", "hits", "trials", "band_hits", "band_trials", "P", "Q")]
 FIELDS += [(f, P) for f in ("co", "n", "scale", "free_hits", "free_trials", "row_version")]
+FIELDS += [(f, P) for f in ("used", "n_set", "rows", "probs", "order", "score")]
+# hm_pred_visit's flags
+VISIT_REFRESH, VISIT_BAND, VISIT_ROUTER, VISIT_GUESSED = 1, 2, 4, 8
 
 
 class PredT(ctypes.Structure):
@@ -102,31 +106,32 @@ class Bound:
         }
         if cross is not None:
             arrays.update(co=cross._co, n=cross._n, scale=cross._scale)
-        self._keep = [*arrays.values(), *edges.values()]  # alive as long as the struct
-        fields = {k: address(v) for k, v in {**arrays, **edges}.items()}
+        # The visit's arguments, copied into arrays whose addresses are taken once (`a.ctypes.data`
+        # costs about a microsecond), and scratch.
+        self.used = np.empty((L, E), dtype=np.int64)  # [L, E] row i: layer i's, first n_used
+        self.n_set = np.zeros(L, dtype=np.int64)  # [L] how many, this step (0: not yet)
+        self.rows = np.empty(L, dtype=np.int64)  # [L] rows to refresh
+        self.probs = np.empty(E)  # [E] the next layer's router probabilities
+        self.order = np.empty(2 * E, dtype=np.int64)  # [2E] scratch of the router's ranking
+        self.score = np.empty(2 * E)  # [2E] scratch of the bands
+        scratch = {"used": self.used, "n_set": self.n_set, "rows": self.rows}
+        scratch.update(probs=self.probs, order=self.order, score=self.score)
+        self._keep = [*arrays.values(), *edges.values(), *scratch.values()]  # alive with struct
+        fields = {k: address(v) for k, v in {**arrays, **edges, **scratch}.items()}
         fields.update(L=L, E=E, K=pred.top_k, H=len(cross.horizons) if cross else 0)
         fields.update(n_age=len(edges["age_edges"]), n_freq=len(edges["freq_edges"]))
         fields.update(n_lift=len(edges["lift_edges"]), **constants)
         self.struct = PredT(**fields)
         self.p = ctypes.addressof(self.struct)
-        self.order = np.empty(2 * E, dtype=np.int64)  # [2E] scratch of the router's sort
-        self.score = np.empty(2 * E)  # [2E] scratch of the bands
         self.after = np.empty((2, E))  # [2, E] after_visit's rows
         self.flat = np.empty(L * E, dtype=np.int64)  # [L*E] ranking keys: flat (ordinal, expert)
         self.neg = np.empty(L * E)  # [L*E] and minus their distance
         self.flat_at, self.neg_at = address(self.flat), address(self.neg)
         self.rank_idx = np.empty(2 * L * E, dtype=np.int64)  # [2*L*E] hm_rank's order, scratch
         self.rank_at, self.tmp_at = address(self.rank_idx), address(self.rank_idx[L * E :])
-        # Arguments copied into arrays whose addresses are taken once (`a.ctypes.data` costs about
-        # a microsecond, a dozen times a layer): each layer's used experts this step, stale rows.
-        self.used = np.empty((L, E), dtype=np.int64)  # [L, E] row i: layer i's, first n_used
-        self.rows = np.empty(L, dtype=np.int64)  # [L]
-        self.used_at, self.rows_at = address(self.used), address(self.rows)
-        self.order_at, self.score_at = address(self.order), address(self.score)
+        self.used_at, self.rows_at = fields["used"], fields["rows"]
+        self.order_at, self.score_at = fields["order"], fields["score"]
         self.after_at = address(self.after)
-        self.src = (ctypes.c_void_p * max(1, fields["H"]))()
-        self.n_src = np.zeros(max(1, fields["H"]), dtype=np.int64)
-        self.n_src_at = address(self.n_src)
 
     def used_row(self, i: int, used: np.ndarray) -> int:
         """`used` copied into row i of `self.used`: its address."""

@@ -281,13 +281,12 @@ class Planner:
         self._schedule(plan)  # before any background copy joins the stream
         self._count(plan, routed)
         if self.uses_gpu and self.policy.uses_predictor:
-            self.predictor.count_use(plan.layer, [r.expert for r in routed])
+            # the visit, the next layer's router scores, the look-ahead and every probability
+            # (no policy's on_use reads the predictor)
+            self.predictor.visit(plan.layer, [r.expert for r in routed], predicted)
         self.policy.on_use(plan.layer, routed, plan.now)
         self.epoch += 1
         if self.uses_gpu:
-            if self.policy.uses_predictor:
-                self._take_prediction(plan.layer, predicted)
-                self.predictor.look_ahead(plan.layer)
             self._background(plan.layer, plan.now, plan)
             if self.policy.uses_predictor:
                 self.predictor.matrices()  # every layer's probabilities, fresh for the next plan

@@ -206,6 +206,8 @@ class Predictor:
         """A step begins: the cross-layer signal starts from this step's first layer."""
         if self.cross is not None:
             self.cross.begin_step()
+            if self.native:
+                self.native.n_set[:] = 0
 
     def set_router_scores(self, layer: int, probs) -> None:
         """Probabilities for `layer`'s experts at its coming visit (None clears them)."""
@@ -295,20 +297,62 @@ class Predictor:
             self._stale(i + h)
 
     def _look_ahead_native(self, i: int, used: np.ndarray) -> None:
-        c, sets = self.native, self.cross.sets
-        for k, h in enumerate(self.cross.horizons):
-            src = sets.get(i - h)
-            # count_use left layer i - h's experts of this step in row i - h of c.used
-            c.src[k] = None if src is None else c.used_at + (i - h) * c.used.strides[0]
-            c.n_src[k] = 0 if src is None else len(src)
-        at = c.used_row(i, used)
-        c.lib.hm_pred_learn(c.p, i, at, len(used), c.src, c.n_src_at)
-        sets[i] = used
+        c = self.native
+        at = c.used_row(i, used)  # count_use left it there already
+        c.lib.hm_pred_learn(c.p, i, at, len(used))
+        self.cross.sets[i], c.n_set[i] = used, len(used)
         c.lib.hm_pred_bands(c.p, i, at, len(used), c.score_at)
         for h in self.cross.horizons:
             if i + h < len(self.layers):
                 self.lift[i + h] = h
                 self._stale(i + h)
+
+    def visit(self, layer: int, experts, next_scores=None) -> None:
+        """A visit of `layer` as the planner makes it: `count_use(layer, experts)`, the next
+        layer's router scores (`next_scores`, where given: `set_router_scores`), `look_ahead`,
+        then every layer's probabilities brought up to date (`matrices`). One C call where
+        built."""
+        i, L = self.ordinal[layer], len(self.layers)
+        router = next_scores is not None and i + 1 < L
+        if not self.native:
+            self.count_use(layer, experts)
+            if router:
+                self.set_router_scores(self.layers[i + 1], next_scores)
+            self.look_ahead(layer)
+            self.matrices()
+            return
+        c, kernels = self.native, predictor_kernels
+        used = np.array(sorted(experts), dtype=np.intp)
+        n = len(used)
+        c.used[i, :n] = used
+        flags = kernels.VISIT_BAND if i in self.lift else 0
+        stale = self._stale_rows
+        if i in stale:
+            flags |= kernels.VISIT_REFRESH
+        changed = [i]
+        if router:
+            c.probs[:] = next_scores
+            flags |= kernels.VISIT_ROUTER
+            changed.append(i + 1)
+        if self.cross is not None:
+            changed += [i + h for h in self.cross.horizons if i + h < L]
+        stale.update(changed)
+        c.rows[: len(stale)] = sorted(stale)
+        hits = c.lib.hm_pred_visit(c.p, i, n, flags, len(stale))
+        if hits < 0:  # a tie at the guess's k-th: numpy's argpartition decides, as it did
+            hits = self._guess_hits(self.P[i], used)
+            c.lib.hm_pred_visit(c.p, i, n, flags | kernels.VISIT_GUESSED, len(stale))
+        self._score(hits, n)
+        # the Python side of count_use, set_router_scores and look_ahead (C bumped row_version)
+        self.changes += len(changed)
+        self.lift.pop(i, None)
+        if self.cross is not None:
+            self.cross.sets[i] = used
+            for h in self.cross.horizons:
+                if i + h < L:
+                    self.lift[i + h] = h
+        self._used = (i, used)
+        stale.clear()
 
     def warm_start(self, counts: list[list[int]], tokens: int) -> None:
         """Frequency from activation statistics (the profile part of a trace, or a stats file)."""
@@ -427,8 +471,15 @@ class Predictor:
         self.P[rows] = q
 
     def _score_guess(self, p: np.ndarray, used: np.ndarray) -> None:
+        self._score(self._guess_hits(p, used), len(used))
+
+    def _guess_hits(self, p: np.ndarray, used: np.ndarray) -> int:
+        """How many of `used` are among the top_k of p (the guess)."""
         k = min(self.top_k, len(p))
         guess = np.argpartition(-p, k - 1)[:k] if k < len(p) else np.arange(k)
-        self.stats.predicted += k
-        self.stats.correct += len(set(guess.tolist()).intersection(used.tolist()))
-        self.stats.actual += len(used)
+        return len(set(guess.tolist()).intersection(used.tolist()))
+
+    def _score(self, hits: int, used: int) -> None:
+        self.stats.predicted += min(self.top_k, self.num_experts)
+        self.stats.correct += hits
+        self.stats.actual += used
