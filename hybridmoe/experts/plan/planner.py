@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -119,6 +120,22 @@ class _Times:
         if t is None:
             t = self._gpu[n] = self.cost.t_gpu(n)
         return t
+
+    def cpu_all(self, counts: list[int]) -> list[float]:
+        """`cpu` of each count (the memo read directly: a schedule asks for dozens)."""
+        memo = self._cpu
+        try:
+            return [memo[n] for n in counts]
+        except KeyError:
+            return [self.cpu(n) for n in counts]
+
+    def gpu_all(self, counts: list[int]) -> list[float]:
+        """`gpu` of each count."""
+        memo = self._gpu
+        try:
+            return [memo[n] for n in counts]
+        except KeyError:
+            return [self.gpu(n) for n in counts]
 
     def act(self, rows: int) -> float:
         """The activation round trip of CPU experts taking `rows` token rows in all
@@ -553,13 +570,16 @@ class Planner:
     def _schedule(self, plan: Plan) -> None:
         """Predicted finish times of the chosen split (the same arithmetic as _best_split)."""
         tm, now = self.times, plan.now
-        work = sum(tm.cpu(r.n_tokens) for r in plan.cpu)
+        counts = [r.n_tokens for r in plan.cpu]
+        work = sum(tm.cpu_all(counts))
         plan.cpu_finish = now + tm.cpu_beside_copies(work, self.copy_free - now)
-        if plan.cpu:
-            plan.cpu_finish += tm.act(sum(r.n_tokens for r in plan.cpu))
-        t = now + sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits)
-        for r in sorted(plan.gpu_copied, key=lambda r: plan.ready[r.expert]):
-            t = max(t, plan.ready[r.expert]) + tm.gpu(r.n_tokens)
+        if counts:
+            plan.cpu_finish += tm.act(sum(counts))
+        t = now + sum(tm.gpu_all([r.n_tokens for r in plan.gpu_hits]))
+        ready = plan.ready
+        copied = [(ready[r.expert], r.n_tokens) for r in plan.gpu_copied]
+        for when, n in sorted(copied, key=_first):  # soonest first, ties as they came
+            t = max(t, when) + tm.gpu(n)
         plan.gpu_finish = t
 
     def _background(self, layer: int, now: float, plan: Plan) -> None:
@@ -631,11 +651,12 @@ class Planner:
         s.gpu_runs += len(plan.gpu_hits) + len(plan.gpu_copied)
         s.demand_copies += len(plan.copies)
         s.cpu_busy_s += plan.cpu_finish - plan.now if plan.cpu else 0.0
-        s.gpu_busy_s += sum(tm.gpu(r.n_tokens) for r in plan.gpu_hits + plan.gpu_copied)
+        s.gpu_busy_s += sum(tm.gpu_all([r.n_tokens for r in plan.gpu_hits + plan.gpu_copied]))
         s.predicted_s += plan.makespan - plan.now
 
 
 _NO_ROOM = object()
+_first = itemgetter(0)
 
 
 def _undominated(points: list[tuple]) -> list[tuple]:
