@@ -459,12 +459,12 @@ class Planner:
         protect = self.protected(now, plan)
         protect.update([(layer, r.expert) for r in order])
         rooms = policy.rooms(layer, protect, now, self.cache.free_count()) if admit else iter(())
-        room = next(rooms, _NO_ROOM)
+        room, gain_of = next(rooms, _NO_ROOM), policy.admit_gain_at(now)
         options, stranded = [], []
         for r in order:
             key, how, gain = (layer, r.expert), None, 0.0
             if room is not _NO_ROOM:  # a free slot (None) or a victim
-                gain = weight * policy.admit_gain(key, room, now)
+                gain = weight * gain_of(key, room)
                 if gain >= 0.0 or not stage:
                     how = ("evict", room)
                     room = next(rooms, _NO_ROOM)

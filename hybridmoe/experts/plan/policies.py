@@ -87,6 +87,11 @@ class Policy:
     def admit_gain(self, key: Key, victim: Key | None, now: float) -> float:
         return 0.0
 
+    def admit_gain_at(self, now: float):
+        """`admit_gain` at `now`, as a function of (key, victim): what a plan asks of each of its
+        copy options (a policy may answer them from one snapshot)."""
+        return lambda key, victim: self.admit_gain(key, victim, now)
+
     def copy_priority(self, key: Key) -> float:
         """Among misses that save the same CPU time, which to copy first (higher first)."""
         return 0.0
@@ -362,11 +367,10 @@ class ValuePolicy(Policy):
         return self._view().p_used[experts].tolist()
 
     def admit_gain(self, key, victim, now):
-        view = self._view()
-        # The copied key is routed at this visit; a victim is not (a routed resident is a hit, or
-        # in flight: protected either way).
-        lost = view.p_after(victim, used=False) if victim is not None else 0.0
-        return view.saving * (view.p_after(key, used=True) - lost)
+        return self._view().admit_gain(key, victim)
+
+    def admit_gain_at(self, now):
+        return self._view().admit_gain  # the plan changes nothing the view depends on
 
     def worth(self, key, victim, now):
         if victim is None:
@@ -575,6 +579,8 @@ class _View:
         self.stamp, self.here, self.p_used, self.p_not, self.P = stamp, here, p_used, p_not, P
         self.ordinal, self.saving, self._victims = ordinal, saving, victims
         self.checked = None  # the planner epoch at which the stamp was last checked
+        # read one by one: a memoryview gives Python floats, quicker than numpy's scalars
+        self._after = (memoryview(p_not), memoryview(p_used))
 
     def p_after(self, key: Key, used: bool) -> float:
         """p_next of `key` once the planned visit is counted (`used`: whether it is used at that
@@ -582,7 +588,13 @@ class _View:
         i = self.ordinal[key[0]]
         if i != self.here:
             return float(self.P[i, key[1]])
-        return float((self.p_used if used else self.p_not)[key[1]])
+        return self._after[used][key[1]]
+
+    def admit_gain(self, key: Key, victim: Key | None) -> float:
+        """ValuePolicy.admit_gain: the copied key is routed at this visit; a victim is not (a
+        routed resident is a hit, or in flight: protected either way)."""
+        lost = self.p_after(victim, used=False) if victim is not None else 0.0
+        return self.saving * (self.p_after(key, used=True) - lost)
 
     def victims(self) -> _Lazy:
         return self._victims
