@@ -241,34 +241,6 @@ long hm_pred_visit(const pred_t *p, long i, long n_used, int flags, long nstale)
     return hits;
 }
 
-/* ValuePolicy._make_view's ranking keys: the dynamic residents (resident, not pinned), in
- * row-major order, as flat indices (out) and minus their distance (neg): d + L (1 - p) / q, d the
- * layers from ordinal `here` on until theirs runs (L for itself), p and q floored at 1e-3, where
- * `here`'s residents read p_not for both (unless p_not is NULL). Returns their number. */
-static long residents_by(const pred_t *p, const uint8_t *mask, const uint8_t *pinned, long here,
-                         const double *p_not, long *out, double *neg) {
-    long E = p->E, L = p->L, start = 0;
-    for (long i = 0; i < L; i++) {
-        long d = ((i - here) % L + L) % L, n = start;
-        double dist = (double)(d ? d : L);
-        int sub = i == here && p_not != NULL;
-        const double *P = sub ? p_not : p->P + i * E, *Q = sub ? p_not : p->Q + i * E;
-        /* the row's dynamic residents first, without a branch (which ones is unpredictable) */
-        for (long e = 0; e < E; e++) {
-            out[n] = e;
-            n += mask[i * E + e] & !pinned[i * E + e];
-        }
-        for (long j = start; j < n; j++) {
-            long e = out[j];
-            double pp = P[e] > 1e-3 ? P[e] : 1e-3, qq = Q[e] > 1e-3 ? Q[e] : 1e-3;
-            out[j] = i * E + e;
-            neg[j] = -(dist + (double)L * (1.0 - pp) / qq);
-        }
-        start = n;
-    }
-    return start;
-}
-
 /* (score, flat key) of a before that of b: the ranking's total order, ties by key */
 static int ranks_before(const double *score, const long *flat, long a, long b) {
     return score[a] < score[b] || (score[a] == score[b] && flat[a] < flat[b]);
@@ -295,14 +267,21 @@ void hm_rank(const double *score, const long *flat, long n, long *idx, long *tmp
  * (min(first, n)): hm_rank's head without sorting the rest */
 long hm_rank_head(const double *score, const long *flat, long n, long first, long *idx) {
     long m = 0;
+    double last = 0.0; /* the score and key of the last kept, once `first` are */
+    long last_key = 0;
     for (long x = 0; x < n; x++) {
-        if (m == first && !ranks_before(score, flat, x, idx[m - 1])) continue;
+        if (m == first && !(score[x] < last || (score[x] == last && flat[x] < last_key)))
+            continue;
         long at = m < first ? m++ : first - 1;
         while (at > 0 && ranks_before(score, flat, x, idx[at - 1])) {
             idx[at] = idx[at - 1];
             at--;
         }
         idx[at] = x;
+        if (m == first) {
+            last = score[idx[m - 1]];
+            last_key = flat[idx[m - 1]];
+        }
     }
     return m;
 }
@@ -336,7 +315,35 @@ typedef struct {
     long *out;                    /* [L * E]: keys ranked */
     double *D;                    /* [L * E]: their scores */
     double *after;                /* [2, E]: hm_pred_after_visit's */
+    const int64_t *slot_flat;     /* [n_slots]: the cache's keys by slot (-1: none) */
+    long n_slots;
 } value_t;
+
+/* ValuePolicy._make_view's ranking keys: the dynamic residents (the keys in the cache's slots, not
+ * pinned), in slot order, as flat keys (out) and minus their distance (neg): d + L (1 - p) / q,
+ * d the layers from ordinal `here` on until theirs runs (L for itself), p and q floored at 1e-3,
+ * where `here`'s residents read p_not for both (unless p_not is NULL). Returns their number. */
+static long residents_by(const value_t *v, long here, const double *p_not, long *out,
+                         double *neg) {
+    const pred_t *p = v->p;
+    long E = p->E, L = p->L, n = 0;
+    double per_row = 1.0 / (double)E;
+    for (long s = 0; s < v->n_slots; s++) {
+        long x = v->slot_flat[s];
+        if (x < 0 || v->pinned[x]) continue;
+        long i = (long)((double)x * per_row); /* x / E, without an integer division */
+        i -= i * E > x;
+        i += (i + 1) * E <= x;
+        long e = x - i * E, d = i - here;
+        d += (d <= 0) * L;
+        int sub = i == here && p_not != NULL;
+        double P = sub ? p_not[e] : p->P[x], Q = sub ? p_not[e] : p->Q[x];
+        double pp = P > 1e-3 ? P : 1e-3, qq = Q > 1e-3 ? Q : 1e-3;
+        out[n] = x;
+        neg[n++] = -((double)d + (double)L * (1.0 - pp) / qq);
+    }
+    return n;
+}
 
 /* ValuePolicy.background_in in one call: the candidates of the layer ordinals rows[0..nrows)
  * (ascending; every layer where rows is NULL) made afresh where the layer's predictor or cache
@@ -386,7 +393,7 @@ long hm_value_background(const value_t *v, const long *rows, long nrows, int top
 long hm_value_view(const value_t *v, long here, int with_after, long first) {
     if (with_after) hm_pred_after_visit(v->p, here, v->after);
     const double *p_not = with_after ? v->after + v->p->E : NULL;
-    long n = residents_by(v->p, v->mask, v->pinned, here, p_not, v->flat, v->score);
+    long n = residents_by(v, here, p_not, v->flat, v->score);
     hm_rank_head(v->score, v->flat, n, first, v->idx);
     return n;
 }

@@ -144,7 +144,7 @@ class ValueT(ctypes.Structure):
 
     _fields_ = [("p", P), ("mask", P), ("pinned", P), ("cache_version", P), ("seen", P)]
     _fields_ += [("cand", P), ("k", N), ("flat", P), ("score", P), ("idx", P), ("tmp", P)]
-    _fields_ += [("out", P), ("D", P), ("after", P)]
+    _fields_ += [("out", P), ("D", P), ("after", P), ("slot_flat", P), ("n_slots", N)]
 
 
 class BoundValue:
@@ -158,7 +158,7 @@ class BoundValue:
         L, E = native.used.shape
         self.out = np.empty(L * E, dtype=np.int64)  # [L*E]
         self.D = np.empty(L * E)  # [L*E]
-        self._keep = (cache.mask, cache.pinned_mask, cache.row_version, seen, cand)
+        self._keep = (cache.mask, cache.pinned_mask, cache.row_version, seen, cand, cache.flat)
         assert all(a.flags.c_contiguous for a in self._keep)
         assert cache.mask.dtype == cache.pinned_mask.dtype == np.bool_
         self.flat, self.score, self.after = native.flat, native.neg, native.after
@@ -178,6 +178,8 @@ class BoundValue:
             out=address(self.out),
             D=address(self.D),
             after=native.after_at,
+            slot_flat=address(cache.flat),
+            n_slots=len(cache.flat),
         )
         self.v = ctypes.addressof(self.struct)
         self.rows, self.rows_at = native.rows, native.rows_at

@@ -99,6 +99,9 @@ class ExpertCache:
         self.pinned_mask = np.zeros((0, 0), dtype=bool)  # [L, E] pinned
         self.changes = 0
         self.row_version = np.zeros(0, dtype=np.int64)  # [L] bumped when a layer's keys change
+        # [slots] each slot's key as ordinal * E + expert, once tracked (-1: free, or untracked)
+        self.flat = np.full(slots, -1, dtype=np.int64)
+        self._E = 0
 
     def track(self, layers: list[int], num_experts: int) -> None:
         """Keep [L, E] masks of what is resident and pinned, by layer ordinal."""
@@ -106,17 +109,19 @@ class ExpertCache:
         self.mask = np.zeros((len(layers), num_experts), dtype=bool)
         self.pinned_mask = np.zeros_like(self.mask)
         self.row_version = np.zeros(len(layers), dtype=np.int64)
-        for key in self.slot_of:
-            self._mark(key, True)
+        self._E = num_experts
+        for key, slot in self.slot_of.items():
+            self._mark(key, True, slot)
         for key in self.pinned:
             self.pinned_mask[self.row[key[0]], key[1]] = True
 
-    def _mark(self, key: Key, resident: bool) -> None:
+    def _mark(self, key: Key, resident: bool, slot: int) -> None:
         self.changes += 1
         i = self.row.get(key[0])
         if i is not None:
             self.mask[i, key[1]] = resident
             self.row_version[i] += 1
+            self.flat[slot] = i * self._E + key[1] if resident else -1
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
@@ -161,7 +166,7 @@ class ExpertCache:
         self.slot_of[key], self.key_of[slot], self.ready_at[key] = slot, key, ready_at
         if ready_at > 0:
             self._pending[key] = ready_at
-        self._mark(key, True)
+        self._mark(key, True, slot)
         return slot
 
     def remove(self, key: Key) -> int:
@@ -169,7 +174,7 @@ class ExpertCache:
         slot = self.slot_of.pop(key)
         del self.ready_at[key]
         self._pending.pop(key, None)
-        self._mark(key, False)
+        self._mark(key, False, slot)
         self.key_of[slot] = None
         self._free.append(slot)
         return slot
@@ -185,3 +190,7 @@ class ExpertCache:
             assert int(self.mask.sum()) == len(tracked)
             assert all(self.mask[self.row[k[0]], k[1]] for k in tracked)
             assert int(self.pinned_mask.sum()) == len({k for k in self.pinned if k[0] in self.row})
+            flat = {
+                self.row[k[0]] * self._E + k[1]: s for k, s in self.slot_of.items() if k in tracked
+            }
+            assert {int(x): s for s, x in enumerate(self.flat) if x >= 0} == flat

@@ -51,7 +51,7 @@ class Ranked:
     def __init__(self, flat, scores, layer_ids, E: int, native=None, head=None):
         self._flat = np.array(flat, dtype=np.int64)  # [n]; owned: the rest is ranked later
         self._scores = np.array(scores, dtype=float)  # [n]
-        self._ids, self._E, self._native = layer_ids, E, native
+        self._ids, self._E, self._native = _layer_ids(layer_ids), E, native
         if head is None:
             self._head = rank_head(self._flat, self._scores, HEAD, native)
         else:
@@ -63,7 +63,7 @@ class Ranked:
     def ordered(cls, flat, layer_ids, E: int) -> Ranked:
         """Flat keys [n] in their order already (a kernel has ranked them all)."""
         self = cls.__new__(cls)
-        self._ids, self._E, self._native, self._rest_left = layer_ids, E, None, False
+        self._ids, self._E, self._native, self._rest_left = _layer_ids(layer_ids), E, None, False
         self._start(np.array(flat, dtype=np.int64))
         return self
 
@@ -104,10 +104,15 @@ class Ranked:
     def _start(self, seq: np.ndarray) -> None:
         self._seq, self._i, E, ids = seq, 0, self._E, self._ids
         if len(seq) <= _FEW:  # a few keys: Python's arithmetic beats numpy's calls
-            self._keys = [(int(ids[f // E]), f % E) for f in seq.tolist()]
+            self._keys = [(ids[f // E], f % E) for f in seq.tolist()]
             return
         rows, cols = np.divmod(seq, E)
         self._keys = list(zip(np.asarray(ids)[rows].tolist(), cols.tolist()))
 
 
 _FEW = 32
+
+
+def _layer_ids(ids) -> tuple[int, ...]:
+    """The layer ids by ordinal, as a tuple of Python ints (keys are made of them)."""
+    return ids if type(ids) is tuple else tuple(np.asarray(ids).tolist())
