@@ -141,6 +141,8 @@ void hm_pred_learn(const pred_t *p, long i, const long *used, long n_used) {
             *scale = 1.0;
         }
         double one = 1.0 / *scale;
+        for (long a = 0; a < p->n_set[from]; a++) /* scattered rows: ask for them at once */
+            for (long b = 0; b < E; b += 8) __builtin_prefetch(co + src[a] * E + b, 1);
         for (long a = 0; a < p->n_set[from]; a++) {
             double *row = co + src[a] * E;
             for (long u = 0; u < n_used; u++) row[used[u]] += one;
@@ -159,6 +161,9 @@ void hm_pred_bands(const pred_t *p, long i, const long *used, long n_used, doubl
         double scale = p->scale[h * L + i];
         const double *co = p->co + (h * L + i) * E * E, *n = p->n + (h * L + i) * E;
         double *prior = score + E; /* cross_prior * f(b), the same for every a */
+        /* the rows are scattered over the counts (megabytes): ask for them all at once */
+        for (long a = 0; a < n_used; a++)
+            for (long b = 0; b < E; b += 8) __builtin_prefetch(co + used[a] * E + b);
         for (long b = 0; b < E; b++) {
             score[b] = -1.0 / 0.0;
             prior[b] = p->cross_prior * at_most_one(rate_of(p, j, b));

@@ -391,10 +391,9 @@ class ValuePolicy(Policy):
         self._c = None  # predictor.c's value kernels over these arrays (`_kernels`)
 
     def prepare_next(self) -> None:
-        """Make the next plan's view now, while this layer's experts run (its first victims
-        too: reading one ranks the head)."""
+        """Make the next plan's view now, while this layer's experts run (the head of its
+        victims ranked too)."""
         self._preview = self._make_view(self.planner.position + 1)
-        next(iter(self._preview.victims()), None)
 
     def _view(self) -> _View:
         """The view of the layer being planned: the one prepare_next made, unless something it
@@ -593,8 +592,13 @@ class _View:
     def admit_gain(self, key: Key, victim: Key | None) -> float:
         """ValuePolicy.admit_gain: the copied key is routed at this visit; a victim is not (a
         routed resident is a hit, or in flight: protected either way)."""
-        lost = self.p_after(victim, used=False) if victim is not None else 0.0
-        return self.saving * (self.p_after(key, used=True) - lost)
+        # p_after, inline: a plan asks this dozens of times
+        i, after = self.ordinal[key[0]], self._after
+        gain = after[1][key[1]] if i == self.here else float(self.P[i, key[1]])
+        if victim is not None:
+            i = self.ordinal[victim[0]]
+            gain -= after[0][victim[1]] if i == self.here else float(self.P[i, victim[1]])
+        return self.saving * gain
 
     def victims(self) -> _Lazy:
         return self._victims

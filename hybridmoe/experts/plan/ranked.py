@@ -71,14 +71,15 @@ class Ranked:
         return self
 
     def __next__(self) -> tuple[int, int]:
-        if self._i == len(self._keys):
+        if self._i == len(self._list):
             if not self._rest_left:
                 raise StopIteration
             self._start(self._rest(None))
-            if not self._keys:
+            if not self._list:
                 raise StopIteration
+        f = self._list[self._i]
         self._i += 1
-        return self._keys[self._i - 1]
+        return self._ids[f // self._E], f % self._E
 
     def narrow(self, wanted) -> Ranked:
         """From here on only the keys for which `wanted(flat)` [n] -> bool [n] holds, in the
@@ -102,15 +103,8 @@ class Ranked:
         return flat[rank(flat, scores, self._native)]
 
     def _start(self, seq: np.ndarray) -> None:
-        self._seq, self._i, E, ids = seq, 0, self._E, self._ids
-        if len(seq) <= _FEW:  # a few keys: Python's arithmetic beats numpy's calls
-            self._keys = [(ids[f // E], f % E) for f in seq.tolist()]
-            return
-        rows, cols = np.divmod(seq, E)
-        self._keys = list(zip(np.asarray(ids)[rows].tolist(), cols.tolist()))
-
-
-_FEW = 32
+        """Read `seq` (flat keys) from its start; each key becomes (layer id, expert) as read."""
+        self._seq, self._list, self._i = seq, seq.tolist(), 0
 
 
 def _layer_ids(ids) -> tuple[int, ...]:
