@@ -193,9 +193,13 @@ def test_a_visit_in_one_c_call_gives_the_numpy_paths_bits(cross_layer):
             p.begin_step()
         for i, ids in enumerate(line.layers):
             probs = rng.dirichlet(np.full(E, 0.3)) if rng.random() < 0.5 else None
-            if t % 7 == 0:  # a few stale rows before the visit, as the profile leaves them
+            if t % 7 == 0:  # stale rows before the visit, as the profile leaves them
                 for p in (fast, plain):
                     p.recompute()
+            elif t % 3 == 0:  # one stale row, maybe the visit's own or one it changes
+                j = int(rng.integers(L))
+                for p in (fast, plain):
+                    p._stale(j)
             for p in (fast, plain):
                 p.visit(i, ids, probs)
             for name in names:

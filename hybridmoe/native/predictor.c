@@ -221,12 +221,13 @@ static long guessed(const pred_t *p, long i, const long *used, long n_used) {
  * counted (hm_pred_count_use; VISIT_BAND: it has a cross-layer score), the next layer's router
  * buckets from p->probs (VISIT_ROUTER), the cross-layer pairs learnt and the next layers'
  * bands (with horizons), each changed row's version bumped as Predictor._stale does, and last
- * the rows p->rows[0..nstale) refreshed. used: row i of p->used. Returns the guess's hits (0
- * with VISIT_GUESSED), or -1, having changed nothing but the refresh, where the guess is tied
- * (the caller scores it and calls again with VISIT_GUESSED). */
+ * the rows it changed and those stale before, p->rows[0..nstale), refreshed. used: row i of
+ * p->used. Returns the guess's hits (0 with VISIT_GUESSED), or -1, having changed nothing but
+ * the refresh, where the guess is tied (the caller scores it and calls again with
+ * VISIT_GUESSED). */
 enum { VISIT_REFRESH = 1, VISIT_BAND = 2, VISIT_ROUTER = 4, VISIT_GUESSED = 8 };
 long hm_pred_visit(const pred_t *p, long i, long n_used, int flags, long nstale) {
-    long L = p->L, E = p->E, hits = 0;
+    long L = p->L, E = p->E, hits = 0, last = i; /* rows i..last changed */
     const long *used = p->used + i * E;
     if (flags & VISIT_REFRESH) hm_pred_refresh(p, &i, 1);
     if (!(flags & VISIT_GUESSED) && (hits = guessed(p, i, used, n_used)) < 0) return -1;
@@ -235,14 +236,22 @@ long hm_pred_visit(const pred_t *p, long i, long n_used, int flags, long nstale)
     if ((flags & VISIT_ROUTER) && i + 1 < L) {
         hm_pred_router(p, i + 1, p->probs, p->order);
         p->row_version[i + 1]++;
+        last = i + 1;
     }
     if (p->H > 0) {
         hm_pred_learn(p, i, used, n_used);
         p->n_set[i] = n_used;
         hm_pred_bands(p, i, used, n_used, p->score);
         for (long h = 1; h <= p->H && i + h < L; h++) p->row_version[i + h]++;
+        last = i + p->H < L ? i + p->H : L - 1;
+        last = last > i ? last : i;
     }
     hm_pred_refresh(p, p->rows, nstale);
+    for (long j = i; j <= last; j++) {
+        int done = 0; /* refreshed already as one of the stale rows */
+        for (long r = 0; r < nstale; r++) done |= p->rows[r] == j;
+        if (!done) hm_pred_refresh(p, &j, 1);
+    }
     return hits;
 }
 

@@ -322,35 +322,30 @@ class Predictor:
             self.matrices()
             return
         c, kernels = self.native, predictor_kernels
-        used = np.array(sorted(experts), dtype=np.intp)
+        used = sorted(experts)
         n = len(used)
         c.used[i, :n] = used
         flags = kernels.VISIT_BAND if i in self.lift else 0
-        stale = self._stale_rows
-        if i in stale:
-            flags |= kernels.VISIT_REFRESH
-        changed = [i]
         if router:
             c.probs[:] = next_scores
             flags |= kernels.VISIT_ROUTER
-            changed.append(i + 1)
-        if self.cross is not None:
-            changed += [i + h for h in self.cross.horizons if i + h < L]
-        stale.update(changed)
-        c.rows[: len(stale)] = sorted(stale)
+        stale = self._stale_rows  # rows left stale before (the profile's): refreshed as well
+        if stale:
+            flags |= kernels.VISIT_REFRESH if i in stale else 0
+            c.rows[: len(stale)] = sorted(stale)
         hits = c.lib.hm_pred_visit(c.p, i, n, flags, len(stale))
         if hits < 0:  # a tie at the guess's k-th: numpy's argpartition decides, as it did
-            hits = self._guess_hits(self.P[i], used)
+            hits = self._guess_hits(self.P[i], np.array(used))
             c.lib.hm_pred_visit(c.p, i, n, flags | kernels.VISIT_GUESSED, len(stale))
         self._score(hits, n)
         # the Python side of count_use, set_router_scores and look_ahead (C bumped row_version)
-        self.changes += len(changed)
+        ahead = range(i + 1, min(i + 1 + len(self.cross.horizons), L)) if self.cross else ()
+        self.changes += 1 + router + len(ahead)
         self.lift.pop(i, None)
+        for j in ahead:
+            self.lift[j] = j - i
         if self.cross is not None:
             self.cross.sets[i] = used
-            for h in self.cross.horizons:
-                if i + h < L:
-                    self.lift[i + h] = h
         self._used = (i, used)
         stale.clear()
 
