@@ -589,20 +589,23 @@ class Planner:
         # the measured gap between layers: the stream works on through the dense part). Keys the
         # look-ahead hint ranks top-k may have a slack of their own (`hinted_slack`).
         deadline = plan.makespan + (self.gap if self.policy.copies_in_gap else 0.0)
-        end = deadline - self.policy.background_slack * self.cost.t_copy()
+        t_copy = self.times.copy  # cost.t_copy()
+        end = deadline - self.policy.background_slack * t_copy
         hinted = self.policy.hinted_slack
-        end_hinted = end if hinted is None else deadline - hinted * self.cost.t_copy()
+        end_hinted = end if hinted is None else deadline - hinted * t_copy
         last = max(end, end_hinted)
         if self.copy_free > now and self.copy_free >= last:
             return
-        protect = self.protected(now, plan)
         keys, narrowed = self._background_keys(layer, now, plan, end)
+        protect = None  # made at the first key (most layers have none past the deadline)
         while not (self.copy_free > now and self.copy_free >= last):
             if not narrowed and self.copy_free > now and self.copy_free >= end:
                 keys, narrowed = self._hinted_only(keys), True  # the stream's backlog only grows
             key = next(keys, None)
             if key is None:
                 break
+            if protect is None:
+                protect = self.protected(now, plan)
             if key in self.cache or key in protect:
                 continue
             ok, victim = self.policy.make_room(key, protect, now, self.cache.free_count())

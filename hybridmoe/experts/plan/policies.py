@@ -431,9 +431,14 @@ class ValuePolicy(Policy):
             p_not,
             P,
             self.planner.ordinal,
-            self.cost.hit_saving(1),
+            self._hit_saving(),
             _Lazy(victims),
         )
+
+    def _hit_saving(self) -> float:
+        """cost.hit_saving(1), from the planner's memoised times."""
+        tm = self.planner.times
+        return max(0.0, tm.cpu(1) - tm.gpu(1)) if self.cost.has_gpu else 0.0
 
     def _residents_by(self, position: int, here: int, p_not) -> tuple[np.ndarray, np.ndarray]:
         """The dynamic residents as flat keys (ordinal * E + expert) [n], in row-major order, and
@@ -503,13 +508,13 @@ class ValuePolicy(Policy):
         """background_in (every layer where `rows` is None), or with `top_only` its keys the
         router ranks top-k, in one call (predictor.c's hm_value_background)."""
         self.predictor.matrices()
-        arrive = max(now, self.planner.copy_free) + self.cost.t_copy()
+        arrive = max(now, self.planner.copy_free) + self.planner.times.copy  # cost.t_copy()
         here, t = self.planner.position % self.L, self.planner.layer_period
         if rows is not None:
             v.rows[: len(rows)] = rows
         at, count = (None, 0) if rows is None else (v.rows_at, len(rows))
         n = v.lib.hm_value_background(v.v, at, count, top_only, here, now, arrive, t)
-        return Ranked.ordered(v.out[:n], self._layer_ids, self.E)
+        return Ranked.ordered(v.out[:n], self._layer_ids, self.E) if n else iter(())
 
     def background_in(self, rows, layer, now, plan):
         """The same, of the layer ordinals `rows` [r] (ascending) only: those keys come in the
