@@ -1,7 +1,9 @@
 """The predictor's per-visit arithmetic of predictor.c, for hybridmoe/experts/plan/predictor.py: a
 layer's visit counted, the next router's buckets, the cross-layer pairs and bands, stale rows
-refreshed, the probabilities after a visit, and the value policy's ranking keys. Each is one call
-where numpy takes dozens of small ones, and gives the same bits (tests/test_predictor.py).
+refreshed, the probabilities after a visit; a planner's whole visit as one call (`hm_pred_visit`);
+and the value policy's rankings over state bound once (`BoundValue`: its background order and the
+next plan's view, one call each). Each is one call where numpy takes dozens of small ones, and
+gives the same bits (tests/test_predictor.py, tests/test_value_ranking.py).
 
 Torch-free, so that the planner and the simulator may use it. Without a C compiler, or with
 HYBRIDMOE_NATIVE=0, `library()` is None and the predictor keeps its numpy path.
