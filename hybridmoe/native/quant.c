@@ -6,8 +6,9 @@
    K-quants, per super-block of 256, with the sums of each 16 values kept beside them. Every weight is
    unpacked to a small unsigned integer q (0..15, 0..31, 0..63; Q8_0's int8 as it is, or plus 128), whose
    products with the activation bytes are summed exactly in 32-bit integer lanes of four products each:
-   AVX512-VNNI's vpdpbusd in one instruction, AVX2's vpmaddubsw + vpmaddwd in two. Scales are applied in
-   fp32.
+   AVX512-VNNI's vpdpbusd in one instruction, AVX2's vpmaddubsw + vpmaddwd in two. The K-quants' integer
+   sub-block scales multiply vpmaddubsw's pair sums, added in by AVX-512's vpdpwssd (one instruction for
+   AVX2's vpmaddwd + vpaddd: the same integers). Scales are applied in fp32.
 
    Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
    instructions made them; after that every lane goes through the same float operations in the same order.
@@ -92,6 +93,19 @@ static int offset_of(int fmt) { return fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0; 
 /* Ask for `bytes` from p + FAR on into L2. */
 ALWAYS_INLINE void prefetch_far(const uint8_t *p, long bytes) {
     for (long c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + FAR + c, _MM_HINT_T1);
+}
+
+/* Ask for `bytes` from p + NEAR on into L1 as well as from p + FAR on into L2: a stream read at the pace
+   of the one-token Q4_K_X8 product leaves the lines just ahead to the hardware, which on an Intel core
+   (a Sapphire Rapids-class VM, ~13 GB/s a core) asked for them too late; asked for here, the product read
+   a 1.2 GB set of 4096 x 2048 matrices at 9.98 GB/s against 8.51 (docs/notes/2026-12-06-one-token-streams.md).
+   The two-row products of Q6_K and blocks of 32 read no faster with it. */
+#define NEAR 512
+ALWAYS_INLINE void prefetch_near_far(const uint8_t *p, long bytes) {
+    for (long c = 0; c < bytes; c += 64) {
+        _mm_prefetch((const char *)p + NEAR + c, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + FAR + c, _MM_HINT_T1);
+    }
 }
 
 static uint16_t ld16(const uint8_t *p) {
@@ -598,7 +612,7 @@ AVX512 ALWAYS_INLINE void kblock_of(const int fmt, const uint8_t *p, kblock512 *
 AVX512 ALWAYS_INLINE void k_token512(const kblock512 *b, const __m512i x[4], __m256i bsum, float dx, __m512 *acc,
                                      __m256 *accm) {
     __m512i A = _mm512_setzero_si512();
-    for (int i = 0; i < 4; i++) A = _mm512_add_epi32(A, _mm512_madd_epi16(b->sc[i], _mm512_maddubs_epi16(b->q[i], x[i])));
+    for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, b->sc[i], _mm512_maddubs_epi16(b->q[i], x[i]));
     __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(b->k.d * dx), *acc);
     *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(b->k.dm * dx), *accm);
@@ -770,10 +784,8 @@ AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *c
                 int64_t vl, vh; /* the token's same 8 bytes, for all eight rows */
                 memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
                 memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
-                __m512i t = _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl)));
-                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
-                t = _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh)));
-                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
+                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl)));
+                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh)));
             }
         }
     }
@@ -810,7 +822,7 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
     }
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_BYTES;
-        if (R == 1) prefetch_far(p, X8_BYTES); /* a token's stream, as for Q4_K */
+        if (R == 1) prefetch_near_far(p, X8_BYTES); /* a token's stream */
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
         __m512i sw[2], Z[GROUP][4];
