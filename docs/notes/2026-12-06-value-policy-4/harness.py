@@ -3,7 +3,14 @@
 idea as a patch. From the repository root:
 
     H=docs/notes/2026-12-06-value-policy-4/harness.py
-    python $H base [--held] [--olmoe]
+    python $H base [--held|--syn|--olmoe] [--no-hints] [--hyb]   # value as it is (--hyb: hybrimoe)
+    python $H logit              # p_next from an online logistic regression (lr=X, h1, norouter)
+    python $H gate=next          # cost-aware gate on background copies (gate=stay: over the stay)
+    python $H logit gate=next    # both
+    python $H bounds             # belady and the oracle, free and charged value's planning
+
+Default traces: the two demo tuning traces; --held the four held-out demo traces; --syn the two
+synthetic OLMoE-shaped tuning traces; --olmoe the OLMoE trace.
 """
 
 import math
@@ -76,7 +83,8 @@ def main(argv):
             v = row["value"]
             msg = (
                 f"{t.rsplit('/', 1)[-1][:32]:32s} {b:5s} value {v.tokens_per_s:7.2f} "
-                f"hit {v.hit_rate:.3f} prec {v.predictor_precision:.3f} rec {v.predictor_recall:.3f}"
+                f"hit {v.hit_rate:.3f} prec {v.predictor_precision:.3f} "
+                f"rec {v.predictor_recall:.3f}"
                 f" copies {v.copies_per_token:.1f} bg {v.prefetches_per_token:.1f}/"
                 f"{v.prefetch_precision:.2f}"
             )
@@ -85,8 +93,6 @@ def main(argv):
             logs.append(math.log(v.tokens_per_s))
             print(msg, f"({time.time() - t0:.0f}s)", flush=True)
     print("geomean value tok/s", math.exp(sum(logs) / len(logs)))
-
-
 
 
 # ---- patches -------------------------------------------------------------------------------
@@ -251,9 +257,28 @@ def gate(kind="next", hinted_too=False):
     return COUNT
 
 
-if __name__ == "__main__":
+def bounds():
+    from hybridmoe import tuning
 
+    for t in [OLMOE] + [f"docs/traces/{t}.jsonl" for t in TUNING]:
+        for b in ("0.1", "0.25"):
+            out = {
+                p: run_one(t, b, p).tokens_per_s for p in ("hybrimoe", "value", "belady", "oracle")
+            }
+            for p in ("belady", "oracle"):
+                tuning.PLANNER_US[p] = tuning.PLANNER_US["value"]
+                out[p + "@value's planning"] = run_one(t, b, p).tokens_per_s
+                del tuning.PLANNER_US[p]
+            h = out["hybrimoe"]
+            cells = " ".join(f"{k} {v:.1f} ({v / h:.3f})" for k, v in out.items())
+            print(t.rsplit("/", 1)[-1][:28], b, cells, flush=True)
+
+
+if __name__ == "__main__":
     args = sys.argv[1:]
+    if "bounds" in args:
+        bounds()
+        sys.exit()
     if "logit" in args or any(a.startswith("lr=") for a in args):
         numpy_only()
         kw = {}

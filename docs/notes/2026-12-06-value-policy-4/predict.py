@@ -30,52 +30,64 @@ def study(path, E=None):
     cnt = np.zeros((L, E))
     w = np.zeros(L)
     last = np.full((L, E), -(10**6))
-    co1 = np.zeros((L, E, E))  # co1[l, a, b]: a at layer l, b at layer l+1, same token
+    co1 = np.zeros((L, E, E))  # co1[li, a, b]: a at layer li, b at layer li+1, same token
     n1 = np.zeros((L, E))
     co2 = np.zeros((L, E, E))
     n2 = np.zeros((L, E))
-    coT = np.zeros((L, E, E))  # a at layer l token t-1, b at layer l token t
+    coT = np.zeros((L, E, E))  # a at layer li token t-1, b at layer li token t
     nT = np.zeros((L, E))
     keep4 = 1 - 1 / (4 * WINDOW)
     names = [
-        "freq", "last", "freq+last", "cross1 max", "cross1 NB", "cross1 NB+last",
-        "cross1+2 NB", "cross1+2 NB+last", "prevtok NB", "all NB",
-        "current-like", "NB/4+last", "NB/2+last", "NB/|S|+last", "max+last", "logit",
+        "freq",
+        "last",
+        "freq+last",
+        "cross1 max",
+        "cross1 NB",
+        "cross1 NB+last",
+        "cross1+2 NB",
+        "cross1+2 NB+last",
+        "prevtok NB",
+        "all NB",
+        "current-like",
+        "NB/4+last",
+        "NB/2+last",
+        "NB/|S|+last",
+        "max+last",
+        "logit",
     ]
     wlog = np.zeros(7)
     hits = {n: 0 for n in names}
     total = 0
     start = T // 2
     for t in range(T):
-        for l in range(L):
-            used = toks[t][l]
+        for li in range(L):
+            used = toks[t][li]
             if t >= start:
-                f = cnt[l] / max(w[l], 1)
+                f = cnt[li] / max(w[li], 1)
                 lf = np.log(np.maximum(f, 1e-4))
-                lastb = (last[l] == t - 1).astype(float)
+                lastb = (last[li] == t - 1).astype(float)
 
-                def cond(co, n, src):
-                    c = (co[src] + PRIOR * f) / (n[src][:, None] + PRIOR)
-                    return c
+                def cond(co, n, src, f=f):
+                    return (co[src] + PRIOR * f) / (n[src][:, None] + PRIOR)
+
                 sc = {}
                 sc["freq"] = f
                 sc["last"] = lastb + 1e-6 * f
                 sc["freq+last"] = f + lastb
-                nb = lf.copy()
-                if l >= 1:
-                    c1 = cond(co1[l - 1], n1[l - 1], toks[t][l - 1])
+                if li >= 1:
+                    c1 = cond(co1[li - 1], n1[li - 1], toks[t][li - 1])
                     sc["cross1 max"] = c1.max(0)
                     nb1 = np.log(np.maximum(c1, 1e-6)).sum(0) - len(c1) * lf
                 else:
                     sc["cross1 max"] = f
                     nb1 = 0
                 nb2 = 0
-                if l >= 2:
-                    c2 = cond(co2[l - 2], n2[l - 2], toks[t][l - 2])
+                if li >= 2:
+                    c2 = cond(co2[li - 2], n2[li - 2], toks[t][li - 2])
                     nb2 = np.log(np.maximum(c2, 1e-6)).sum(0) - len(c2) * lf
                 nbt = 0
                 if t >= 1:
-                    cT = cond(coT[l], nT[l], toks[t - 1][l])
+                    cT = cond(coT[li], nT[li], toks[t - 1][li])
                     nbt = np.log(np.maximum(cT, 1e-6)).sum(0) - len(cT) * lf
                 sc["cross1 NB"] = lf + nb1
                 sc["cross1 NB+last"] = lf + nb1 + 2 * lastb
@@ -86,12 +98,22 @@ def study(path, E=None):
                 sc["current-like"] = np.maximum(sc["cross1 max"], 0) + 0.5 * lastb
                 sc["NB/4+last"] = lf + nb1 / 4 + 2 * lastb
                 sc["NB/2+last"] = lf + nb1 / 2 + 2 * lastb
-                sc["NB/|S|+last"] = lf + nb1 / max(1, len(toks[t][l - 1])) + 2 * lastb
+                sc["NB/|S|+last"] = lf + nb1 / max(1, len(toks[t][li - 1])) + 2 * lastb
                 m1 = sc["cross1 max"]
                 sc["max+last"] = np.log(np.maximum(m1, 1e-4)) + 2 * lastb
-                age = np.minimum(t - last[l], 64)
-                X = np.stack([np.ones(E), lf, nb1 + 0 * lf, nb2 + 0 * lf, lastb,
-                              np.log(age), np.log(np.maximum(m1, 1e-4))], 1)
+                age = np.minimum(t - last[li], 64)
+                X = np.stack(
+                    [
+                        np.ones(E),
+                        lf,
+                        nb1 + 0 * lf,
+                        nb2 + 0 * lf,
+                        lastb,
+                        np.log(age),
+                        np.log(np.maximum(m1, 1e-4)),
+                    ],
+                    1,
+                )
                 sc["logit"] = X @ wlog
                 for n in names:
                     top = np.argsort(-sc[n], kind="stable")[:k]
@@ -99,49 +121,51 @@ def study(path, E=None):
                 total += len(used)
             if True:
                 # online logistic regression (SGD), every visit, from the first token
-                f = cnt[l] / max(w[l], 1)
+                f = cnt[li] / max(w[li], 1)
                 lf = np.log(np.maximum(f, 1e-4))
-                lastb = (last[l] == t - 1).astype(float)
+                lastb = (last[li] == t - 1).astype(float)
                 nb1 = nb2 = 0 * lf
                 m1 = f
-                if l >= 1 and n1[l-1].any():
-                    src = toks[t][l - 1]
-                    c1 = (co1[l-1][src] + PRIOR * f) / (n1[l-1][src][:, None] + PRIOR)
+                if li >= 1 and n1[li - 1].any():
+                    src = toks[t][li - 1]
+                    c1 = (co1[li - 1][src] + PRIOR * f) / (n1[li - 1][src][:, None] + PRIOR)
                     nb1 = np.log(np.maximum(c1, 1e-6)).sum(0) - len(c1) * lf
                     m1 = c1.max(0)
-                if l >= 2 and n2[l-2].any():
-                    src = toks[t][l - 2]
-                    c2 = (co2[l-2][src] + PRIOR * f) / (n2[l-2][src][:, None] + PRIOR)
+                if li >= 2 and n2[li - 2].any():
+                    src = toks[t][li - 2]
+                    c2 = (co2[li - 2][src] + PRIOR * f) / (n2[li - 2][src][:, None] + PRIOR)
                     nb2 = np.log(np.maximum(c2, 1e-6)).sum(0) - len(c2) * lf
-                age = np.minimum(t - last[l], 64)
-                X = np.stack([np.ones(E), lf, nb1, nb2, lastb, np.log(age),
-                              np.log(np.maximum(m1, 1e-4))], 1)
-                y = np.zeros(E); y[used] = 1
+                age = np.minimum(t - last[li], 64)
+                X = np.stack(
+                    [np.ones(E), lf, nb1, nb2, lastb, np.log(age), np.log(np.maximum(m1, 1e-4))], 1
+                )
+                y = np.zeros(E)
+                y[used] = 1
                 pr = 1 / (1 + np.exp(-np.clip(X @ wlog, -30, 30)))
                 wlog += 0.01 * X.T @ (y - pr) / E
             # learn
-            cnt[l] *= keep
-            w[l] = w[l] * keep + 1
-            cnt[l, used] += 1
-            last[l, used] = t
-            if l >= 1:
-                src = toks[t][l - 1]
-                co1[l - 1] *= keep4
-                n1[l - 1] *= keep4
-                co1[l - 1][np.ix_(src, used)] += 1
-                n1[l - 1][src] += 1
-            if l >= 2:
-                src = toks[t][l - 2]
-                co2[l - 2] *= keep4
-                n2[l - 2] *= keep4
-                co2[l - 2][np.ix_(src, used)] += 1
-                n2[l - 2][src] += 1
+            cnt[li] *= keep
+            w[li] = w[li] * keep + 1
+            cnt[li, used] += 1
+            last[li, used] = t
+            if li >= 1:
+                src = toks[t][li - 1]
+                co1[li - 1] *= keep4
+                n1[li - 1] *= keep4
+                co1[li - 1][np.ix_(src, used)] += 1
+                n1[li - 1][src] += 1
+            if li >= 2:
+                src = toks[t][li - 2]
+                co2[li - 2] *= keep4
+                n2[li - 2] *= keep4
+                co2[li - 2][np.ix_(src, used)] += 1
+                n2[li - 2][src] += 1
             if t >= 1:
-                src = toks[t - 1][l]
-                coT[l] *= keep4
-                nT[l] *= keep4
-                coT[l][np.ix_(src, used)] += 1
-                nT[l][src] += 1
+                src = toks[t - 1][li]
+                coT[li] *= keep4
+                nT[li] *= keep4
+                coT[li][np.ix_(src, used)] += 1
+                nT[li][src] += 1
     print(path.rsplit("/", 1)[-1], f"E={E} k={k} L={L} T={T}")
     for n in names:
         print(f"  {n:18s} {hits[n] / total:.3f}")
