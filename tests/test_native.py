@@ -283,3 +283,27 @@ def test_a_library_exposes_only_the_functions_it_types():
     assert lib.hm_gemm_bf16.argtypes and len(lib.hm_gemm_bf16.argtypes) == 8
     with pytest.raises(AttributeError):
         getattr(lib, "hm_experts_mix_bf16")  # noqa: B009 (in the .so, not typed in bf16.py)
+
+
+@needs_kernels
+@pytest.mark.parametrize("nta", [0, 1])
+def test_one_row_products_read_the_same_bits_however_the_weights_are_asked_for(nta):
+    """bf16.c is built to ask for a one-row product's weights as non-temporal on AMD and into L1/L2
+    elsewhere (WEIGHTS_NTA, by the CPU's vendor); each build gives the bits of a float64-checked
+    product on every machine."""
+    from hybridmoe.native import bf16 as kernels
+    from hybridmoe.native.build import load
+
+    flags = [f for f in kernels.FLAGS if not f.startswith("-DWEIGHTS_NTA")]
+    flags.append(f"-DWEIGHTS_NTA={nta}")
+    other = load(kernels.SOURCE, flags, kernels.SIGNATURES, kernels.HEADERS)
+    gen = torch.Generator().manual_seed(11 + nta)
+    for rows, cols in [(4099, 2048), (7, 100), (1553, 576), (5, 31)]:
+        w, x = bf16(rows, cols, gen=gen), bf16(1, cols, gen=gen)
+        y = torch.empty(1, rows, dtype=torch.bfloat16)
+        wp, xp, yp = w.data_ptr(), x.data_ptr(), y.data_ptr()
+        other.hm_linear_bf16(wp, xp, cols, 0, yp, rows, rows, cols, 1, 1)  # one row, one thread
+        assert torch.equal(y, kernels.linear(x, w))
+        ref = x.double() @ w.double().t()  # [1, rows]
+        bound = 2.0**-8 * ref.abs() + 1e-6 * (x.double().abs() @ w.double().abs().t())
+        assert torch.all((y.double() - ref).abs() <= bound)  # one bf16 rounding of fp32 sums

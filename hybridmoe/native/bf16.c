@@ -69,8 +69,16 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
    step streams hundreds of MB of weights once each, and through the caches as plain loads they evicted
    everything else from L3, so the Python and torch steps between two kernels ran on cold caches (a
    router's softmax and top-k took ~170 us after a kernel against ~15 us warm, ~40 us with this). 256
-   and 512 bytes ahead measured alike, 1 KB and more slower (docs/notes/2026-11-25-decode-two-threads.md). */
+   and 512 bytes ahead measured alike, 1 KB and more slower (docs/notes/2026-11-25-decode-two-threads.md).
+   That was on AMD's Zen 4. On an Intel core (a Sapphire Rapids-class VM) the same prefetch held the product
+   to 8.2 GB/s from RAM, and asking for the lines 512 bytes ahead into L1 and 4 KB ahead into L2 read 12.8
+   (14.7 -> 23.3 GB/s at two threads; docs/notes/2026-12-06-one-token-streams.md): the library is built for
+   one or the other by the CPU's vendor (native/bf16.py, WEIGHTS_NTA). */
 #define NTA_AHEAD 512
+#define FAR_AHEAD 4096
+#ifndef WEIGHTS_NTA
+#define WEIGHTS_NTA 1
+#endif
 
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
    One x row (decode of one sequence: the weights stream from RAM and nothing else counts) reads the
@@ -96,7 +104,12 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     if (R == 1) {
         for (int j = 0; j < 4; j++) {
             for (long i = 0; i < end; i += 32) {
+#if WEIGHTS_NTA
                 _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_NTA);
+#else
+                _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w[j] + i) + FAR_AHEAD, _MM_HINT_T1);
+#endif
                 CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
             }
             if (tail) CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.native.build import INT, F, N, P, cpu_flags, load
+from hybridmoe.native.build import INT, F, N, P, cpu_flags, cpu_vendor, load
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
@@ -25,6 +25,10 @@ HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("rows.h"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
 # -ffp-contract=off: the floats as written (rows.h); the kernels ask for their FMAs by name
 FLAGS += ["-pthread", "-ffp-contract=off"]
+# How a one-row product asks for the weights it streams: non-temporal on AMD (Zen 4: keeps the
+# caches of the Python between kernels), into L1 and L2 elsewhere (Intel: 1.5x the read rate);
+# bf16.c, NTA_AHEAD
+FLAGS += [f"-DWEIGHTS_NTA={int(cpu_vendor() == 'AuthenticAMD')}"]
 
 # Rows up to which the kernels take a call: one thread, weights from RAM, they beat oneDNN's bf16
 # linear at every row count up to 32 and are about even at 48, where they turn compute-bound

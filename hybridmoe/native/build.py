@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import types
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from hybridmoe import env
@@ -21,21 +21,29 @@ from hybridmoe.paths import user_cache_dir
 P, N, F, INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
 
+@cache
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo (Linux); "" elsewhere or where it has none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (Linux); elsewhere none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                (
-                    frozenset(line.split(":", 1)[1].split())
-                    for line in f
-                    if line.startswith("flags")
-                ),
-                frozenset(),
-            )
-    except OSError:
-        return frozenset()
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor (GenuineIntel, AuthenticAMD, ...) from /proc/cpuinfo; "" elsewhere."""
+    return _cpuinfo("vendor_id")
 
 
 def _compile(source: Path, flags: list[str], out: Path) -> None:
