@@ -131,3 +131,16 @@ def test_compare_llama_cpp_wants_a_gguf_file(tmp_path, capsys):
     assert main(["bench", "generate", "--model", str(model), "--compare-llama-cpp"]) == 2
     (line,) = [row for row in capsys.readouterr().err.splitlines() if "error" in row]
     assert "GGUF" in line or "llama-cpp-python" in line  # whichever is missing first
+
+
+def test_a_llama_cpp_killed_on_an_amx_cpu_is_told_how_to_rebuild_it(monkeypatch):
+    """llama-cpp-python's AMX kernels crash on some AMX CPUs (SIGILL or SIGSEGV at ldtilecfg): the
+    error says how to build it without them, and only then."""
+    from hybridmoe.bench import compare_llama_cpp as compare
+
+    monkeypatch.setattr(compare, "cpu_flags", lambda: frozenset({"avx512f", "amx_int8"}))
+    for signal in (4, 11):
+        assert "-mno-amx-int8" in compare._hint("llama.cpp", -signal)
+    assert compare._hint("llama.cpp", 1) == "" and compare._hint("hybridmoe", -11) == ""
+    monkeypatch.setattr(compare, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert compare._hint("llama.cpp", -4) == ""

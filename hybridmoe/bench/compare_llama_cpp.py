@@ -14,6 +14,7 @@ import tempfile
 
 from hybridmoe import env
 from hybridmoe.errors import UserError
+from hybridmoe.native.build import cpu_flags
 
 ENGINES = ("hybridmoe", "llama.cpp")
 
@@ -40,8 +41,23 @@ class Worker:
         if not line:
             self.log.seek(0)
             tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
-            raise UserError(f"{self.engine} stopped: {' / '.join(tail) or 'no output'}")
+            code = self.proc.wait(timeout=60)
+            said = " / ".join(tail) or (f"killed by signal {-code}" if code < 0 else "no output")
+            raise UserError(f"{self.engine} stopped: {said}{_hint(self.engine, code)}")
         return json.loads(line)
+
+
+def _hint(engine: str, code: int) -> str:
+    """What to do when llama.cpp dies of SIGILL or SIGSEGV on a CPU with AMX: llama-cpp-python's
+    AMX matrix products crash on some (ggml-org/llama.cpp#20824: SIGILL/SIGSEGV at ldtilecfg in
+    ggml_backend_amx_mul_mat; seen here on an Intel Xeon VM with llama-cpp-python 0.3.36)."""
+    if engine != "llama.cpp" or code not in (-4, -11) or "amx_int8" not in cpu_flags():
+        return ""
+    return (
+        "; llama.cpp's AMX kernels crash on some AMX CPUs: rebuild it without them, "
+        'CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" '
+        "pip install --no-cache-dir --force-reinstall --no-deps 'llama-cpp-python>=0.3.36,<0.4'"
+    )
 
     def __call__(self, prompt: list[int], max_tokens: int):
         self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
