@@ -46,6 +46,17 @@ class Worker:
             raise UserError(f"{self.engine} stopped: {said}{_hint(self.engine, code)}")
         return json.loads(line)
 
+    def __call__(self, prompt: list[int], max_tokens: int):
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        self.last = self._reply()
+        return self.last["prefill_s"], self.last["decode_s"], self.last["steps"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
 
 def _hint(engine: str, code: int) -> str:
     """What to do when llama.cpp dies of SIGILL or SIGSEGV on a CPU with AMX: llama-cpp-python's
@@ -58,17 +69,6 @@ def _hint(engine: str, code: int) -> str:
         'CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" '
         "pip install --no-cache-dir --force-reinstall --no-deps 'llama-cpp-python>=0.3.36,<0.4'"
     )
-
-    def __call__(self, prompt: list[int], max_tokens: int):
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        self.last = self._reply()
-        return self.last["prefill_s"], self.last["decode_s"], self.last["steps"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self.log.close()
 
 
 def check(model: str) -> None:
