@@ -1228,20 +1228,21 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
 }
 
 /* One routed expert's share of a call: its weights, its tokens, where its output goes. Python passes an
-   int64 table [n, 12] of these fields in this order. */
+   int64 table [n, 12] of these fields in this order (rows 0: its tokens are x's first M rows). */
 typedef struct {
     const uint8_t *gate, *up, *down; /* [I, H], [I, H] in fmt_gu; [H, I] in fmt_d */
     long ld_gu, ld_d;                /* bytes per weight row */
     long fmt_gu, fmt_d;
-    const void *x;                   /* [M, H]: its tokens, rows ldx elements apart (fp32 or bf16) */
+    const void *x;                   /* its tokens, rows ldx elements apart (fp32 or bf16) */
     long ldx, M;
     float *y;                        /* [M, H] fp32 out, rows H apart */
-    long unused;
+    const long *rows;                /* [M]: which rows of x are its tokens; NULL: rows 0..M-1 */
 } expert_job;
 
 typedef struct {
     const expert_job *e;
     long n, H, I;
+    long xrows;      /* rows of x that the experts' `rows` index (all of them are quantised once) */
     int x_bf16, isa;
     long *owner;     /* per expert: the first expert with the same tokens (their activations are shared) */
     acts *ax, *ah;   /* per expert: its tokens quantised for gate/up; h = silu(gate) * up quantised for down */
@@ -1256,7 +1257,7 @@ typedef struct {
 static void gate_up_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long per = (c->I + c->rows1[i] - 1) / c->rows1[i], up = u >= per, n0 = (u % per) * c->rows1[i];
-    product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], NULL,
+    product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], e->rows,
                  e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H),
                  x8_path((int)e->fmt_gu, c->isa)};
     product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
@@ -1290,7 +1291,7 @@ static void experts_region(void *arg, int t, int T) {
     long u;
     while ((u = next_unit(&c->next[0], c->n)) >= 0) {  /* quantise each distinct token set once */
         const expert_job *e = &c->e[u];
-        if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, e->M, c->H))
+        if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, e->rows ? c->xrows : e->M, c->H))
             atomic_store(&c->status, -2);
         atomic_fetch_add(&c->done[0], 1);
     }
@@ -1316,13 +1317,14 @@ static void experts_region(void *arg, int t, int T) {
 
 /* The n experts of e (a layer's, typically) over their tokens, in one region of `threads` threads: stage 0
    quantises each distinct token set once, stage 1 runs every gate and up row, stage 2 makes each expert's
-   h = silu(gate) * up and quantises it, stage 3 runs every down row. y = down h. */
-int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa) {
+   h = silu(gate) * up and quantises it, stage 3 runs every down row. y = down h. Experts whose tokens
+   are `rows` of one x share its xrows rows quantised once. */
+static int experts_run(const expert_job *e, long n, long H, long I, int x_bf16, long xrows, int threads, int isa) {
     for (long i = 0; i < n; i++)
         if (check_shape((int)e[i].fmt_gu, e[i].ld_gu, H) || check_shape((int)e[i].fmt_d, e[i].ld_d, I) ||
             (e[i].fmt_gu == Q4_K_X8 && I % X8) || (e[i].fmt_d == Q4_K_X8 && H % X8))
             return -1;
-    experts_call c = {.e = e, .n = n, .H = H, .I = I, .x_bf16 = x_bf16, .isa = isa};
+    experts_call c = {.e = e, .n = n, .H = H, .I = I, .xrows = xrows, .x_bf16 = x_bf16, .isa = isa};
     size_t words = (size_t)n * 6 + 2;
     char *mem = calloc(1, words * sizeof(long) + (size_t)n * (2 * sizeof(acts) + sizeof(float *)));
     long tokens = 0;
@@ -1339,7 +1341,9 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
     for (long i = 0, at = 0; i < n; i++) {
         c.owner[i] = i;
         for (long j = 0; j < i && c.owner[i] == i; j++)
-            if (e[j].x == e[i].x && e[j].M == e[i].M && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu) c.owner[i] = j;
+            if (e[j].x == e[i].x && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu && !e[j].rows == !e[i].rows &&
+                (e[i].rows || e[j].M == e[i].M))
+                c.owner[i] = j;
         c.rows1[i] = unit_rows((int)e[i].fmt_gu, e[i].ld_gu, e[i].M);
         c.rows3[i] = unit_rows((int)e[i].fmt_d, e[i].ld_d, e[i].M);
         c.first1[i + 1] = c.first1[i] + 2 * ((I + c.rows1[i] - 1) / c.rows1[i]);
@@ -1360,42 +1364,109 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
     return atomic_load(&c.status);
 }
 
-/* One token's routed experts from the router's choice as it stands, and their weighted sum, in one call.
-   ids [K] (int64, top-k order, distinct) and weights w [K] (fp32) index experts [E, 7], the layer's
-   table: each expert's gate, up and down addresses, the bytes per row of gate/up and of down, and their
-   ggml types. x [H] (bf16 when x_bf16, else fp32) -> out [H] in x's type: sum_j y_j * w_j over the
-   experts in increasing id, each term in fp32 (y_j first rounded to bf16 for a bf16 token), added from
-   0, the sum rounded once: the bits of hm_qexperts' outputs converted to x's type and then combined as
-   combine_token (experts/run/ffn.py) combines them with torch (a product and a sum, two roundings:
-   -ffp-contract=off). Returns hm_qexperts' status (0, -1 a format or width it does not take, -2 no
-   memory). */
-int hm_qmoe_token(const int64_t *experts, const int64_t *ids, const float *w, long K, const void *x, int x_bf16,
-                  long H, long I, int threads, int isa, void *out) {
+int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa) {
+    return experts_run(e, n, H, I, x_bf16, 0, threads, isa);
+}
+
+/* Tokens' routed experts from the router's choice as it stands, and their weighted sums, in one call: a
+   decode token's (T = 1) and a prefill chunk's. ids [T, K] (int64, top-k order, distinct per token) and
+   weights w [T, K] (fp32) index experts [E, 7], the layer's table: each expert's gate, up and down
+   addresses, the bytes per row of gate/up and of down, and their ggml types. x [T, H] (bf16 when x_bf16,
+   else fp32; rows contiguous) is quantised once for every expert; each expert used runs over its tokens
+   (rows of x, in increasing order). out [T, H] in x's type: per token, sum_j y_j * w_j over its experts in
+   increasing id, each term in fp32 (y_j first rounded to bf16 for a bf16 token), added from 0, the sum
+   rounded once: the bits of hm_qexperts' outputs converted to x's type and then combined as
+   combine_token and combine_grouped (experts/run/ffn.py) combine them with torch (a product and a sum,
+   two roundings: -ffp-contract=off). Prefill took 0.2 s of 1.5 s at two threads in those torch ops
+   (per-expert gathers, conversions and index_add_, each woken onto OpenMP's threads beside this pool's:
+   docs/notes/2026-12-06-prefill-two-threads.md). Returns 0, -1 a format or width it does not take or an id
+   outside [0, E), -2 no memory. */
+typedef struct {
+    const int64_t *ids;
+    const float *w;
+    long K, H;
+    int x_bf16;
+    const float *y;    /* [T * K, H]: the experts' outputs, expert by expert */
+    const long *slot;  /* [T, K]: the row of y that holds token t's k-th expert's output */
+    void *out;
+    long T;
+    atomic_long next;
+} mix_call;
+
+#define MIX_TOKENS 8  /* tokens per unit of the weighted sums */
+#define MIX_COLS 256  /* columns summed at a time, in registers and L1 */
+
+/* Token t's weighted sum (mix_call's), MIX_COLS columns at a time: each column through the same float
+   operations in the same order, whatever the vector width the compiler picks. */
+AVX2 static void mix_token(const mix_call *c, long t) {
+    const long K = c->K, H = c->H;
     long order[64];
-    if (K > 64) return -1;
-    for (long k = 0; k < K; k++) { /* insertion sort of k by ids[k] */
+    for (long k = 0; k < K; k++) { /* insertion sort of k by the token's ids */
         long j = k;
-        for (; j > 0 && ids[order[j - 1]] > ids[k]; j--) order[j] = order[j - 1];
+        for (; j > 0 && c->ids[t * K + order[j - 1]] > c->ids[t * K + k]; j--) order[j] = order[j - 1];
         order[j] = k;
     }
-    expert_job e[64];
-    float *y = malloc(sizeof(float) * K * H);  /* [K, H]: each expert's output, in increasing id */
-    if (!y) return -2;
-    for (long j = 0; j < K; j++) {
-        const int64_t *p = experts + 7 * ids[order[j]];
-        e[j] = (expert_job){(const uint8_t *)p[0], (const uint8_t *)p[1], (const uint8_t *)p[2], p[3], p[4], p[5],
-                            p[6], x, H, 1, y + j * H, 0};
-    }
-    int status = hm_qexperts(e, K, H, I, x_bf16, threads, isa);
-    for (long h = 0; h < H && status == 0; h++) {
-        float acc = 0.0f;
+    for (long h0 = 0; h0 < H; h0 += MIX_COLS) {
+        const long n = min_l(MIX_COLS, H - h0);
+        float acc[MIX_COLS];
+        for (long h = 0; h < n; h++) acc[h] = 0.0f;
         for (long j = 0; j < K; j++) {
-            float v = y[j * H + h];
-            acc += (x_bf16 ? round_bf16(v) : v) * w[order[j]];
+            const float *v = c->y + c->slot[t * K + order[j]] * H + h0, wj = c->w[t * K + order[j]];
+            if (c->x_bf16)
+                for (long h = 0; h < n; h++) acc[h] += round_bf16(v[h]) * wj;
+            else
+                for (long h = 0; h < n; h++) acc[h] += v[h] * wj;
         }
-        if (x_bf16) ((uint16_t *)out)[h] = bf16(acc);
-        else ((float *)out)[h] = acc;
+        if (c->x_bf16)
+            for (long h = 0; h < n; h++) ((uint16_t *)c->out)[t * H + h0 + h] = bf16(acc[h]);
+        else
+            memcpy((float *)c->out + t * H + h0, acc, sizeof(float) * (size_t)n);
     }
+}
+
+static void mix_region(void *arg, int t, int T) {
+    (void)t;
+    (void)T;
+    mix_call *c = arg;
+    const long units = (c->T + MIX_TOKENS - 1) / MIX_TOKENS;
+    for (long u; (u = next_unit(&c->next, units)) >= 0;)
+        for (long m = u * MIX_TOKENS; m < min_l(u * MIX_TOKENS + MIX_TOKENS, c->T); m++) mix_token(c, m);
+}
+
+int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
+                   const void *x, int x_bf16, long H, long I, int threads, int isa, void *out) {
+    if (K > 64 || T < 1) return -1;
+    for (long i = 0; i < T * K; i++)
+        if (ids[i] < 0 || ids[i] >= E) return -1;
+    long *first = calloc((size_t)(E + 1), sizeof(long)), *rows = malloc(sizeof(long) * (size_t)(2 * T * K));
+    expert_job *e = malloc(sizeof(expert_job) * (size_t)(E < T * K ? E : T * K));
+    float *y = malloc(sizeof(float) * (size_t)(T * K * H)); /* [T * K, H]: each expert's outputs, in increasing id */
+    int status = first && rows && e && y ? 0 : -2;
+    long n = 0, *slot = rows + T * K;
+    if (!status) {
+        for (long i = 0; i < T * K; i++) first[ids[i] + 1]++; /* counts, then where each expert's rows start */
+        for (long j = 0; j < E; j++) {
+            const long count = first[j + 1];
+            first[j + 1] = first[j] + count;
+            if (!count) continue;
+            const int64_t *p = experts + 7 * j;
+            e[n++] = (expert_job){(const uint8_t *)p[0], (const uint8_t *)p[1], (const uint8_t *)p[2], p[3], p[4], p[5],
+                                  p[6], x, H, count, y + first[j] * H, rows + first[j]};
+        }
+        for (long i = 0; i < T * K; i++) { /* tokens in increasing order within each expert's rows */
+            slot[i] = first[ids[i]]++;
+            rows[slot[i]] = i / K;
+        }
+        status = experts_run(e, n, H, I, x_bf16, T, threads, isa);
+    }
+    if (!status) {
+        mix_call c = {ids, w, K, H, x_bf16, y, slot, out, T};
+        atomic_init(&c.next, 0);
+        hm_parallel(mix_region, &c, (int)min_l(threads, (T + MIX_TOKENS - 1) / MIX_TOKENS));
+    }
+    free(first);
+    free(rows);
+    free(e);
     free(y);
     return status;
 }
