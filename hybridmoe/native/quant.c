@@ -559,13 +559,16 @@ AVX512 ALWAYS_INLINE void unpack_k512(int fmt, const uint8_t *p, __m512i q[4]) {
     }
 }
 
-/* AVX-512: register i's 32 scale words (the 16-value parts of halves 2i and 2i+1), from kscales' words:
-   word j of register i belongs to part 4i + j / 8. */
+/* AVX-512: register i's 16 scales (the 16-value parts of halves 2i and 2i+1), from kscales' words: lane l
+   of register i belongs to part 4i + l / 4, its scale in the lane's low word and 0 above (what vpdpwssd
+   multiplies a lane's sum of 4 products by: k_token512). */
 AVX512 ALWAYS_INLINE void scales_k512(const kscales *k, __m512i sc[4]) {
     static const int16_t part[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                      2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
     __m512i w = _mm512_castsi256_si512(k->words), j8 = _mm512_loadu_si512((const void *)part);
-    for (int i = 0; i < 4; i++) sc[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(j8, _mm512_set1_epi16((short)(4 * i))), w);
+    for (int i = 0; i < 4; i++)
+        sc[i] = _mm512_and_si512(_mm512_permutexvar_epi16(_mm512_add_epi16(j8, _mm512_set1_epi16((short)(4 * i))), w),
+                                 _mm512_set1_epi32(0xFFFF));
 }
 
 /* k_result of acc's 16 lanes and accm's 8, in registers: the same additions in the same order. */
@@ -594,11 +597,14 @@ AVX512 ALWAYS_INLINE void kblock_of(const int fmt, const uint8_t *p, kblock512 *
 }
 
 /* One token's share of super-block b: x its 256 bytes as 4 registers, bsum and dx its sums and scale,
-   added into acc (the scaled dot) and accm (the minimums' term). */
+   added into acc (the scaled dot) and accm (the minimums' term). A lane's 4 products summed by vpdpbusd fit a
+   word (|sum| <= 4 * 63 * 127), which vpdpwssd multiplies by the lane's scale and adds: the exact integers
+   of vpmaddubsw, vpmaddwd and an add, in two instructions instead of three (1.1-1.2x on SPR,
+   docs/notes/2026-12-06-prefill-two-threads.md). */
 AVX512 ALWAYS_INLINE void k_token512(const kblock512 *b, const __m512i x[4], __m256i bsum, float dx, __m512 *acc,
                                      __m256 *accm) {
     __m512i A = _mm512_setzero_si512();
-    for (int i = 0; i < 4; i++) A = _mm512_add_epi32(A, _mm512_madd_epi16(b->sc[i], _mm512_maddubs_epi16(b->q[i], x[i])));
+    for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->q[i], x[i]), b->sc[i]);
     __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(b->k.d * dx), *acc);
     *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(b->k.dm * dx), *accm);
@@ -761,8 +767,10 @@ AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *c
         for (int c = 0; c < 4; c++) Z[r][c] = _mm512_setzero_si512();
     for (int g = h; g < 4; g += 2) { /* group g: low nibbles block 2g, high nibbles 2g + 1 */
         const int bl = 2 * g, bh = 2 * g + 1;
+        const __m512i low = _mm512_set1_epi32(0xFFFF); /* a lane's scale in its low word, 0 above */
         __m512i sl = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
         __m512i sh = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
+        sl = _mm512_and_si512(sl, low), sh = _mm512_and_si512(sh, low);
         for (int c = 0; c < 4; c++) {
             __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
             __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
@@ -770,10 +778,11 @@ AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *c
                 int64_t vl, vh; /* the token's same 8 bytes, for all eight rows */
                 memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
                 memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
-                __m512i t = _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl)));
-                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
-                t = _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh)));
-                Z[r][c] = _mm512_add_epi32(Z[r][c], t);
+                /* a lane's 4 products summed (|sum| <= 4 * 15 * 127: a word), times its scale */
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi64(vl));
+                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], d, sl);
+                d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi64(vh));
+                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], d, sh);
             }
         }
     }
