@@ -1442,6 +1442,25 @@ static void mix_region(void *arg, int t, int T) {
         for (long m = u * MIX_TOKENS; m < min_l(u * MIX_TOKENS + MIX_TOKENS, c->T); m++) mix_token(c, m);
 }
 
+/* The experts' outputs of a calling thread's last call, kept for its next: a prefill chunk's (T K H floats,
+   33.5 MB at 512 tokens of Qwen3-30B-A3B's shape) lie above glibc's largest mmap threshold (32 MB), so a
+   buffer freed and made again every layer came back as fresh pages, faulted in and zeroed by the kernel:
+   ~2.5% of a 2-thread prefill. One per thread (a server runs prefill and decode on two), kept at its
+   largest size. */
+static __thread struct {
+    float *p;
+    size_t n;
+} outputs;
+
+static float *outputs_of(size_t n) {
+    if (outputs.n < n) {
+        free(outputs.p);
+        outputs.p = malloc(sizeof(float) * n);
+        outputs.n = outputs.p ? n : 0;
+    }
+    return outputs.p;
+}
+
 int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
                    const void *x, int x_bf16, long H, long I, int threads, int isa, void *out) {
     if (K > 64 || T < 1) return -1;
@@ -1449,7 +1468,7 @@ int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const flo
         if (ids[i] < 0 || ids[i] >= E) return -1;
     long *first = calloc((size_t)(E + 1), sizeof(long)), *rows = malloc(sizeof(long) * (size_t)(2 * T * K));
     expert_job *e = malloc(sizeof(expert_job) * (size_t)(E < T * K ? E : T * K));
-    float *y = malloc(sizeof(float) * (size_t)(T * K * H)); /* [T * K, H]: each expert's outputs, in increasing id */
+    float *y = outputs_of((size_t)(T * K * H)); /* [T * K, H]: each expert's outputs, in increasing id */
     int status = first && rows && e && y ? 0 : -2;
     long n = 0, *slot = rows + T * K;
     if (!status) {
@@ -1476,7 +1495,6 @@ int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const flo
     free(first);
     free(rows);
     free(e);
-    free(y);
     return status;
 }
 
