@@ -47,20 +47,20 @@ def torch_threads(n: int):
 
 
 def moe_halves_checked(model, monkeypatch, in_blocks: bool) -> None:
-    """Decode 16 tokens with every MoE layer's native token path (the runtime's `_mix_token`)
+    """Decode 16 tokens with every MoE layer's native token path (the runtime's `_mix_tokens`)
     checked against the runtime's experts_ffn + combine_token on the same input, bit for bit, and
     assert it ran on every decode token of every layer (its experts' table in blocks where
     `in_blocks`)."""
     layer_of, compared = CPURuntime._layer, []
 
     def both(self, layer, x, topk_ids, topk_weights, hint, lora=None):
-        fast = self._mix_token(layer, x, topk_ids, topk_weights)
+        fast = self._mix_tokens(layer, x, topk_ids, topk_weights)
         out, report = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
         if fast is None:
             return out, report
         assert not in_blocks or self._expert_table(layer)[1]  # the experts' table in blocks
         with monkeypatch.context() as m:
-            m.setattr(CPURuntime, "_mix_token", lambda *a: None)
+            m.setattr(CPURuntime, "_mix_tokens", lambda *a: None)
             ref, _ = layer_of(self, layer, x, topk_ids, topk_weights, hint, lora)
         assert torch.equal(out, ref) and torch.equal(fast[0], ref)
         compared.append(layer)

@@ -1,6 +1,6 @@
 """A decode step's blocks on weights kept in GGUF blocks (Q8_0, Q4_K) against the layers' own
 paths, step by step inside real engine runs: a layer's attention half in one call (bf16.c's block
-calling quant.c's product) and a token's routed experts with their mix (quant.c hm_qmoe_token) give
+calling quant.c's product) and a token's routed experts with their mix (quant.c hm_qmoe_tokens) give
 the same bits, so the same logits and tokens as with the native blocks off; and the AVX2 and AVX-512
 paths give the same logits through them."""
 
@@ -51,7 +51,7 @@ def gguf(tmp_path_factory):
 
 def blocks_off(m: pytest.MonkeyPatch) -> None:
     m.setattr(Attention, "_block_table", lambda *a: None)
-    m.setattr(CPURuntime, "_mix_token", lambda *a: None)
+    m.setattr(CPURuntime, "_mix_tokens", lambda *a: None)
 
 
 @needs_bf16
@@ -91,7 +91,7 @@ def test_the_attention_half_on_weights_in_blocks_gives_the_layers_bits(
 def test_a_tokens_experts_in_blocks_in_one_call_give_the_runtimes_bits(
     name, dtype, gguf, monkeypatch
 ):
-    """Every MoE layer of every decode token both ways on the same input: hm_qmoe_token against
+    """Every MoE layer of every decode token both ways on the same input: hm_qmoe_tokens against
     the runtime's experts_ffn + combine_token, bit for bit, for bf16 and fp32 tokens."""
     model = load_model(gguf(name), dtype=dtype, progress=False)
     moe_halves_checked(model, monkeypatch, in_blocks=True)

@@ -26,7 +26,7 @@ from gguf import quants
 
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.formats import FORMATS
-from hybridmoe.quant.tensor import QTensor, matmul
+from hybridmoe.quant.tensor import QTensor, linear, linears, matmul
 
 Q = gguf.GGMLQuantizationType
 PATHS = [p for p in (kernels.AVX2, kernels.AVX512) if p <= kernels.best_isa()]
@@ -215,6 +215,29 @@ def test_products_of_the_same_rows_in_one_call_equal_each_alone_on_any_thread_co
                 for workers in (1, 2, 3):
                     together = kernels.linears(x, weights, cols, path=path, workers=workers)
                     assert all(torch.equal(a, b) for a, b in zip(alone, together)), (m, path)
+
+
+def test_an_attentions_projections_in_one_call_equal_each_alone():
+    """quant/tensor.py linears (a prefill chunk's q, k and v): each output is `linear`'s, bit for
+    bit, in x's dtype, with a bias and with a weight in two parts; with gradients recorded it takes
+    each `linear` (differentiable)."""
+    rng, cols = np.random.default_rng(13), 512
+    made = [("q4_k", 96), ("q6_k", 32), ("q8_0", 40)]
+    weights = [
+        QTensor(torch.from_numpy(random_blocks(FORMATS[n], r, cols, rng)), FORMATS[n], cols)
+        for n, r in made
+    ]
+    halves = weights[0].parts[0].split(48)  # the first weight again, as two parts
+    weights.append(QTensor(list(halves), FORMATS["q4_k"], cols))
+    biases = [None, torch.randn(32).bfloat16(), None, torch.randn(96)]
+    for x in (torch.randn(70, cols).bfloat16(), torch.randn(2, 5, cols)):
+        alone = [linear(x, w, b) for w, b in zip(weights, biases)]
+        together = linears(x, weights, biases)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(alone, together))
+    x = torch.randn(9, cols, requires_grad=True)
+    y = linears(x, weights[:2], biases[:2])
+    sum(t.sum() for t in y).backward()
+    assert x.grad is not None
 
 
 def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch):

@@ -109,7 +109,7 @@ def test_experts_and_a_tokens_mix_on_rows_in_eights_keep_their_bits():
         ids, weights = torch.tensor([[3, 0, 2]]), torch.tensor([[0.5, 0.3, 0.2]])
         x = torch.randn(1, hidden).to(torch.bfloat16)
         mixes = [
-            kernels.moe_token(kernels.expert_table(ws), ids, weights, x, inter, 2, path)
+            kernels.moe_tokens(kernels.expert_table(ws), ids, weights, x, inter, 2, path)
             for ws in (as_q, as_x8)
         ]
         assert torch.equal(*mixes)

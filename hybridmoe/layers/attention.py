@@ -27,6 +27,7 @@ from hybridmoe.layers.rotary import Rotary, apply_rotary, tables
 from hybridmoe.native import quant as quant_kernels
 from hybridmoe.native import rows as row_ops
 from hybridmoe.quant.tensor import QTensor
+from hybridmoe.quant.tensor import linears as qlinears
 
 
 class KVContext(Protocol):
@@ -174,7 +175,11 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, h, d], k, v [T, kvh, d]: projected, normed, clipped, rotated."""
         T = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, h*d], [T, kvh*d], [T, kvh*d]
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if all(isinstance(p.weight, QTensor) and not p.adapters for p in projections):
+            q, k, v = qlinears(x, [p.weight for p in projections], [p.bias for p in projections])
+        else:
+            q, k, v = (p(x) for p in projections)  # [T, h*d], [T, kvh*d], [T, kvh*d]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:

@@ -6,9 +6,8 @@
    K-quants, per super-block of 256, with the sums of each 16 values kept beside them. Every weight is
    unpacked to a small unsigned integer q (0..15, 0..31, 0..63; Q8_0's int8 as it is, or plus 128), whose
    products with the activation bytes are summed exactly in 32-bit integer lanes of four products each:
-   AVX512-VNNI's vpdpbusd in one instruction, AVX2's vpmaddubsw + vpmaddwd in two. The K-quants' integer
-   sub-block scales multiply vpmaddubsw's pair sums, added in by AVX-512's vpdpwssd (one instruction for
-   AVX2's vpmaddwd + vpaddd: the same integers). Scales are applied in fp32.
+   AVX512-VNNI's vpdpbusd in one instruction, AVX2's vpmaddubsw + vpmaddwd in two. Scales are applied in
+   fp32.
 
    Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
    instructions made them; after that every lane goes through the same float operations in the same order.
@@ -573,13 +572,16 @@ AVX512 ALWAYS_INLINE void unpack_k512(int fmt, const uint8_t *p, __m512i q[4]) {
     }
 }
 
-/* AVX-512: register i's 32 scale words (the 16-value parts of halves 2i and 2i+1), from kscales' words:
-   word j of register i belongs to part 4i + j / 8. */
+/* AVX-512: register i's 16 scales (the 16-value parts of halves 2i and 2i+1), from kscales' words: lane l
+   of register i belongs to part 4i + l / 4, its scale in the lane's low word and 0 above (what vpdpwssd
+   multiplies a lane's sum of 4 products by: k_token512). */
 AVX512 ALWAYS_INLINE void scales_k512(const kscales *k, __m512i sc[4]) {
     static const int16_t part[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                      2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
     __m512i w = _mm512_castsi256_si512(k->words), j8 = _mm512_loadu_si512((const void *)part);
-    for (int i = 0; i < 4; i++) sc[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(j8, _mm512_set1_epi16((short)(4 * i))), w);
+    for (int i = 0; i < 4; i++)
+        sc[i] = _mm512_and_si512(_mm512_permutexvar_epi16(_mm512_add_epi16(j8, _mm512_set1_epi16((short)(4 * i))), w),
+                                 _mm512_set1_epi32(0xFFFF));
 }
 
 /* k_result of acc's 16 lanes and accm's 8, in registers: the same additions in the same order. */
@@ -608,11 +610,14 @@ AVX512 ALWAYS_INLINE void kblock_of(const int fmt, const uint8_t *p, kblock512 *
 }
 
 /* One token's share of super-block b: x its 256 bytes as 4 registers, bsum and dx its sums and scale,
-   added into acc (the scaled dot) and accm (the minimums' term). */
+   added into acc (the scaled dot) and accm (the minimums' term). A lane's 4 products summed by vpdpbusd fit a
+   word (|sum| <= 4 * 63 * 127), which vpdpwssd multiplies by the lane's scale and adds: the exact integers
+   of vpmaddubsw, vpmaddwd and an add, in two instructions instead of three (1.1-1.2x on SPR,
+   docs/notes/2026-12-06-prefill-two-threads.md). */
 AVX512 ALWAYS_INLINE void k_token512(const kblock512 *b, const __m512i x[4], __m256i bsum, float dx, __m512 *acc,
                                      __m256 *accm) {
     __m512i A = _mm512_setzero_si512();
-    for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, b->sc[i], _mm512_maddubs_epi16(b->q[i], x[i]));
+    for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->q[i], x[i]), b->sc[i]);
     __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(b->k.d * dx), *acc);
     *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(b->k.dm * dx), *accm);
@@ -775,8 +780,10 @@ AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *c
         for (int c = 0; c < 4; c++) Z[r][c] = _mm512_setzero_si512();
     for (int g = h; g < 4; g += 2) { /* group g: low nibbles block 2g, high nibbles 2g + 1 */
         const int bl = 2 * g, bh = 2 * g + 1;
+        const __m512i low = _mm512_set1_epi32(0xFFFF); /* a lane's scale in its low word, 0 above */
         __m512i sl = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
         __m512i sh = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
+        sl = _mm512_and_si512(sl, low), sh = _mm512_and_si512(sh, low);
         for (int c = 0; c < 4; c++) {
             __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
             __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
@@ -784,8 +791,11 @@ AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *c
                 int64_t vl, vh; /* the token's same 8 bytes, for all eight rows */
                 memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
                 memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
-                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], sl, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(vl)));
-                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], sh, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(vh)));
+                /* a lane's 4 products summed (|sum| <= 4 * 15 * 127: a word), times its scale */
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi64(vl));
+                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], d, sl);
+                d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi64(vh));
+                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], d, sh);
             }
         }
     }
@@ -1240,20 +1250,21 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
 }
 
 /* One routed expert's share of a call: its weights, its tokens, where its output goes. Python passes an
-   int64 table [n, 12] of these fields in this order. */
+   int64 table [n, 12] of these fields in this order (rows 0: its tokens are x's first M rows). */
 typedef struct {
     const uint8_t *gate, *up, *down; /* [I, H], [I, H] in fmt_gu; [H, I] in fmt_d */
     long ld_gu, ld_d;                /* bytes per weight row */
     long fmt_gu, fmt_d;
-    const void *x;                   /* [M, H]: its tokens, rows ldx elements apart (fp32 or bf16) */
+    const void *x;                   /* its tokens, rows ldx elements apart (fp32 or bf16) */
     long ldx, M;
     float *y;                        /* [M, H] fp32 out, rows H apart */
-    long unused;
+    const long *rows;                /* [M]: which rows of x are its tokens; NULL: rows 0..M-1 */
 } expert_job;
 
 typedef struct {
     const expert_job *e;
     long n, H, I;
+    long xrows;      /* rows of x that the experts' `rows` index (all of them are quantised once) */
     int x_bf16, isa;
     long *owner;     /* per expert: the first expert with the same tokens (their activations are shared) */
     acts *ax, *ah;   /* per expert: its tokens quantised for gate/up; h = silu(gate) * up quantised for down */
@@ -1268,7 +1279,7 @@ typedef struct {
 static void gate_up_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long per = (c->I + c->rows1[i] - 1) / c->rows1[i], up = u >= per, n0 = (u % per) * c->rows1[i];
-    product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], NULL,
+    product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], e->rows,
                  e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H),
                  x8_path((int)e->fmt_gu, c->isa)};
     product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
@@ -1302,7 +1313,7 @@ static void experts_region(void *arg, int t, int T) {
     long u;
     while ((u = next_unit(&c->next[0], c->n)) >= 0) {  /* quantise each distinct token set once */
         const expert_job *e = &c->e[u];
-        if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, e->M, c->H))
+        if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, e->rows ? c->xrows : e->M, c->H))
             atomic_store(&c->status, -2);
         atomic_fetch_add(&c->done[0], 1);
     }
@@ -1328,13 +1339,14 @@ static void experts_region(void *arg, int t, int T) {
 
 /* The n experts of e (a layer's, typically) over their tokens, in one region of `threads` threads: stage 0
    quantises each distinct token set once, stage 1 runs every gate and up row, stage 2 makes each expert's
-   h = silu(gate) * up and quantises it, stage 3 runs every down row. y = down h. */
-int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa) {
+   h = silu(gate) * up and quantises it, stage 3 runs every down row. y = down h. Experts whose tokens
+   are `rows` of one x share its xrows rows quantised once. */
+static int experts_run(const expert_job *e, long n, long H, long I, int x_bf16, long xrows, int threads, int isa) {
     for (long i = 0; i < n; i++)
         if (check_shape((int)e[i].fmt_gu, e[i].ld_gu, H) || check_shape((int)e[i].fmt_d, e[i].ld_d, I) ||
             (e[i].fmt_gu == Q4_K_X8 && I % X8) || (e[i].fmt_d == Q4_K_X8 && H % X8))
             return -1;
-    experts_call c = {.e = e, .n = n, .H = H, .I = I, .x_bf16 = x_bf16, .isa = isa};
+    experts_call c = {.e = e, .n = n, .H = H, .I = I, .xrows = xrows, .x_bf16 = x_bf16, .isa = isa};
     size_t words = (size_t)n * 6 + 2;
     char *mem = calloc(1, words * sizeof(long) + (size_t)n * (2 * sizeof(acts) + sizeof(float *)));
     long tokens = 0;
@@ -1351,7 +1363,9 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
     for (long i = 0, at = 0; i < n; i++) {
         c.owner[i] = i;
         for (long j = 0; j < i && c.owner[i] == i; j++)
-            if (e[j].x == e[i].x && e[j].M == e[i].M && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu) c.owner[i] = j;
+            if (e[j].x == e[i].x && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu && !e[j].rows == !e[i].rows &&
+                (e[i].rows || e[j].M == e[i].M))
+                c.owner[i] = j;
         c.rows1[i] = unit_rows((int)e[i].fmt_gu, e[i].ld_gu, e[i].M);
         c.rows3[i] = unit_rows((int)e[i].fmt_d, e[i].ld_d, e[i].M);
         c.first1[i + 1] = c.first1[i] + 2 * ((I + c.rows1[i] - 1) / c.rows1[i]);
@@ -1372,43 +1386,128 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
     return atomic_load(&c.status);
 }
 
-/* One token's routed experts from the router's choice as it stands, and their weighted sum, in one call.
-   ids [K] (int64, top-k order, distinct) and weights w [K] (fp32) index experts [E, 7], the layer's
-   table: each expert's gate, up and down addresses, the bytes per row of gate/up and of down, and their
-   ggml types. x [H] (bf16 when x_bf16, else fp32) -> out [H] in x's type: sum_j y_j * w_j over the
-   experts in increasing id, each term in fp32 (y_j first rounded to bf16 for a bf16 token), added from
-   0, the sum rounded once: the bits of hm_qexperts' outputs converted to x's type and then combined as
-   combine_token (experts/run/ffn.py) combines them with torch (a product and a sum, two roundings:
-   -ffp-contract=off). Returns hm_qexperts' status (0, -1 a format or width it does not take, -2 no
-   memory). */
-int hm_qmoe_token(const int64_t *experts, const int64_t *ids, const float *w, long K, const void *x, int x_bf16,
-                  long H, long I, int threads, int isa, void *out) {
+int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int threads, int isa) {
+    return experts_run(e, n, H, I, x_bf16, 0, threads, isa);
+}
+
+/* Tokens' routed experts from the router's choice as it stands, and their weighted sums, in one call: a
+   decode token's (T = 1) and a prefill chunk's. ids [T, K] (int64, top-k order, distinct per token) and
+   weights w [T, K] (fp32) index experts [E, 7], the layer's table: each expert's gate, up and down
+   addresses, the bytes per row of gate/up and of down, and their ggml types. x [T, H] (bf16 when x_bf16,
+   else fp32; rows contiguous) is quantised once for every expert; each expert used runs over its tokens
+   (rows of x, in increasing order). out [T, H] in x's type: per token, sum_j y_j * w_j over its experts in
+   increasing id, each term in fp32 (y_j first rounded to bf16 for a bf16 token), added from 0, the sum
+   rounded once: the bits of hm_qexperts' outputs converted to x's type and then combined as
+   combine_token and combine_grouped (experts/run/ffn.py) combine them with torch (a product and a sum,
+   two roundings: -ffp-contract=off). Prefill took 0.2 s of 1.5 s at two threads in those torch ops
+   (per-expert gathers, conversions and index_add_, each woken onto OpenMP's threads beside this pool's:
+   docs/notes/2026-12-06-prefill-two-threads.md). Returns 0, -1 a format or width it does not take or an id
+   outside [0, E), -2 no memory. */
+typedef struct {
+    const int64_t *ids;
+    const float *w;
+    long K, H;
+    int x_bf16;
+    const float *y;    /* [T * K, H]: the experts' outputs, expert by expert */
+    const long *slot;  /* [T, K]: the row of y that holds token t's k-th expert's output */
+    void *out;
+    long T;
+    atomic_long next;
+} mix_call;
+
+#define MIX_TOKENS 8  /* tokens per unit of the weighted sums */
+#define MIX_COLS 256  /* columns summed at a time, in registers and L1 */
+
+/* Token t's weighted sum (mix_call's), MIX_COLS columns at a time: each column through the same float
+   operations in the same order, whatever the vector width the compiler picks. */
+AVX2 static void mix_token(const mix_call *c, long t) {
+    const long K = c->K, H = c->H;
     long order[64];
-    if (K > 64) return -1;
-    for (long k = 0; k < K; k++) { /* insertion sort of k by ids[k] */
+    for (long k = 0; k < K; k++) { /* insertion sort of k by the token's ids */
         long j = k;
-        for (; j > 0 && ids[order[j - 1]] > ids[k]; j--) order[j] = order[j - 1];
+        for (; j > 0 && c->ids[t * K + order[j - 1]] > c->ids[t * K + k]; j--) order[j] = order[j - 1];
         order[j] = k;
     }
-    expert_job e[64];
-    float *y = malloc(sizeof(float) * K * H);  /* [K, H]: each expert's output, in increasing id */
-    if (!y) return -2;
-    for (long j = 0; j < K; j++) {
-        const int64_t *p = experts + 7 * ids[order[j]];
-        e[j] = (expert_job){(const uint8_t *)p[0], (const uint8_t *)p[1], (const uint8_t *)p[2], p[3], p[4], p[5],
-                            p[6], x, H, 1, y + j * H, 0};
-    }
-    int status = hm_qexperts(e, K, H, I, x_bf16, threads, isa);
-    for (long h = 0; h < H && status == 0; h++) {
-        float acc = 0.0f;
+    for (long h0 = 0; h0 < H; h0 += MIX_COLS) {
+        const long n = min_l(MIX_COLS, H - h0);
+        float acc[MIX_COLS];
+        for (long h = 0; h < n; h++) acc[h] = 0.0f;
         for (long j = 0; j < K; j++) {
-            float v = y[j * H + h];
-            acc += (x_bf16 ? round_bf16(v) : v) * w[order[j]];
+            const float *v = c->y + c->slot[t * K + order[j]] * H + h0, wj = c->w[t * K + order[j]];
+            if (c->x_bf16)
+                for (long h = 0; h < n; h++) acc[h] += round_bf16(v[h]) * wj;
+            else
+                for (long h = 0; h < n; h++) acc[h] += v[h] * wj;
         }
-        if (x_bf16) ((uint16_t *)out)[h] = bf16(acc);
-        else ((float *)out)[h] = acc;
+        if (c->x_bf16)
+            for (long h = 0; h < n; h++) ((uint16_t *)c->out)[t * H + h0 + h] = bf16(acc[h]);
+        else
+            memcpy((float *)c->out + t * H + h0, acc, sizeof(float) * (size_t)n);
     }
-    free(y);
+}
+
+static void mix_region(void *arg, int t, int T) {
+    (void)t;
+    (void)T;
+    mix_call *c = arg;
+    const long units = (c->T + MIX_TOKENS - 1) / MIX_TOKENS;
+    for (long u; (u = next_unit(&c->next, units)) >= 0;)
+        for (long m = u * MIX_TOKENS; m < min_l(u * MIX_TOKENS + MIX_TOKENS, c->T); m++) mix_token(c, m);
+}
+
+/* The experts' outputs of a calling thread's last call, kept for its next: a prefill chunk's (T K H floats,
+   33.5 MB at 512 tokens of Qwen3-30B-A3B's shape) lie above glibc's largest mmap threshold (32 MB), so a
+   buffer freed and made again every layer came back as fresh pages, faulted in and zeroed by the kernel:
+   ~2.5% of a 2-thread prefill. One per thread (a server runs prefill and decode on two), kept at its
+   largest size. */
+static __thread struct {
+    float *p;
+    size_t n;
+} outputs;
+
+static float *outputs_of(size_t n) {
+    if (outputs.n < n) {
+        free(outputs.p);
+        outputs.p = malloc(sizeof(float) * n);
+        outputs.n = outputs.p ? n : 0;
+    }
+    return outputs.p;
+}
+
+int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
+                   const void *x, int x_bf16, long H, long I, int threads, int isa, void *out) {
+    if (K > 64 || T < 1) return -1;
+    for (long i = 0; i < T * K; i++)
+        if (ids[i] < 0 || ids[i] >= E) return -1;
+    long *first = calloc((size_t)(E + 1), sizeof(long)), *rows = malloc(sizeof(long) * (size_t)(2 * T * K));
+    expert_job *e = malloc(sizeof(expert_job) * (size_t)(E < T * K ? E : T * K));
+    float *y = outputs_of((size_t)(T * K * H)); /* [T * K, H]: each expert's outputs, in increasing id */
+    int status = first && rows && e && y ? 0 : -2;
+    long n = 0, *slot = rows + T * K;
+    if (!status) {
+        for (long i = 0; i < T * K; i++) first[ids[i] + 1]++; /* counts, then where each expert's rows start */
+        for (long j = 0; j < E; j++) {
+            const long count = first[j + 1];
+            first[j + 1] = first[j] + count;
+            if (!count) continue;
+            const int64_t *p = experts + 7 * j;
+            e[n++] = (expert_job){(const uint8_t *)p[0], (const uint8_t *)p[1], (const uint8_t *)p[2], p[3], p[4], p[5],
+                                  p[6], x, H, count, y + first[j] * H, rows + first[j]};
+        }
+        for (long i = 0; i < T * K; i++) { /* tokens in increasing order within each expert's rows */
+            slot[i] = first[ids[i]]++;
+            rows[slot[i]] = i / K;
+        }
+        status = experts_run(e, n, H, I, x_bf16, T, threads, isa);
+    }
+    if (!status) {
+        mix_call c = {ids, w, K, H, x_bf16, y, slot, out, T};
+        atomic_init(&c.next, 0);
+        hm_parallel(mix_region, &c, (int)min_l(threads, (T + MIX_TOKENS - 1) / MIX_TOKENS));
+    }
+    free(first);
+    free(rows);
+    free(e);
     return status;
 }
 

@@ -27,7 +27,7 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
-TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_token's table
+TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_tokens' table
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
 SIGNATURES = {
@@ -43,9 +43,10 @@ SIGNATURES = {
     "hm_quantize": ([INT, P, N, N, P], INT),
     # int hm_q4k_to_x8(uint8_t *W, long N, long K)
     "hm_q4k_to_x8": ([P, N, N], INT),
-    # int hm_qmoe_token(const int64_t *experts, const int64_t *ids, const float *w, long K,
-    #                   const void *x, int x_bf16, long H, long I, int threads, int isa, void *out)
-    "hm_qmoe_token": ([P, P, P, N, P, INT, N, N, INT, INT, P], INT),
+    # int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const float *w, long T,
+    #                    long K, const void *x, int x_bf16, long H, long I, int threads, int isa,
+    #                    void *out)
+    "hm_qmoe_tokens": ([P, N, P, P, N, N, P, INT, N, N, INT, INT, P], INT),
     # void hm_pool_parallel(region_fn fn, void *arg, int T): the pool every library's regions
     # share (pool.h); not called from Python, its address handed to the others
     "hm_pool_parallel": ([P, P, INT], None),
@@ -231,7 +232,7 @@ def expert(
 
 
 def expert_table(weights: list[tuple]) -> torch.Tensor | None:
-    """moe_token's table [E, TABLE_FIELDS] for a layer's experts weights[e] = (gate_up [2I, H],
+    """moe_tokens' table [E, TABLE_FIELDS] for a layer's experts weights[e] = (gate_up [2I, H],
     down [H, I]) QTensors: each expert's gate, up and down addresses, row strides and formats; None
     where some expert's gate and up rows do not lie in one place each with one stride, or its down
     rows in one place (the table has one pointer each)."""
@@ -246,7 +247,7 @@ def expert_table(weights: list[tuple]) -> torch.Tensor | None:
     return torch.tensor(rows, dtype=torch.int64)  # [E, TABLE_FIELDS]
 
 
-def moe_token(
+def moe_tokens(
     table: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
@@ -255,16 +256,19 @@ def moe_token(
     workers: int,
     path: int | None = None,
 ) -> torch.Tensor:
-    """One token x [1, H] (bf16 or fp32) through its routed experts and their weighted sum -> [1, H]
-    in x's dtype: the bits of `experts` converted to x's dtype, then experts/run/ffn.py's
-    combine_token. table: expert_table's; ids [1, K] int64 and weights [1, K] fp32 as the router
-    gives them (unsorted)."""
-    hidden = x.shape[1]
-    out = torch.empty(1, hidden, dtype=x.dtype)  # [1, H]
-    status = library().hm_qmoe_token(
+    """Tokens x [T, H] (bf16 or fp32, contiguous: a decode token or a prefill chunk) through their
+    routed experts and their weighted sums -> [T, H] in x's dtype: the bits of `experts` on each
+    expert's tokens converted to x's dtype, then experts/run/ffn.py's combine_token (one token) or
+    combine_grouped. x is quantised once for every expert. table: expert_table's; ids [T, K] int64
+    and weights [T, K] fp32 as the router gives them (unsorted), contiguous."""
+    tokens, hidden = x.shape
+    out = torch.empty(tokens, hidden, dtype=x.dtype)  # [T, H]
+    status = library().hm_qmoe_tokens(
         table.data_ptr(),
+        table.shape[0],
         ids.data_ptr(),
         weights.data_ptr(),
+        tokens,
         ids.shape[1],
         x.data_ptr(),
         x.dtype == torch.bfloat16,
@@ -274,7 +278,7 @@ def moe_token(
         path or isa(),
         out.data_ptr(),
     )
-    _check(status, "quantised experts of a token")
+    _check(status, "quantised experts of tokens")
     return out
 
 

@@ -2,12 +2,17 @@
    RMSNorm and the rotary embedding, bf16 in and out, rounded where torch rounds. A decode step of a
    narrow model spends more on calling torch (a few microseconds a call, ~400 calls a layer) than on
    these operations' arithmetic, so they are plain C with no ISA flags: one build for every x86-64
-   CPU, its floats exactly as written (rows.h). */
+   CPU, its floats exactly as written (rows.h). Each function is also built for AVX-512 and AVX2
+   (target_clones: the loader picks the widest the CPU runs), with the same float operations per
+   element in wider vectors, so the same bits: a 512-token prefill's norms and rotary ran on one
+   thread for ~46 ms, 1.8-1.9x faster so (docs/notes/2026-12-06-prefill-two-threads.md). */
+
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 #include "rows.h"
 
 /* Y[r] = rmsnorm_row(X[r]) for rows r < R of n elements (rows.h, layers/norm.py's RMSNorm). */
-void hm_rmsnorm_bf16(const uint16_t *X, long ldx, const uint16_t *W, uint16_t *Y, long ldy, long R, long n,
+CLONES void hm_rmsnorm_bf16(const uint16_t *X, long ldx, const uint16_t *W, uint16_t *Y, long ldy, long R, long n,
                      float eps) {
     for (long r = 0; r < R; r++) rmsnorm_row(X + r * ldx, W, Y + r * ldy, n, eps);
 }
@@ -15,7 +20,7 @@ void hm_rmsnorm_bf16(const uint16_t *X, long ldx, const uint16_t *W, uint16_t *Y
 /* Y[t, h] = rotary_head(X[t, h], cos[t], sin[t]) for T rows of H heads of d elements (rows.h,
    layers/rotary.py's apply_rotary). cos and sin are [T, d] fp32, rows ldc apart; X's heads are ldh
    apart and its rows ldt apart; Y is [T, H, d] contiguous. */
-void hm_rotary_bf16(const uint16_t *X, long ldt, long ldh, long T, long H, long d, const float *C,
+CLONES void hm_rotary_bf16(const uint16_t *X, long ldt, long ldh, long T, long H, long d, const float *C,
                     const float *S, long ldc, uint16_t *Y) {
     for (long t = 0; t < T; t++)
         for (long h = 0; h < H; h++) rotary_head(X + t * ldt + h * ldh, C + t * ldc, S + t * ldc, Y + (t * H + h) * d, d);

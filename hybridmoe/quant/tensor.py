@@ -190,4 +190,38 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     return y if bias is None else y + bias.to(y.dtype)
 
 
-__all__ = ["QTensor", "dense", "for_kernels", "matmul", "linear", "native_applies", "native"]
+def linears(x: torch.Tensor, weights: list[QTensor], biases: list) -> list[torch.Tensor]:
+    """linear(x, w, b) for each weight and bias, the same bits, in one kernel call where the kernels
+    take them all (an attention's q, k and v at prefill): x quantised once per kind of activations
+    the formats read, and every product's rows in one region of the threads, where three calls
+    quantised x three times, each on one thread, and the two small products scaled 1.5x on two
+    threads (docs/notes/2026-12-06-prefill-two-threads.md)."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    parts = [(w.fmt.ggml, p) for w in weights for p in w.parts]
+    if (
+        (torch.is_grad_enabled() and x.requires_grad)
+        or len(parts) > 8
+        or any(w.cols != rows.shape[1] for w in weights)
+        or not native_applies(rows, *weights)
+    ):
+        return [linear(x, w, b) for w, b in zip(weights, biases)]
+    ys = iter(kernels.linears(rows, parts, rows.shape[1]))  # [M, N_i] fp32 each
+    out = []
+    for w, b in zip(weights, biases):
+        pieces = [next(ys) for _ in w.parts]
+        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [M, N]
+        y = y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        out.append(y if b is None else y + b.to(y.dtype))
+    return out
+
+
+__all__ = [
+    "QTensor",
+    "dense",
+    "for_kernels",
+    "matmul",
+    "linear",
+    "linears",
+    "native_applies",
+    "native",
+]

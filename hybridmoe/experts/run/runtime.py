@@ -327,14 +327,13 @@ class CPURuntime(BaseRuntime):
         super().__init__(shape, dtype, RuntimeStats("cpu", "cpu", 0), cpu_workers)
         self._tables: dict[int, tuple[int, tuple]] = {}  # _expert_table's
 
-    def _mix_token(self, layer, x, topk_ids, topk_weights):
-        """A decode token's experts and their weighted sum in one native call (native.moe_token
-        for bf16 experts, quant_kernels.moe_token for experts in blocks: the bits of experts_ffn
-        then combine_token), or None where that does not apply: (output [1, H], expert ids, busy
-        seconds)."""
+    def _mix_tokens(self, layer, x, topk_ids, topk_weights):
+        """The tokens' experts and their weighted sums in one native call: a decode token's
+        (native.moe_token for bf16 experts) and a decode token's or prefill chunk's in blocks
+        (quant_kernels.moe_tokens): the bits of experts_ffn then combine_token or combine_grouped;
+        or None where that does not apply: (output [T, H], expert ids, busy seconds)."""
         if not (
-            x.shape[0] == 1
-            and x.stride(-1) == 1
+            x.is_contiguous()
             and x.is_cpu
             and topk_ids.dtype == torch.int64
             and topk_weights.dtype == torch.float32
@@ -348,12 +347,13 @@ class CPURuntime(BaseRuntime):
         inter, workers = self.shape.intermediate, self.cpu.workers_now()
         t0 = time.perf_counter()
         if blocks and x.dtype in (torch.bfloat16, torch.float32):
-            out = quant_kernels.moe_token(table, topk_ids, topk_weights, x, inter, workers)
-        elif not blocks and native.applies(x):
+            out = quant_kernels.moe_tokens(table, topk_ids, topk_weights, x, inter, workers)
+        elif not blocks and x.shape[0] == 1 and native.applies(x):
             out = native.moe_token(table, topk_ids, topk_weights, x, inter, workers)
         else:
             return None
-        return out, topk_ids[0].tolist(), time.perf_counter() - t0
+        experts = topk_ids[0].tolist() if x.shape[0] == 1 else topk_ids.unique().tolist()
+        return out, experts, time.perf_counter() - t0
 
     def token_experts(self, layer: int) -> tuple[torch.Tensor, int] | None:
         if self.defer_experts:  # _defer_layer moves experts between layers
@@ -383,7 +383,7 @@ class CPURuntime(BaseRuntime):
 
     def _layer(self, layer, x, topk_ids, topk_weights, hint, lora=None):
         t0 = time.perf_counter()
-        mixed = self._mix_token(layer, x, topk_ids, topk_weights) if lora is None else None
+        mixed = self._mix_tokens(layer, x, topk_ids, topk_weights) if lora is None else None
         if mixed is not None:
             out, experts, busy = mixed
         elif x.shape[0] == 1:
