@@ -103,6 +103,11 @@ def _weight_fields(w) -> tuple[int, int, int] | None:
     return run[0], w.fmt.ggml, run[1]
 
 
+def _address(t) -> int:
+    """Where a plain tensor's data lies (a parameter's .data may be swapped under it), 0 else."""
+    return t.data_ptr() if isinstance(t, torch.Tensor) else 0
+
+
 def _whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """causal_attention of a whole sequence (a training step: no cache, n == L) with the
     differentiable flash kernel's own causal mask and grouped heads: no [g*n, L] mask or stacked
@@ -234,9 +239,15 @@ class Attention(nn.Module):
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         if pools is None or any(p.adapters for p in projections):
             return None
+        # A decode step meets the same tensors as the step before: the table stands while they do
+        # (checking them all again took ~100 us a layer, on caches a layer's weights had emptied)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else ()
+        tensors = (*(p.weight for p in projections), *(p.bias for p in projections), *norms, *pools)
+        key = (*map(id, tensors), *(_address(t) for t in tensors), quant_kernels.isa())
+        if key == getattr(self, "_table_key", None) and native.applies(x, max_rows=native_rows(x)):
+            return self._table
         fields = [_weight_fields(p.weight) for p in projections]
         biases = [p.bias for p in projections]
-        norms = [self.q_norm.weight, self.k_norm.weight] if self.qk_norm else []
         plain = [p.weight for p, f in zip(projections, fields) if f is not None and not f[1]]
         plain += [t for t in (*biases, *norms) if t is not None]
         if None in fields or not native.applies(x, *plain, *pools, max_rows=native_rows(x)):
@@ -251,6 +262,7 @@ class Attention(nn.Module):
         if getattr(self, "_table_ptr", None) != ptr:
             self._table = torch.tensor(ptr, dtype=torch.int64)  # [25]: bf16.c attn_block
             self._table_ptr = ptr
+        self._table_key = key
         return self._table
 
     def attend(
