@@ -175,10 +175,13 @@ class _Product(torch.autograd.Function):
 def _product(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if native_applies(rows, w):
-        ys = [kernels.linear(rows, w.fmt.ggml, p, w.cols) for p in w.parts]  # [M, N_i] fp32
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [M, N]
-    else:
-        y = F.linear(rows.float(), w.dequantize(torch.float32))
+        return _joined([kernels.linear(rows, w.fmt.ggml, p, w.cols) for p in w.parts], x, w)
+    return _joined([F.linear(rows.float(), w.dequantize(torch.float32))], x, w)
+
+
+def _joined(ys: list[torch.Tensor], x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """The products [M, N_i] fp32 of w's parts as one [..., N] in x's dtype and leading shape."""
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [M, N]
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -208,9 +211,7 @@ def linears(x: torch.Tensor, weights: list[QTensor], biases: list) -> list[torch
     ys = iter(kernels.linears(rows, parts, rows.shape[1]))  # [M, N_i] fp32 each
     out = []
     for w, b in zip(weights, biases):
-        pieces = [next(ys) for _ in w.parts]
-        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [M, N]
-        y = y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        y = _joined([next(ys) for _ in w.parts], x, w)
         out.append(y if b is None else y + b.to(y.dtype))
     return out
 

@@ -122,19 +122,11 @@ class _Times:
 
     def cpu_all(self, counts: list[int]) -> list[float]:
         """`cpu` of each count (the memo read directly: a schedule asks for dozens)."""
-        memo = self._cpu
-        try:
-            return [memo[n] for n in counts]
-        except KeyError:
-            return [self.cpu(n) for n in counts]
+        return _each(self._cpu, self.cpu, counts)
 
     def gpu_all(self, counts: list[int]) -> list[float]:
         """`gpu` of each count."""
-        memo = self._gpu
-        try:
-            return [memo[n] for n in counts]
-        except KeyError:
-            return [self.gpu(n) for n in counts]
+        return _each(self._gpu, self.gpu, counts)
 
     def act(self, rows: int) -> float:
         """The activation round trip of CPU experts taking `rows` token rows in all
@@ -142,6 +134,14 @@ class _Times:
         if not rows:
             return 0.0
         return (min(rows, self.tokens) + rows) * self._row + self._fixed
+
+
+def _each(memo: dict, one, counts: list[int]) -> list[float]:
+    """one(n) for each count, read from its memo where every count is there already."""
+    try:
+        return [memo[n] for n in counts]
+    except KeyError:
+        return [one(n) for n in counts]
 
 
 @dataclass(slots=True)  # not frozen: made a few times per plan, and frozen ones init slowly
