@@ -1,5 +1,5 @@
-"""Token embeddings whose table may stay in blocks (a QTensor): rows are looked up, then
-dequantised."""
+"""Token embeddings whose table may stay in blocks (a QTensor): rows are looked up and dequantised
+(QTensor.lookup: one native call where it runs)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QTensor):
-            return (
-                self.weight.rows(ids.reshape(-1)).dequantize(self.dtype).reshape(*ids.shape, -1)
-            )  # [..., H]
+            rows = self.weight.lookup(ids.reshape(-1), self.dtype)  # [n, H]
+            return rows.reshape(*ids.shape, -1)  # [..., H]
         return super().forward(ids)

@@ -20,7 +20,10 @@
 
    Work is split over the threads of pool.h in units of whole output rows. The library is compiled without
    ISA flags: each path carries its own target attribute and the caller picks one from the CPU's flags
-   (hybridmoe/native/quant.py). */
+   (hybridmoe/native/quant.py).
+
+   Besides the products: quantisers (rows of fp32 to blocks, hm_quantize) and the way back for a few rows
+   (hm_qrows, a token embedding's lookup). */
 
 #include <immintrin.h>
 #include <math.h>
@@ -1635,6 +1638,104 @@ AVX2 int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out) {
         case Q4_K: quantize_q4_k(r, o, per_row); break;
         case Q6_K: quantize_q6_k(r, o, per_row); break;
         default: return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---- rows back to values (a token embedding's lookup) ----------------------------------------------- */
+
+/* One block of each format expanded to its values at y, in ggml's order of operations: that of
+   hybridmoe/quant/dequant.py, whose torch ops each round to fp32, so that a row looked up here has their
+   bits. Every product is exact in fp32 (an fp16 scale's 11 significant bits times integers of 12 bits at
+   most), so only a last addition rounds; still no a * b - c may become an FMA: the library is compiled with
+   -ffp-contract=off, and these functions carry no target attribute, so no FMA instruction is theirs to use
+   (half_at's F16C, an exact fp16 -> fp32, is a call of its own). A row of 2048..4096 values is a few us of
+   scalar code, where the torch ops on one row cost ~200 us a decode step. */
+
+static void values_q8_0(const uint8_t *b, float *y) {  /* d q */
+    const float d = half_at(b);
+    for (int i = 0; i < 32; i++) y[i] = d * (float)(int8_t)b[2 + i];
+}
+
+static void values_q4_0(const uint8_t *b, float *y) {  /* d (q - 8): element i the low nibble of byte i */
+    const float d = half_at(b);
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * ((float)(b[2 + i] & 15) - 8.0f);
+        y[i + 16] = d * ((float)(b[2 + i] >> 4) - 8.0f);
+    }
+}
+
+static void values_q4_1(const uint8_t *b, float *y) {  /* d q + m */
+    const float d = half_at(b), m = half_at(b + 2);
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(b[4 + i] & 15) + m;
+        y[i + 16] = d * (float)(b[4 + i] >> 4) + m;
+    }
+}
+
+/* Q4_K, Q5_K (five): (d sc_j) q - (dmin m_j) in block j of 32, whose q are the low (j even) or high nibbles
+   of bytes 32 (j / 2) .. of qs, and for Q5_K bit j of qh[l] as element l's fifth bit. */
+static void values_k4(const uint8_t *b, int five, float *y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+        const float ds = d * (float)sc, dm = dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int q = j & 1 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 15;
+            if (five) q |= (qh[l] >> j & 1) << 4;
+            y[32 * j + l] = ds * (float)q - dm;
+        }
+    }
+}
+
+/* Q6_K: (d sc_t) (q - 32) in sub-block t of 16. Block 4h + r of 32 takes its low 4 bits from
+   ql[64 h + 32 (r & 1) + l] (low nibbles for r < 2) and its high 2 from bits 2r, 2r + 1 of qh[32 h + l]. */
+static void values_q6_k(const uint8_t *b, float *y) {
+    const float d = half_at(b + 208);
+    const int8_t *sc = (const int8_t *)(b + 192);
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < 4; r++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t lo = b[64 * h + 32 * (r & 1) + l], hi = b[128 + 32 * h + l];
+                const int q = (r < 2 ? lo & 15 : lo >> 4) | (hi >> 2 * r & 3) << 4, at = 32 * (4 * h + r) + l;
+                y[at] = d * (float)sc[at / 16] * ((float)q - 32.0f);
+            }
+}
+
+static void values_of(int fmt, const uint8_t *b, float *y) {
+    switch (fmt) {
+    case Q8_0: values_q8_0(b, y); break;
+    case Q4_0: values_q4_0(b, y); break;
+    case Q4_1: values_q4_1(b, y); break;
+    case Q4_K: values_k4(b, 0, y); break;
+    case Q5_K: values_k4(b, 1, y); break;
+    case Q6_K: values_q6_k(b, y); break;
+    }
+}
+
+/* Rows ids[0..n) of W [N, K] (`fmt` blocks, rows ldw bytes apart) as values, into out [n, K]: fp32, or bf16
+   when out_bf16 (rounded to nearest even by rows.h's bf16, as torch's .to(torch.bfloat16) rounds; a NaN, which
+   no valid block holds, stays a NaN, though not with torch's bits: it writes every NaN as 0xffff). Returns 0,
+   -1 for a format or width it does not take (Q4_K_X8 among them: quant/tensor.py looks those rows up in
+   torch), -3 for an id outside 0 .. N-1 (nothing written). */
+int hm_qrows(int fmt, const uint8_t *W, long ldw, long N, long K, const int64_t *ids, long n, void *out,
+             int out_bf16) {
+    if (fmt == Q4_K_X8 || check_shape(fmt, ldw, K)) return -1;
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -3;
+    const long elems = block_elems(fmt), bytes = block_bytes(fmt);
+    float v[256];
+    for (long i = 0; i < n; i++) {
+        const uint8_t *row = W + ids[i] * ldw;
+        for (long k = 0; k < K; k += elems) {
+            values_of(fmt, row + k / elems * bytes, v);
+            if (out_bf16)
+                for (long e = 0; e < elems; e++) ((uint16_t *)out)[i * K + k + e] = bf16(v[e]);
+            else
+                memcpy((float *)out + i * K + k, v, (size_t)elems * sizeof(float));
         }
     }
     return 0;

@@ -5,6 +5,8 @@ Both instruction-set paths are compiled into one library (per-function target at
 ISA flags) and give the same bits; `isa()` picks the widest the CPU has, or the one
 HYBRIDMOE_QUANT_ISA names (env.py). Without either path, or with the native code off, `available()`
 is False and callers dequantise and use torch (hybridmoe/quant/tensor.py).
+
+`rows` goes the other way for a few rows: blocks back to values, a token embedding's lookup.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ SIGNATURES = {
     "hm_quantize": ([INT, P, N, N, P], INT),
     # int hm_q4k_to_x8(uint8_t *W, long N, long K)
     "hm_q4k_to_x8": ([P, N, N], INT),
+    # int hm_qrows(int fmt, const uint8_t *W, long ldw, long N, long K, const int64_t *ids, long n,
+    #              void *out, int out_bf16)
+    "hm_qrows": ([INT, P, N, N, N, P, N, P, INT], INT),
     # int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const float *w, long T,
     #                    long K, const void *x, int x_bf16, long H, long I, int threads, int isa,
     #                    void *out)
@@ -100,6 +105,8 @@ def available() -> bool:
 def _check(status: int, what: str) -> None:
     if status == -2:
         raise MemoryError(f"{what}: no memory for the quantised activations")
+    if status == -3:
+        raise IndexError(f"{what}: a row id is out of range")
     if status != 0:
         raise ValueError(
             f"{what}: the weight's format or width does not suit the kernel ({status})"
@@ -296,3 +303,27 @@ def to_rows_in_eights(data: torch.Tensor, cols: int) -> None:
     """Q4_K rows [N, row bytes] (N a multiple of 8, contiguous) rearranged in place into
     q4_k_x8 (quant/interleave.py's layout; quant.c's hm_q4k_to_x8 says it byte by byte)."""
     _check(library().hm_q4k_to_x8(data.data_ptr(), data.shape[0], cols), "rows in eights")
+
+
+def rows(
+    data: torch.Tensor, fmt: int, cols: int, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows `ids` [n] (integers, 0 .. N-1) of the matrix in blocks `data` [N, row bytes] of ggml
+    type `fmt` (not q4_k_x8) -> their values [n, cols] in `dtype` (fp32 or bf16): the bits of
+    quant/dequant.py's, in one call."""
+    data = data if data.stride(-1) == 1 else data.contiguous()
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), cols, dtype=dtype)  # [n, K]
+    status = library().hm_qrows(
+        fmt,
+        data.data_ptr(),
+        data.stride(0),
+        data.shape[0],
+        cols,
+        ids.data_ptr(),
+        ids.numel(),
+        out.data_ptr(),
+        dtype == torch.bfloat16,
+    )
+    _check(status, f"looking up rows of a {data.shape[0]}-row matrix")
+    return out

@@ -82,6 +82,20 @@ class QTensor:
             return QTensor(deinterleave(self.data)[index], FORMATS["q4_k"], self.cols)
         return QTensor(self.data[index], self.fmt, self.cols)
 
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """rows(ids).dequantize(dtype) for row ids [n] -> [n, cols], the same bits: in one native
+        call where it takes them (one part in a GGUF format, on the CPU, fp32 or bf16 out), since
+        the ~15 torch ops of dequant.py on a row cost ~200 us a decode step (token embeddings)."""
+        if (
+            len(self.parts) == 1
+            and self.fmt.name in FORMATS
+            and self.device.type == ids.device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and kernels.available()
+        ):
+            return kernels.rows(self.parts[0], self.fmt.ggml, self.cols, ids, dtype)
+        return self.rows(ids).dequantize(dtype)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         values = [dequantize(p, self.fmt, self.cols).to(dtype) for p in self.parts]
         return values[0] if len(values) == 1 else torch.cat(values)  # [rows, cols]
