@@ -11,6 +11,7 @@ import torch
 from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.run.runtime import CPURuntime
+from hybridmoe.layers.moe import SparseMoE
 
 
 def attention_half_checked(layer, x, cos_sin, ctx, monkeypatch, switch_off) -> int | None:
@@ -47,7 +48,8 @@ def torch_threads(n: int):
 
 
 def moe_halves_checked(model, monkeypatch, in_blocks: bool) -> None:
-    """Decode 16 tokens with every MoE layer's native token path (the runtime's `_mix_tokens`)
+    """Decode 16 tokens through the runtime (the blocks' decoder_half off) with every MoE layer's
+    native token path (the runtime's `_mix_tokens`)
     checked against the runtime's experts_ffn + combine_token on the same input, bit for bit, and
     assert it ran on every decode token of every layer (its experts' table in blocks where
     `in_blocks`)."""
@@ -67,7 +69,36 @@ def moe_halves_checked(model, monkeypatch, in_blocks: bool) -> None:
         return out, report
 
     monkeypatch.setattr(CPURuntime, "_layer", both)
+    monkeypatch.setattr(SparseMoE, "decoder_half", lambda *a: None)  # every token through _layer
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     with torch.inference_mode():
         assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
     assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer
+
+
+def decoder_halves_checked(model, block: type, monkeypatch, threads: int = 1) -> None:
+    """Decode 16 tokens with each MoE block of class `block` checked on every decode step: its
+    decoder_half (the native token path) against the modules one by one (x + block(h), through the
+    runtime), bit for bit; it must have run on every decode token of every layer, and the runtime's
+    observers must see each layer of a token once, with the same choice."""
+    half, compared, seen, ids = block.decoder_half, [], [], []
+
+    def both(self, x, h):
+        with monkeypatch.context() as m:
+            m.setattr(type(self.runtime), "ran_token", lambda *a: seen.append(a[2].tolist()))
+            fast = half(self, x, h)
+        ref = x + self(h)  # the runtime's forward observes the layer
+        if fast is not None:
+            assert torch.equal(fast, ref)
+            compared.append(self.layer)
+        return ref
+
+    monkeypatch.setattr(block, "decoder_half", both)
+    monkeypatch.setattr(
+        model.runtime.stats, "on_layer", lambda s, o, i, w, r, hint=None: ids.append(i.tolist())
+    )
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with torch_threads(threads):
+        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
+    assert len(compared) == 15 * len(model.runtime.layers)  # every decode token, every layer
+    assert seen == [i for i in ids if len(i) == 1]  # the same choice, each decode layer once

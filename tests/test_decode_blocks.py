@@ -15,9 +15,15 @@ from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.loader import load_model
+from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.models.qwen2_moe import SharedExpertMoE
 from hybridmoe.native import bf16 as native_bf16
-from tests.halves import attention_half_checked, moe_halves_checked, torch_threads
+from tests.halves import (
+    attention_half_checked,
+    decoder_halves_checked,
+    moe_halves_checked,
+    torch_threads,
+)
 from tests.tiny import bf16_batch_greedy, build_tiny
 
 needs_kernels = pytest.mark.skipif(
@@ -115,28 +121,19 @@ def test_a_qwen2_moe_layers_moe_half_in_two_calls_gives_the_layers_bits(
     every decode step's input of every layer; the runtime's observers see each layer once."""
     build_tiny("qwen2_moe", tmp_path / "m", seed=3)
     model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
-    half, compared, seen = SharedExpertMoE.decoder_half, [], []
+    decoder_halves_checked(model, SharedExpertMoE, monkeypatch, threads)
 
-    def both(self, x, h):
-        with monkeypatch.context() as m:
-            m.setattr(type(self.runtime), "ran_token", lambda *a: seen.append(a[2].tolist()))
-            fast = half(self, x, h)
-        ref = x + self(h)  # the runtime's forward observes the layer
-        if fast is not None:
-            assert torch.equal(fast, ref)
-            compared.append(self.layer)
-        return ref
 
-    monkeypatch.setattr(SharedExpertMoE, "decoder_half", both)
-    ids = []
-    monkeypatch.setattr(
-        model.runtime.stats, "on_layer", lambda s, o, i, w, r, hint=None: ids.append(i.tolist())
-    )
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with torch_threads(threads):
-        assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
-    assert len(compared) == 15 * len(model.runtime.layers)  # every decode token, every layer
-    assert seen == [i for i in ids if len(i) == 1]  # the same choice, each decode layer once
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_sparse_moe_layers_moe_half_gives_the_layers_bits(arch, threads, tmp_path, monkeypatch):
+    """A block without shared experts: the router's choice, the routed experts and their mix
+    in one native call (native.moe_token) and the residual sum (SparseMoE.decoder_half) against
+    the modules through the runtime, on every decode step's input of every layer."""
+    build_tiny(arch, tmp_path / arch, seed=4)
+    model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
+    decoder_halves_checked(model, SparseMoE, monkeypatch, threads)
 
 
 @needs_kernels

@@ -13,12 +13,18 @@ from hybridmoe import native
 from hybridmoe.experts.run.runtime import CPURuntime
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
+from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.loader import load_model
 from hybridmoe.models.base import CausalLM
 from hybridmoe.native import bf16 as native_bf16
 from hybridmoe.native import quant as kernels
 from tests.gguf_writer import Q, write_gguf
-from tests.halves import attention_half_checked, moe_halves_checked, torch_threads
+from tests.halves import (
+    attention_half_checked,
+    decoder_halves_checked,
+    moe_halves_checked,
+    torch_threads,
+)
 from tests.tiny import batch_greedy, build_tiny, build_wide_mixtral
 
 needs_bf16 = pytest.mark.skipif(
@@ -95,6 +101,17 @@ def test_a_tokens_experts_in_blocks_in_one_call_give_the_runtimes_bits(
     the runtime's experts_ffn + combine_token, bit for bit, for bf16 and fp32 tokens."""
     model = load_model(gguf(name), dtype=dtype, progress=False)
     moe_halves_checked(model, monkeypatch, in_blocks=True)
+
+
+@needs_quant
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_moe_half_in_blocks_gives_the_layers_bits(name, dtype, threads, gguf, monkeypatch):
+    """SparseMoE.decoder_half with experts in blocks (hm_qmoe_tokens) against the modules through
+    the runtime, on every decode step's input of every layer, for bf16 and fp32 tokens."""
+    model = load_model(gguf(name), dtype=dtype, progress=False)
+    decoder_halves_checked(model, SparseMoE, monkeypatch, threads)
 
 
 def run_logits(path: str, monkeypatch, isa: str, blocks: bool):

@@ -27,18 +27,21 @@ class DecoderLayer(nn.Module):
         setattr(self, ffn_name, ffn)
 
     def forward(self, x, cos_sin, ctx):
+        ffn = getattr(self, self.ffn_name)
+        ffn_half = getattr(ffn, "decoder_half", None)  # SparseMoE's: a decode token's in one call
         half = getattr(self.self_attn, "decoder_half", None)  # Attention's, not MLA's
+        both = None
         if half is not None and not self.training:
             norms = (self.input_layernorm, self.post_attention_layernorm)
             both = half(x, norms, cos_sin, ctx)  # a decode step's first half in one native call
-            if both is not None:
-                x, h = both
-                ffn = getattr(self, self.ffn_name)
-                ffn_half = getattr(ffn, "decoder_half", None)  # SharedExpertMoE's
-                out = None if ffn_half is None else ffn_half(x, h)  # the second half likewise
-                return x + ffn(h) if out is None else out
-        x = x + self._attention(x, cos_sin, ctx)
-        return x + through_norm(self.post_attention_layernorm, x, getattr(self, self.ffn_name))
+        if both is None:
+            x = x + self._attention(x, cos_sin, ctx)
+            if ffn_half is None or self.training or torch.is_grad_enabled():
+                return x + through_norm(self.post_attention_layernorm, x, ffn)
+            both = (x, self.post_attention_layernorm(x))
+        x, h = both
+        out = None if ffn_half is None else ffn_half(x, h)
+        return x + ffn(h) if out is None else out
 
     def _attention(self, x, cos_sin, ctx):
         """The attention block's output [T, H]. A training step keeps, of its activations, the

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe import native
 from hybridmoe.experts.run.expert_grad import TrainLoRA
 from hybridmoe.experts.run.lora import ExpertLoRA, RowLoRA
 from hybridmoe.layers import lora
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.lora import add_lora
+from hybridmoe.native import quant as quant_kernels
 
 
 def softmax_topk(
@@ -108,6 +111,7 @@ class SparseMoE(nn.Module):
     def __init__(self, shape, renormalize: bool, layer: int, runtime):
         super().__init__()
         self.layer, self.top_k, self.renormalize = layer, shape.top_k, renormalize
+        self.num_experts, self.inter = shape.num_experts, shape.intermediate
         self.gate = nn.Linear(shape.hidden, shape.num_experts, bias=False)
         self.gate.adapters = {}  # the router's LoRA adapters (layers/lora.py), frozen unless asked
         self.adapters: dict[str, ExpertLoRA] = {}  # the routed experts' LoRA, by adapter name
@@ -160,6 +164,46 @@ class SparseMoE(nn.Module):
         ids, weights = self.route(x)  # [T, k], [T, k]
         hint = partial(self.look_ahead, x) if self._next else None  # computed if asked
         return self.runtime.forward(self.layer, x, ids, weights, hint, self.expert_lora(len(x)))
+
+    def decoder_half(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """x + self(h) [1, H] for a decode step's one token, the bits of forward and the decoder
+        layer's residual sum, where the runtime lets the block run the token's experts
+        (`token_experts`: every expert on the CPU) and nothing else changes what runs (_token_path);
+        else None. The router's choice, then one native call for the experts and their weighted
+        sum: the runtime's layers of Python and torch calls, which
+        after the weight stream of the previous call run on emptied caches (~0.1 ms a layer),
+        are skipped (docs/notes/2026-12-06-decode-step-glue.md)."""
+        experts = self._token_path(x, h)
+        if experts is None:
+            return None
+        table, workers, blocks = experts
+        ids, weights = self.choose(h)  # [1, K] each
+        t0 = time.perf_counter()
+        mix = quant_kernels.moe_tokens if blocks else native.moe_token
+        out = mix(table, ids, weights, h, self.inter, workers)  # [1, H]
+        hint = partial(self.look_ahead, h) if self._next else None  # as forward's
+        self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
+        return x + out
+
+    def _token_path(self, x: torch.Tensor, h: torch.Tensor):
+        """The runtime's token_experts where decoder_half applies: one row on the CPU, bf16 (or
+        fp32 for experts in blocks), contiguous, no gradients, the router's own choice, no adapter
+        on the router or the experts; else None. Checked on every layer of every step."""
+        if (
+            x.shape[0] != 1
+            or self.replay is not None
+            or torch.is_grad_enabled()
+            or self.adapters
+            or self.gate.adapters
+            or not h.is_cpu
+            or not (h.is_contiguous() and x.is_contiguous())
+        ):
+            return None
+        experts = self.runtime.token_experts(self.layer)
+        if experts is None:
+            return None
+        takes = h.dtype in (torch.bfloat16, torch.float32) if experts[2] else native.applies(h)
+        return experts if takes else None
 
     def expert_lora(self, num_rows: int) -> RowLoRA | TrainLoRA | None:
         """What the runtime is told of the pass's expert adapters: a training step's (in training

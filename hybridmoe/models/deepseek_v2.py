@@ -33,6 +33,8 @@ class DeepseekMoE(SparseMoE):
     scoring "softmax" (V2) or "sigmoid" (V3; the gate then holds e_score_correction_bias [E]).
     """
 
+    decoder_half = None  # SparseMoE's would leave out the shared experts: every step calls forward
+
     def __init__(self, cfg, shape: ExpertShape, layer: int, runtime, scoring: str):
         super().__init__(shape, False, layer, runtime)
         self.scoring = scoring

@@ -26,7 +26,6 @@ class SharedExpertMoE(SparseMoE):
         super().__init__(shape, renormalize, layer, runtime)
         self.shared_expert = GatedMLP(shape.hidden, shared_intermediate, keep=True)
         self.shared_expert_gate = nn.Linear(shape.hidden, 1, bias=False)
-        self.num_experts, self.inter = shape.num_experts, shape.intermediate
         self._rows_in: tuple | None = None  # _packed's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,13 +36,13 @@ class SharedExpertMoE(SparseMoE):
 
     def decoder_half(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
         """x + self(h) [1, H] for a decode step's one token in two native calls, the bits of
-        forward and the decoder layer's residual sum, where they apply (_token_path); else None.
+        forward and the decoder layer's residual sum, where they apply (_shared_path); else None.
         One product reads the router, the shared expert's gate and its gate and up rows (one
         weight, _packed); torch chooses the experts as `choose` does; the second call runs them,
         the shared expert's down and every sum (native.shared_moe_token). That is ~20 torch and
         Python calls a layer fewer, and one weight streamed instead of four
         (docs/notes/2026-11-25-demo-decode-step.md)."""
-        path = self._token_path(x, h)
+        path = self._shared_path(x, h)
         if path is None:
             return None
         packed, down, (table, workers) = path
@@ -58,26 +57,15 @@ class SharedExpertMoE(SparseMoE):
         self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
         return out
 
-    def _token_path(self, x: torch.Tensor, h: torch.Tensor):
-        """(_packed's weight, the shared expert's down weight, the runtime's token_experts) where
-        decoder_half applies: one bf16 row, no gradients, the router's own choice, no adapter
-        anywhere in the block, plain bf16 weights, a runtime that lets the block run its experts;
-        else None. Checked on every layer of every step, so without module attribute lookups
-        (about 1 us each)."""
-        if (
-            x.shape[0] != 1
-            or self.replay is not None
-            or torch.is_grad_enabled()
-            or not native.applies(x)
-            or not native.applies(h)
-            or not (h.is_contiguous() and x.is_contiguous())
-        ):
-            return None
+    def _shared_path(self, x: torch.Tensor, h: torch.Tensor):
+        """(_packed's weight, the shared expert's down weight, (the runtime's expert table,
+        threads)) where decoder_half applies: SparseMoE's _token_path with plain bf16 experts,
+        rows the native kernels take, and no adapter anywhere in the block (_packed); else None."""
+        experts = self._token_path(x, h)
+        if experts is None or experts[2] or not native.applies(x):
+            return None  # native.shared_moe_token takes plain bf16 experts
         weights = self._packed()
-        if weights is None:
-            return None
-        experts = self.runtime.token_experts(self.layer)
-        return None if experts is None else (*weights, experts)
+        return None if weights is None else (*weights, experts[:2])
 
     def _packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the router's, the shared expert gate's and the shared expert's gate and up weights as

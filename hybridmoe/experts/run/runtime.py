@@ -203,11 +203,12 @@ class BaseRuntime:
         self._observe(step, o, topk_ids, topk_weights, report, hint)
         return out
 
-    def token_experts(self, layer: int) -> tuple[torch.Tensor, int] | None:
-        """(the layer's expert table [E, 2]: each expert's gate_up and down pointers, threads)
-        where a model's block may run a decode token's routed experts inside its own native call
-        (native.shared_moe_token) exactly as this runtime would run them; else None, and the
-        block calls `forward`. The block then calls `ran_token`."""
+    def token_experts(self, layer: int) -> tuple[torch.Tensor, int, bool] | None:
+        """(the layer's expert table, threads, whether its experts are in blocks) where a model's
+        block may run a decode token's routed experts in its own native calls exactly as this
+        runtime would run them (_expert_table says which table: native.moe_token's and
+        native.shared_moe_token's for plain bf16 experts, quant_kernels.moe_tokens' for blocks);
+        else None, and the block calls `forward`. The block then calls `ran_token`."""
         return None
 
     def ran_token(
@@ -355,13 +356,11 @@ class CPURuntime(BaseRuntime):
         experts = topk_ids[0].tolist() if x.shape[0] == 1 else topk_ids.unique().tolist()
         return out, experts, time.perf_counter() - t0
 
-    def token_experts(self, layer: int) -> tuple[torch.Tensor, int] | None:
+    def token_experts(self, layer: int) -> tuple[torch.Tensor, int, bool] | None:
         if self.defer_experts:  # _defer_layer moves experts between layers
             return None
         table, blocks = self._expert_table(layer)
-        if table is None or blocks:  # native.shared_moe_token takes plain bf16 experts
-            return None
-        return table, self.cpu.workers_now()
+        return None if table is None else (table, self.cpu.workers_now(), blocks)
 
     def _expert_table(self, layer: int) -> tuple[torch.Tensor | None, bool]:
         """The layer's expert table and whether its experts are in blocks: int64 [E, 2] of each
