@@ -1,9 +1,11 @@
-"""Whether a model file's Q4_K blocks may be rewritten into rows of eights at load.
+"""How much of a model file's blocks may be copied into the process's own memory at load.
 
-Rearranging a mapped matrix in place (quant/tensor.py for_kernels) turns its file pages into the
-process's own memory: with no swap those pages can no longer be dropped and read again, so a file
-whose Q4_K bytes do not fit beside what else the machine holds keeps its blocks as they lie (read
-in place, at the plain Q4_K kernels' speed) instead of growing until the kernel kills a process.
+A copy in 2 MB pages (native/huge_pages.py) is read faster than the file's map, and Q4_K blocks
+there are rearranged into rows of eights (quant/tensor.py for_kernels); but with no swap the
+process's own pages can no longer be dropped and read again, as the page cache of a map can. So a
+file's blocks are copied while they fit in a share of the memory available at load, and the rest
+stay in the map, read in place (at the plain kernels' speed), instead of the process growing until
+the kernel kills one.
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ def available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
     return None
 
 
-def may_rearrange(q4k_bytes: int, available: int | None) -> bool:
-    """True where `q4k_bytes` of mapped blocks may become the process's own memory."""
-    if q4k_bytes == 0:
+class CopyBudget:
+    """Bytes of a file's blocks that may still become the process's own: REARRANGE_SHARE_OF_FREE
+    of `available` (none where it is unknown), taken tensor by tensor in file order."""
+
+    def __init__(self, available: int | None):
+        self.left = 0 if available is None else int(REARRANGE_SHARE_OF_FREE * available)
+
+    def take(self, nbytes: int) -> bool:
+        """True, and nbytes fewer left, where nbytes fit; else False and nothing taken."""
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
         return True
-    return available is not None and q4k_bytes <= REARRANGE_SHARE_OF_FREE * available

@@ -4,16 +4,20 @@ time.
 GGUF lists a tensor's dims innermost first, so a torch [rows, cols] weight is stored as
 (cols, rows); the reader's arrays are already in row-major order. Matrices in a block format the
 engine computes on (hybridmoe.quant.formats) come out as QTensors, their blocks as stored, one
-tensor (one expert, for stacked experts) at a time, as views of the file's memory map (no copy:
-resident memory is the page cache of what the kernels touch); the model decides where they stay
-blocks.
+tensor (one expert, for stacked experts) at a time: copied into memory in 2 MB pages
+(native/huge_pages.py), where the kernels read them faster, while they fit in a share of the free
+memory (free_memory.py), the map's pages let go as each is copied; beyond that, views of the
+file's memory map (resident memory is then the page cache of what the kernels touch). The model
+decides where they stay blocks.
 Other 3-D tensors in blocks (MLA's halves) are dequantized, and formats the engine does not read
 are refused.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +29,9 @@ import torch
 from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
 from hybridmoe.loader import gguf_names as names
-from hybridmoe.loader.free_memory import available_bytes, may_rearrange
+from hybridmoe.loader.free_memory import CopyBudget, available_bytes
 from hybridmoe.loader.gguf_config import hf_config
+from hybridmoe.native.huge_pages import arena
 from hybridmoe.quant.formats import BY_GGML, FORMATS
 from hybridmoe.quant.tensor import QTensor
 
@@ -82,31 +87,33 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     if _metadata(reader).get("general.architecture") != "llama":
         heads = {}
     mla: dict[tuple[int, str], torch.Tensor] = {}
-    keep = not may_rearrange(_q4k_bytes(reader), available_bytes())
+    budget = CopyBudget(available_bytes())
     # values that are copied into the model (floats, dequantised blocks) are read plainly: pages
-    # of the memory map would stay in our RSS after their use; blocks are views of the map
+    # of the memory map would stay in our RSS after their use; blocks are copied (_blocks)
     f = open(where, "rb")
     try:
         for t in reader.tensors:
             if legacy := names.legacy_expert(t.name):
-                yield names.expert_name(*legacy, naming), _tensor(t, f, where, keep=keep)
+                yield names.expert_name(*legacy, naming), _tensor(t, f, where, budget=budget)
                 continue
             layer, base, suffix = names.split(t.name, where)
             if base in names.EXPERT_STACKS:
                 for e in range(int(t.shape[-1])):
                     yield (
                         names.expert_name(layer, e, names.EXPERT_STACKS[base], naming),
-                        _tensor(t, f, where, e, keep),
+                        _tensor(t, f, where, e, budget),
                     )
             elif base in names.MLA_HALVES:
-                mla[(layer, base)] = _tensor(t, f, where, keep=keep)
+                mla[(layer, base)] = _tensor(t, f, where, budget=budget)
                 if all((layer, half) in mla for half in names.MLA_HALVES):
                     kv_b = _join_kv_b(mla.pop((layer, "attn_k_b")), mla.pop((layer, "attn_v_b")))
                     yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b
             else:
+                # rows that _fix_layout reorders are copied there: read in place until then
+                now = None if base in heads else budget
                 yield (
                     names.hf_name(layer, base, suffix, naming, where),
-                    _fix_layout(base, _tensor(t, f, where, keep=keep), heads),
+                    _fix_layout(base, _tensor(t, f, where, budget=now), heads),
                 )
     finally:
         f.close()
@@ -154,10 +161,10 @@ DEQUANTISED = ("Q5_0", "Q5_1")
 READABLE = ("F32", "F16", "BF16", *(f.upper() for f in FORMATS), *DEQUANTISED)
 
 
-def _tensor(t, f, where: str, index: int | None = None, keep: bool = False):
-    """One GGUF tensor (or one expert `index` of a stack): a QTensor viewing the memory map for a
-    matrix in blocks (its layout kept as it lies where `keep`), else a torch tensor read from the
-    open file `f`."""
+def _tensor(t, f, where: str, index: int | None = None, budget: CopyBudget | None = None):
+    """One GGUF tensor (or one expert `index` of a stack): a QTensor for a matrix in blocks (a copy
+    where `budget` takes it, else a view of the memory map, its layout kept as it lies), else a
+    torch tensor read from the open file `f`."""
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     fmt = BY_GGML.get(int(qtype))
     if fmt is None and qtype.name not in READABLE:
@@ -166,7 +173,7 @@ def _tensor(t, f, where: str, index: int | None = None, keep: bool = False):
             "convert or requantize the model to one of them"
         )
     if fmt is not None and t.data.ndim - (index is not None) == 2:
-        return _mapped_blocks(t, fmt, index, keep)
+        return _blocks(t, fmt, index, budget)
     data = _read(t, f, index)
     if qtype.name in DEQUANTISED:  # [..., row bytes] -> float32 [..., cols]
         return torch.from_numpy(gguf.quants.dequantize(data, qtype))
@@ -179,20 +186,36 @@ def _tensor(t, f, where: str, index: int | None = None, keep: bool = False):
     return blocks.dequantize().reshape(*data.shape[:-1], cols)  # 3-D: values
 
 
-def _q4k_bytes(reader) -> int:
-    """Bytes of the file's Q4_K tensors: what rearranging them at load makes the process's own."""
-    q4k = int(gguf.GGMLQuantizationType.Q4_K)
-    return sum(int(t.n_bytes) for t in reader.tensors if int(t.tensor_type) == q4k)
+def _blocks(t, fmt, index: int | None, budget: CopyBudget | None) -> QTensor:
+    """A matrix in blocks (or expert `index` of a stack, contiguous in GGUF's layout): copied into
+    2 MB pages where `budget` takes its bytes, and the map's pages it lay in let go of (they were
+    never written: the file's bytes come back if they are read again); else a view of the file's
+    memory map, its layout kept: nothing is read until a kernel touches it, and what it touches is
+    page cache the kernel may drop and read again, not the process's own memory (llama.cpp maps its
+    files alike). The map is copy-on-write, so torch takes it as writable; nothing writes it."""
+    data = torch.from_numpy(t.data if index is None else t.data[index])  # uint8 [rows, row bytes]
+    cols = data.shape[-1] // fmt.nbytes * fmt.block
+    if budget is None or not budget.take(data.numel()):
+        return QTensor(data, fmt, cols, keep_layout=True)
+    copy = arena().copy(data)
+    _let_go(data)
+    return QTensor(copy, fmt, cols)
 
 
-def _mapped_blocks(t, fmt, index: int | None, keep: bool = False) -> QTensor:
-    """A matrix in blocks (or expert `index` of a stack, contiguous in GGUF's layout) as a view of
-    the file's memory map: nothing is read until a kernel touches it, and what it touches is page
-    cache the kernel may drop and read again, not the process's own memory (llama.cpp maps its
-    files alike). The map is copy-on-write, so torch takes it as writable, and the file is never
-    written."""
-    data = t.data if index is None else t.data[index]  # uint8 [rows, bytes per row]
-    return QTensor(torch.from_numpy(data), fmt, data.shape[-1] // fmt.nbytes * fmt.block, keep)
+def _let_go(view: torch.Tensor) -> None:
+    """Drop the pages wholly under `view`, a part of the file's private map that nothing wrote,
+    from this process's memory (madvise MADV_DONTNEED): they stay in the page cache, and a read
+    of them maps the file's bytes again."""
+    page = mmap.PAGESIZE
+    first = -(-view.data_ptr() // page) * page
+    end = (view.data_ptr() + view.numel() * view.element_size()) // page * page
+    if end > first and hasattr(mmap, "MADV_DONTNEED"):
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _read(t, f, index: int | None) -> np.ndarray:

@@ -22,6 +22,7 @@ from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, rope_parameters
 from hybridmoe.quant.formats import FORMATS, suits
+from hybridmoe.native.huge_pages import arena
 from hybridmoe.quant.tensor import QTensor, for_kernels
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight
@@ -218,7 +219,7 @@ class CausalLM(nn.Module):
     def _place(self, target: str, param: nn.Parameter, tensor) -> None:
         """Put a checkpoint tensor in `target`'s place: in blocks where its module computes on them
         (a QTensor from the file, or a dense weight quantised at load to `self.quant`), else
-        copied."""
+        copied into the arena (native/huge_pages.py) in the parameter's dtype."""
         module_name, _, attr = target.rpartition(".")
         module = self.get_submodule(module_name)
         blocks = attr == "weight" and isinstance(module, (Linear, Embedding)) and module.quantizable
@@ -235,8 +236,8 @@ class CausalLM(nn.Module):
             module.weight = tensor if isinstance(module, Embedding) else for_kernels(tensor)
             module.dtype = param.dtype  # what an Embedding's looked-up rows come out as
             return
-        with torch.no_grad():
-            param.copy_(tensor.dequantize(param.dtype) if isinstance(tensor, QTensor) else tensor)
+        values = tensor.dequantize(param.dtype) if isinstance(tensor, QTensor) else tensor
+        param.data = arena().copy(values.to(param.dtype))  # in 2 MB pages: the kernels stream it
 
     def _load_expert(self, name: str, tensor: torch.Tensor, pending: dict) -> bool:
         """Route an expert tensor to the runtime's store; False when `name` is not an expert's."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hybridmoe import native
+from hybridmoe.native.huge_pages import arena
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.mlp import GatedMLP
@@ -88,7 +89,7 @@ class SharedExpertMoE(SparseMoE):
         if not native.weights_apply(*params):
             return None
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, as the parameters
-            packed = torch.cat([p.data for p in params[:4]])  # [E + 1 + 2S, H]
+            packed = arena().cat([p.data for p in params[:4]])  # [E + 1 + 2S, H]
             start = 0
             for p in params[:4]:
                 p.data = packed[start : start + p.shape[0]]

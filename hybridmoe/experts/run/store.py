@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.experts.plan.shape import ExpertShape, Key
+from hybridmoe.native.huge_pages import arena
 from hybridmoe.quant.formats import FORMATS, suits
 from hybridmoe.quant.tensor import QTensor, dense, for_kernels
 
@@ -72,19 +73,23 @@ class ExpertStore:
 
     def _fused(self, gate: Matrix, up: Matrix) -> Matrix:
         if isinstance(gate, QTensor) and isinstance(up, QTensor) and gate.fmt == up.fmt:
+            if gate.keep_layout or up.keep_layout:  # one read in place: both in one layout
+                return QTensor.cat([gate, up])
             return QTensor.cat([for_kernels(gate), for_kernels(up)])
-        return self._kept(
-            torch.cat([dense(gate, self.dtype), dense(up, self.dtype)], dim=0)
-        )  # [2I, H]
+        if self.quant:
+            return self._kept(torch.cat([dense(gate, self.dtype), dense(up, self.dtype)]))
+        return arena().cat([dense(gate, self.dtype), dense(up, self.dtype)])  # [2I, H]
 
     def _kept(self, m: Matrix) -> Matrix:
-        """As the store keeps it: blocks stay blocks; dense matrices in the store's dtype, or
-        quantised to `quant` where their rows split into its blocks."""
+        """As the store keeps it: blocks stay blocks (the loader put them); dense matrices in the
+        store's dtype, or quantised to `quant` where their rows split into its blocks, copied into
+        the arena (native/huge_pages.py): the kernels stream them from 2 MB pages."""
         if isinstance(m, QTensor):
             return for_kernels(m)
         if self.quant and suits(FORMATS[self.quant], m.shape[1]):
-            return for_kernels(QTensor.quantize(m, self.quant))
-        return m.to(self.dtype).contiguous()
+            q = QTensor.quantize(m, self.quant)
+            return for_kernels(QTensor(arena().copy(q.data), q.fmt, q.cols))
+        return arena().copy(m.to(self.dtype))
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.records[(layer, expert)]
