@@ -14,8 +14,8 @@ from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.decoder import DecoderLayer
-from hybridmoe.loader import load_model
 from hybridmoe.layers.moe import SparseMoE
+from hybridmoe.loader import load_model
 from hybridmoe.models.qwen2_moe import SharedExpertMoE
 from hybridmoe.native import bf16 as native_bf16
 from tests.halves import (

@@ -83,3 +83,17 @@ def test_training_keeps_torchs_path_for_gradients():
 def test_layers_use_the_row_ops():
     """norm.py and rotary.py reach the native module (the seam the tests above switch off)."""
     assert norm_module.rows is rows and rotary_module.rows is rows
+
+
+@pytest.mark.parametrize("params", [{"rope_type": "default", "rope_theta": 1e6}])
+def test_cos_and_sin_from_the_table_are_the_bits_computed_alone(params):
+    """Rotary keeps a table of positions; a decode step's row from it, a batch's rows and rows
+    beyond the table are what the same ops give at those positions alone."""
+    table, alone = rotary_module.Rotary(128, params), rotary_module.Rotary(128, params)
+    g = torch.Generator().manual_seed(0)
+    asks = [torch.tensor([p]) for p in (0, 7, 300, 8191, 8192, 90000)]
+    asks += [torch.randint(0, 9000, (37,), generator=g), torch.randint(0, 50, (5,), generator=g)]
+    for positions in asks:
+        got, ref = table.cos_sin(positions), alone._make(positions)  # _make: the ops themselves
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), positions
+    assert table._table[0].shape[0] <= rotary_module.TABLE_POSITIONS

@@ -127,13 +127,14 @@ class DecodeTables:
                 # the blocks of positions 0..start+n-1
                 tables += table[: (start + n - 1 + block_size) // block_size]
             row += n
-        int32 = dict(dtype=torch.int32)
+        r, t = len(rows), len(tables)
+        every = torch.tensor(rows + lengths + first + tables, dtype=torch.int32)  # [3R + tables]
         return DecodeTables(
             seqs,
-            torch.tensor(rows, **int32),
-            torch.tensor(lengths, **int32),
-            torch.tensor(first, **int32),
-            torch.tensor(tables, **int32),
+            every[:r],
+            every[r : 2 * r],
+            every[2 * r : 3 * r],
+            every[3 * r : 3 * r + t],
             block_size,
         )
 
@@ -158,13 +159,30 @@ class PagedKVContext:
         """`every_token`: attend every row alone (DecodeTables), as batch invariance needs."""
         self.cache, self.seq_lens, self.starts = cache, seq_lens, starts
         bs = cache.block_size
-        self.history, writes = [], []
-        for table, start, n in zip(block_tables, starts, seq_lens):
-            self.history.append(history_index(table, start + n, bs))
-            pos = torch.arange(start, start + n)  # [n]
-            writes.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
-        self.slots = torch.cat(writes)  # [T]: the slot of each new row
+        # the blocks of each sequence's positions so far, as they are now (history's)
+        self.block_tables = [
+            t[: (s + n + bs - 1) // bs] for t, s, n in zip(block_tables, starts, seq_lens)
+        ]
+        slots = [
+            table[p // bs] * bs + p % bs
+            for table, start, n in zip(block_tables, starts, seq_lens)
+            for p in range(start, start + n)
+        ]  # a few torch ops fewer a step than in tensors: a decode step's start runs cold
+        self.slots = torch.tensor(slots, dtype=torch.int64)  # [T]: the slot of each new row
         self.decode = DecodeTables.of(block_tables, starts, seq_lens, bs, every_token)
+        self._history: list | None = None
+
+    @property
+    def history(self) -> list[torch.Tensor | slice]:
+        """Each sequence's slots of its positions so far (history_index), made when first asked
+        for: only the steps that gather histories (prefill chunks) do."""
+        if self._history is None:
+            bs = self.cache.block_size
+            self._history = [
+                history_index(table, start + n, bs)
+                for table, start, n in zip(self.block_tables, self.starts, self.seq_lens)
+            ]
+        return self._history
 
     def write(self, layer: int, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append this step's entries ([T, ...] each) to `layer`'s cache; its pools [slots, ...]."""

@@ -85,6 +85,12 @@ def describe(bounds: dict, kind: str = "a number") -> str:
     return f"{kind} {low}" + (f" to {bounds['le']}" if "le" in bounds else " or more")
 
 
+def _penalised(params: SamplingParams) -> bool:
+    return bool(
+        params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+    )
+
+
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
 ) -> torch.Tensor:
@@ -113,6 +119,10 @@ def sample(
 ) -> int:
     """logits: [V] -> the next token id. NaN logits count as impossible, +inf as the largest
     finite value; the most likely token always stays a candidate, so the draw never fails."""
+    if params.greedy and not _penalised(params):
+        best = int(torch.argmax(logits))  # NaN counts as the largest here: then the long way
+        if math.isfinite(float(logits[best])):  # no NaN and no +inf: nan_to_num changes nothing
+            return best
     logits = apply_penalties(logits.float().clone(), params, list(prompt), list(output))
     logits = torch.nan_to_num(logits, nan=-math.inf, posinf=torch.finfo(torch.float32).max)
     top = logits.max()

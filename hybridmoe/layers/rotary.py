@@ -87,14 +87,40 @@ def _yarn(inv: torch.Tensor, dim: int, p: dict) -> tuple[torch.Tensor, float]:
     return inv, float(attn)
 
 
+TABLE_POSITIONS = 8192  # positions Rotary keeps cos and sin of: 8 MB for 128-wide heads
+
+
 class Rotary:
     """cos/sin tables for given positions; applies RoPE in the rotate-half (NeoX) layout."""
 
     def __init__(self, dim: int, params: dict):
         self.dim, self.params = dim, params
         self.inv_freq = None  # computed on first use: models are built on the meta device
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # _rows'
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, dim] fp32 at `positions` [T]: rows of a table made for every position
+        up to the largest asked for (doubling, up to TABLE_POSITIONS), so a decode step's one row
+        is a view, not seven ops on caches its previous step's weights emptied; computed where a
+        position is beyond. Every op is elementwise, so a row is the same bits whatever positions
+        it was made with."""
+        last = int(positions.max()) if positions.numel() else TABLE_POSITIONS
+        if last >= TABLE_POSITIONS:
+            return CosSin(self._make(positions))
+        if (
+            self._table is None
+            or self._table[0].shape[0] <= last
+            or (self._table[0].device != positions.device)
+        ):
+            size = min(max(256, 2 * (last + 1)), TABLE_POSITIONS)
+            self._table = self._make(torch.arange(size, device=positions.device))
+        cos, sin = self._table
+        if positions.numel() == 1:
+            return CosSin((cos[last : last + 1], sin[last : last + 1]))  # views: [1, dim]
+        return CosSin((cos[positions], sin[positions]))
+
+    def _make(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, dim] computed at positions [T]."""
         if self.inv_freq is None:
             with torch.device("cpu"):
                 self.inv_freq, self.attention_scaling = inv_frequencies(self.dim, self.params)
@@ -102,7 +128,7 @@ class Rotary:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, dim]
-        return CosSin((emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling))
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
 class CosSin(tuple):

@@ -21,8 +21,8 @@ from hybridmoe.layers.linear import Linear, linear
 from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, rope_parameters
-from hybridmoe.quant.formats import FORMATS, suits
 from hybridmoe.native.huge_pages import arena
+from hybridmoe.quant.formats import FORMATS, suits
 from hybridmoe.quant.tensor import QTensor, for_kernels
 
 # One routed expert's matrix, per-expert layout: model.layers.3.mlp.experts.7.gate_proj.weight

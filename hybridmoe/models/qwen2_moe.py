@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from hybridmoe import native
-from hybridmoe.native.huge_pages import arena
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe import SparseMoE, softmax_topk
 from hybridmoe.models.base import CausalLM
+from hybridmoe.native.huge_pages import arena
 
 
 class SharedExpertMoE(SparseMoE):

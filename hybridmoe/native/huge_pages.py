@@ -51,7 +51,6 @@ class Arena:
         out.copy_(t)
         return out
 
-
     def cat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """torch.cat(tensors) (along dim 0, all of one dtype) in the arena."""
         rows = sum(t.shape[0] for t in tensors)

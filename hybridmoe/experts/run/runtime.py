@@ -220,10 +220,16 @@ class BaseRuntime:
         hint: Hint | None = None,
     ) -> None:
         """What `forward` tells the observers, for a token whose experts ran through
-        `token_experts`' table (ids [1, K], weights [1, K]; hint as `forward` takes it)."""
-        n = len(set(topk_ids[0].tolist()))
-        report = {"routed": n, "misses": n, "cpu_runs": n, "cpu_busy_s": seconds}
-        report["measured_s"] = seconds
+        `token_experts`' table (ids [1, K], weights [1, K]: a router's top-k, K distinct experts;
+        hint as `forward` takes it)."""
+        n = topk_ids.shape[1]
+        report = {
+            "routed": n,
+            "misses": n,
+            "cpu_runs": n,
+            "cpu_busy_s": seconds,
+            "measured_s": seconds,
+        }
         self._observe(self._step(), self.ordinal[layer], topk_ids, topk_weights, report, hint)
 
     def _step(self) -> Step:
