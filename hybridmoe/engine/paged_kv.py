@@ -11,6 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe.native import huge_pages
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A pool: on the CPU in 2 MB pages (native/huge_pages.py), as the weights, since the decode
+    kernel reads its rows scattered by the block tables."""
+    if device.type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
 
 class PagedKVCache:
     """`place` puts a new pool where the model lives (CausalLM.place_tensor: the accelerator's
@@ -35,16 +45,10 @@ class PagedKVCache:
         with self._lock:
             pools = self.pools.get(layer)
             if pools is None:
+                rows = self.num_blocks * self.block_size
                 pools = tuple(
-                    self.place(
-                        torch.zeros(
-                            (self.num_blocks, self.block_size, *e.shape[1:]),
-                            dtype=e.dtype,
-                            device=e.device,
-                        ).view(self.num_blocks * self.block_size, *e.shape[1:])
-                    )  # [num_blocks * block_size, ...]
-                    for e in entries
-                )
+                    self.place(_zeros((rows, *e.shape[1:]), e.dtype, e.device)) for e in entries
+                )  # [num_blocks * block_size, ...] each
                 self.pools[layer] = pools
         return pools
 

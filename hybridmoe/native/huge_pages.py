@@ -72,6 +72,13 @@ def _chunk(nbytes: int) -> torch.Tensor:
     return whole[skip : skip + size]
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor in 2 MB pages of its own (a fresh anonymous map is zeros), unmapped when no
+    tensor views it: for memory made and dropped with an engine, as a KV cache's pools."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return _chunk(max(nbytes, 1))[:nbytes].view(dtype).view(shape)
+
+
 _arena = Arena()
 
 
