@@ -420,16 +420,12 @@ int hm_shared_moe_token_bf16(const int64_t *experts, const int64_t *ids, const f
    then sum_l p_l v_l in fp32. Query head h uses KV head h / (heads / kv_heads), as transformers'
    repeat_kv. */
 
-/* r[j] = the sum of a[j]'s 16 lanes. Each level adds the even and the odd lanes of two vectors:
-   [A B] (8 partial sums each) becomes [A A' B B'] (4 each), and so on. */
-ALWAYS_INLINE __m512 reduce16(__m512 a[16]) {
+/* [a0+a1, a2+a3, .., a14+a15, b0+b1, .., b14+b15]: one level of the tree that sums 16 vectors' lanes
+   (scores_block), 16 partial sums of each becoming 8, then 4, 2, 1. */
+ALWAYS_INLINE __m512 pairs(__m512 a, __m512 b) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int n = 16; n > 1; n /= 2)
-        for (int j = 0; j < n / 2; j++)
-            a[j] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * j], even, a[2 * j + 1]),
-                                 _mm512_permutex2var_ps(a[2 * j], odd, a[2 * j + 1]));
-    return a[0];
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
 }
 
 /* exp(x) in fp32 for the softmax's x <= 0: x = n ln2 + r, e^r by Cephes' expf polynomial
@@ -456,8 +452,11 @@ ALWAYS_INLINE __mmask16 mask16(long n) { return n >= 16 ? (__mmask16)0xffff : n 
 /* Asks for the rows of positions l0..l1-1 (row_bytes each, every KV head) ahead of their use. The
    rows are scattered by the block table and read a KV head (128 bytes) at a time, a pattern the
    hardware prefetchers miss: 1100 positions from RAM, 9/3 heads of 64, took ~167 us without this and
-   ~85-135 us with it (consecutive / shuffled blocks; 16, 64 or 128 positions ahead did no better). */
-#define AHEAD 32  /* positions */
+   ~85-135 us with it (consecutive / shuffled blocks; 16, 64 or 128 positions ahead did no better).
+   On the Intel VM of docs/notes/2026-12-06-one-token-streams.md, 8 ahead beat 32 at 8192 positions
+   (interleaved A/B, 1 thread, cold: 32/4 heads of 128 3320 -> 3187 us, 9/3 of 64 833 -> 756 us; alike
+   at 512 and 2048): 32 rows of 32/4 heads of 128 (1 KB each) are 32 KB, most of L1. */
+#define AHEAD 8  /* positions */
 ALWAYS_INLINE void prefetch_rows(const uint16_t *base, long ld, const long *slots, long l0, long l1, long row_bytes) {
     for (long l = l0; l < l1; l++) {
         const char *row = (const char *)(base + slots[l] * ld);
@@ -465,17 +464,29 @@ ALWAYS_INLINE void prefetch_rows(const uint16_t *base, long ld, const long *slot
     }
 }
 
-/* The scores q.k_j of one query head against 16 key rows k[j] (d elements each). */
-ALWAYS_INLINE __m512 scores16(const uint16_t *q, const uint16_t *const k[16], long d) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    for (long i = 0; i < d; i += 32) {
-        __mmask32 m = mask32(d - i);
-        __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + i);
-        for (int j = 0; j < 16; j++)
-            acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[j] + i));
+/* S[h][0..16) = scale q_h . k_j for the n query heads at q (rows d apart; S rows ldp apart) and the
+   16 key rows at k + off[j] (d elements each). Out of line, the sums in named variables: inlined into
+   attend_one with an array of them, GCC kept the array in memory, a store after every vdpbf16ps
+   (32/4 heads of 128, warm, 1 thread: 2048 positions 644 -> 600 us, 8192 2582 -> 2425 us). */
+__attribute__((noinline)) static void scores_block(const uint16_t *q, long n, const uint16_t *k, const long *off,
+                                                   long d, float scale, float *S, long ldp) {
+    for (long h = 0; h < n; h++, q += d, S += ldp) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+               a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+        for (long i = 0; i < d; i += 32) {
+            __mmask32 m = mask32(d - i);
+            __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + i);
+#define DOT(J) a##J = _mm512_dpbf16_ps(a##J, qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k + off[J] + i))
+            DOT(0), DOT(1), DOT(2), DOT(3), DOT(4), DOT(5), DOT(6), DOT(7);
+            DOT(8), DOT(9), DOT(10), DOT(11), DOT(12), DOT(13), DOT(14), DOT(15);
+#undef DOT
+        }
+        a0 = pairs(a0, a1), a2 = pairs(a2, a3), a4 = pairs(a4, a5), a6 = pairs(a6, a7);
+        a8 = pairs(a8, a9), a10 = pairs(a10, a11), a12 = pairs(a12, a13), a14 = pairs(a14, a15);
+        a0 = pairs(a0, a2), a4 = pairs(a4, a6), a8 = pairs(a8, a10), a12 = pairs(a12, a14);
+        a0 = pairs(a0, a4), a8 = pairs(a8, a12);
+        _mm512_storeu_ps(S, _mm512_mul_ps(pairs(a0, a8), _mm512_set1_ps(scale)));
     }
-    return reduce16(acc);
 }
 
 /* O[r][c0 + i] += sum_{l0 <= l < l1} P[r][l] V[slot l][c0 + i] for R heads (rows of O dv apart, of P
@@ -513,14 +524,12 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
     /* scores, 16 positions at a time; the block's key rows stay in L1 for every head */
     prefetch_rows(K, ldk, slots, 0, L < AHEAD ? L : AHEAD, (g1 - g0) * d * 2);
     for (long l0 = 0; l0 < L; l0 += 16) {
-        const uint16_t *k[16];
+        long off[16];  /* the key rows' offsets in K */
         prefetch_rows(K, ldk, slots, l0 + AHEAD, l0 + AHEAD + 16 < L ? l0 + AHEAD + 16 : L, (g1 - g0) * d * 2);
-        for (long g = g0; g < g1; g++) {
-            for (int j = 0; j < 16; j++)  /* past L: position L - 1 again, its scores unused */
-                k[j] = K + slots[l0 + j < L ? l0 + j : L - 1] * ldk + (g - g0) * d;
-            for (long h = g * G; h < (g + 1) * G; h++)
-                _mm512_storeu_ps(S + h * ldp + l0, _mm512_mul_ps(scores16(q + h * d, k, d), _mm512_set1_ps(scale)));
-        }
+        for (int j = 0; j < 16; j++)  /* past L: position L - 1 again, its scores unused */
+            off[j] = slots[l0 + j < L ? l0 + j : L - 1] * ldk;
+        for (long g = g0; g < g1; g++)
+            scores_block(q + g * G * d, G, K + (g - g0) * d, off, d, scale, S + g * G * ldp + l0, ldp);
     }
     /* softmax numerators exp(s - max) in place; 1 / sum kept per head */
     float inv[heads];
