@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hybridmoe import native
 from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.run.runtime import CPURuntime
@@ -76,17 +77,24 @@ def moe_halves_checked(model, monkeypatch, in_blocks: bool) -> None:
     assert len(compared) >= 15 * len(model.runtime.layers)  # every decode token, every layer
 
 
-def decoder_halves_checked(model, block: type, monkeypatch, threads: int = 1) -> None:
+def decoder_halves_checked(
+    model, block: type, monkeypatch, threads: int = 1, fused_first: bool = True
+) -> None:
     """Decode 16 tokens with each MoE block of class `block` checked on every decode step: its
     decoder_half (the native token path) against the modules one by one (x + block(h), through the
     runtime), bit for bit; it must have run on every decode token of every layer, and the runtime's
-    observers must see each layer of a token once, with the same choice."""
-    half, compared, seen, ids = block.decoder_half, [], [], []
+    observers must see each layer of a token once, with the same choice. Where `fused_first` (a
+    model whose attention halves are native), every token's first product on h (first_weight) was
+    made by the attention half's call, with F.linear's bits."""
+    half, compared, seen, ids, rows = block.decoder_half, [], [], [], []
 
-    def both(self, x, h):
+    def both(self, x, h, row=None):
+        if row is not None:  # made in the attention half's call: the product, as F.linear's
+            assert torch.equal(row, native.linear(h, self.first_weight()))
+            rows.append(row)
         with monkeypatch.context() as m:
             m.setattr(type(self.runtime), "ran_token", lambda *a: seen.append(a[2].tolist()))
-            fast = half(self, x, h)
+            fast = half(self, x, h, row)
         ref = x + self(h)  # the runtime's forward observes the layer
         if fast is not None:
             assert torch.equal(fast, ref)
@@ -102,3 +110,4 @@ def decoder_halves_checked(model, block: type, monkeypatch, threads: int = 1) ->
         assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
     assert len(compared) == 15 * len(model.runtime.layers)  # every decode token, every layer
     assert seen == [i for i in ids if len(i) == 1]  # the same choice, each decode layer once
+    assert len(rows) == (len(compared) if fused_first else 0)  # routers made by attention halves

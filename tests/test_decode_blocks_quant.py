@@ -111,7 +111,8 @@ def test_a_moe_half_in_blocks_gives_the_layers_bits(name, dtype, threads, gguf, 
     """SparseMoE.decoder_half with experts in blocks (hm_qmoe_tokens) against the modules through
     the runtime, on every decode step's input of every layer, for bf16 and fp32 tokens."""
     model = load_model(gguf(name), dtype=dtype, progress=False)
-    decoder_halves_checked(model, SparseMoE, monkeypatch, threads)
+    attention_native = dtype == torch.bfloat16 and native.cpu_has_avx512_bf16()
+    decoder_halves_checked(model, SparseMoE, monkeypatch, threads, fused_first=attention_native)
 
 
 def run_logits(path: str, monkeypatch, isa: str, blocks: bool):

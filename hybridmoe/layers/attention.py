@@ -199,11 +199,13 @@ class Attention(nn.Module):
         cos, sin = tables(cos_sin, q.dtype) if torch.is_grad_enabled() else cos_sin
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def decoder_half(self, x: torch.Tensor, norms, cos_sin, ctx) -> tuple | None:
+    def decoder_half(self, x: torch.Tensor, norms, cos_sin, ctx, next_w=None) -> tuple | None:
         """A decoder layer's attention half in one native call where the block takes this step
         (_block_table) and norms = (input norm, post-attention norm) are bf16 RMSNorms of one eps:
         (x + self(input_norm(x)), post_norm of that) [T, H] each, the bits of
-        layers/decoder.py's steps; else None."""
+        layers/decoder.py's steps, and the feed-forward's first product on the second, `linear` of
+        it and next_w [N, H] (a plain bf16 weight the native kernels take, or None: no product)
+        [T, N]; else None."""
         table = self._block_table(x, cos_sin, ctx)
         first, post = norms
         if table is None or first.eps != post.eps:
@@ -214,7 +216,7 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         scale, eps = self.head_dim**-0.5, self.q_norm.eps if self.qk_norm else 0.0
         return native.decoder_attention(
-            table, (in_w, post_w, first.eps), x, cos, sin, ctx.slots, ctx.decode, scale, eps
+            table, (in_w, post_w, first.eps), x, cos, sin, ctx.slots, ctx.decode, scale, eps, next_w
         )
 
     def _block_table(self, x: torch.Tensor, cos_sin, ctx) -> torch.Tensor | None:

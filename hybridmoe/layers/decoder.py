@@ -33,14 +33,16 @@ class DecoderLayer(nn.Module):
         both = None
         if half is not None and not self.training:
             norms = (self.input_layernorm, self.post_attention_layernorm)
-            both = half(x, norms, cos_sin, ctx)  # a decode step's first half in one native call
+            # a decode token's feed-forward half's first product (an MoE router's) in that call too
+            first = ffn.first_weight() if ffn_half is not None and x.shape[0] == 1 else None
+            both = half(x, norms, cos_sin, ctx, first)  # a decode step's first half in one call
         if both is None:
             x = x + self._attention(x, cos_sin, ctx)
             if ffn_half is None or self.training or torch.is_grad_enabled():
                 return x + through_norm(self.post_attention_layernorm, x, ffn)
-            both = (x, self.post_attention_layernorm(x))
-        x, h = both
-        out = None if ffn_half is None else ffn_half(x, h)
+            both = (x, self.post_attention_layernorm(x), None)
+        x, h, row = both
+        out = None if ffn_half is None else ffn_half(x, h, row)
         return x + ffn(h) if out is None else out
 
     def _attention(self, x, cos_sin, ctx):

@@ -165,19 +165,34 @@ class SparseMoE(nn.Module):
         hint = partial(self.look_ahead, x) if self._next else None  # computed if asked
         return self.runtime.forward(self.layer, x, ids, weights, hint, self.expert_lora(len(x)))
 
-    def decoder_half(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+    def first_weight(self) -> torch.Tensor | None:
+        """The weight of decoder_half's first product on h, the router's, where the attention half
+        may make that product in its own native call (a plain bf16 weight the kernels take, no
+        router adapter, no replay: `choose` is then softmax_topk of that product); else None."""
+        w = self.gate.weight
+        if self.gate.adapters or self.replay is not None or not native.weights_apply(w):
+            return None
+        return w
+
+    def decoder_half(
+        self, x: torch.Tensor, h: torch.Tensor, row: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """x + self(h) [1, H] for a decode step's one token, the bits of forward and the decoder
         layer's residual sum, where the runtime lets the block run the token's experts
         (`token_experts`: every expert on the CPU) and nothing else changes what runs (_token_path);
         else None. The router's choice, then one native call for the experts and their weighted
         sum: the runtime's layers of Python and torch calls, which
         after the weight stream of the previous call run on emptied caches (~0.1 ms a layer),
-        are skipped (docs/notes/2026-12-06-decode-step-glue.md)."""
+        are skipped (docs/notes/2026-12-06-decode-step-glue.md). row: the router's logits [1, E]
+        where the attention half made them (first_weight), else None."""
         experts = self._token_path(x, h)
         if experts is None:
             return None
         table, workers, blocks = experts
-        ids, weights = self.choose(h)  # [1, K] each
+        if row is None:
+            ids, weights = self.choose(h)  # [1, K] each
+        else:  # choose's bits: the same product, no adapter
+            ids, weights = softmax_topk(row, self.top_k, self.renormalize)
         t0 = time.perf_counter()
         mix = quant_kernels.moe_tokens if blocks else native.moe_token
         out = mix(table, ids, weights, h, self.inter, workers)  # [1, H]

@@ -35,11 +35,19 @@ class SharedExpertMoE(SparseMoE):
         shared = self.shared_expert(x, scale=torch.sigmoid(gate))  # [T, H] times [T, 1]
         return routed + shared
 
-    def decoder_half(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+    def first_weight(self) -> torch.Tensor | None:
+        """_packed's weight, the first product of decoder_half, where it applies; else None."""
+        packed = self._packed()
+        return None if packed is None else packed[0]
+
+    def decoder_half(
+        self, x: torch.Tensor, h: torch.Tensor, row: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """x + self(h) [1, H] for a decode step's one token in two native calls, the bits of
         forward and the decoder layer's residual sum, where they apply (_shared_path); else None.
         One product reads the router, the shared expert's gate and its gate and up rows (one
-        weight, _packed); torch chooses the experts as `choose` does; the second call runs them,
+        weight, _packed; `row`, where the attention half's call made it: first_weight); torch
+        chooses the experts as `choose` does; the second call runs them,
         the shared expert's down and every sum (native.shared_moe_token). That is ~20 torch and
         Python calls a layer fewer, and one weight streamed instead of four
         (docs/notes/2026-11-25-demo-decode-step.md)."""
@@ -48,7 +56,8 @@ class SharedExpertMoE(SparseMoE):
             return None
         packed, down, (table, workers) = path
         e = self.num_experts
-        row = native.linear(h, packed)  # [1, E + 1 + 2S]: router logits, gate logit, gate, up
+        if row is None:  # else the attention half's call made it (first_weight)
+            row = native.linear(h, packed)  # [1, E + 1 + 2S]: router logits, gate logit, gate, up
         ids, weights = softmax_topk(row[:, :e], self.top_k, self.renormalize)  # [1, K] each
         t0 = time.perf_counter()
         out = native.shared_moe_token(

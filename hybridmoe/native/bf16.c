@@ -1005,12 +1005,15 @@ static int attention_block(const attn_block *a, const uint16_t *X, long ldx, lon
 /* The attention half of a decoder layer (layers/decoder.py) around attention_block: h = RMSNorm(x)
    with in_w, the block on h, x_out = x + its output (bf16 sum, as torch adds bf16 tensors), h_out =
    RMSNorm(x_out) with post_w, the feed-forward's input; both norms with norm_eps. x_out, h_out: [T, H]
-   bf16 contiguous. Returns 0, or attention_block's error. */
+   bf16 contiguous. Where next_w ([next_rows, H] bf16) is given, next_out [T, next_rows] = h_out next_w^T
+   as hm_linear_bf16 computes it: the feed-forward half's first product (an MoE block's router), without
+   a return to Python between. Returns 0, or attention_block's error. */
 int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const uint16_t *post_w, float norm_eps,
                               const uint16_t *X, long ldx, long T, const float *C, const float *S, long ldc,
                               const int64_t *slots, const int32_t *tables, const int32_t *table_starts,
                               const int32_t *lengths, const int32_t *rows, long n, long block_size, float scale,
-                              float eps, uint16_t *x_out, uint16_t *h_out, int threads, long threaded_min_bytes) {
+                              float eps, uint16_t *x_out, uint16_t *h_out, int threads, long threaded_min_bytes,
+                              const uint16_t *next_w, long next_rows, uint16_t *next_out) {
     const long H = a->hidden;
     uint16_t *h = malloc(sizeof(uint16_t) * 2 * T * H), *o = h + T * H;
     if (!h) return -1;
@@ -1022,6 +1025,9 @@ int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const u
             for (long i = 0; i < H; i++) x_out[t * H + i] = bf16(f32(X[t * ldx + i]) + f32(o[t * H + i]));
             rmsnorm_row(x_out + t * H, post_w, h_out + t * H, H, norm_eps);
         }
+    if (status == 0 && next_w) /* the feed-forward half's first product on h_out, as F.linear's */
+        hm_linear_bf16(next_w, h_out, H, NULL, next_out, next_rows, next_rows, H, T,
+                       2 * next_rows * H < threaded_min_bytes ? 1 : threads);
     free(h);
     return status;
 }

@@ -58,9 +58,9 @@ SIGNATURES = {
     #     const float *C, const float *S, long ldc, const int64_t *slots, const int32_t *tables,
     #     const int32_t *table_starts, const int32_t *lengths, const int32_t *rows, long n,
     #     long block_size, float scale, float eps, uint16_t *x_out, uint16_t *h_out, int threads,
-    #     long threaded_min_bytes)
+    #     long threaded_min_bytes, const uint16_t *next_w, long next_rows, uint16_t *next_out)
     "hm_decoder_attention_bf16": (
-        [P, P, P, F, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, P, INT, N],
+        [P, P, P, F, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, P, INT, N, P, N, P],
         INT,
     ),
     # int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K,
@@ -459,16 +459,20 @@ def decoder_attention(
     decode,
     scale: float,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    next_w: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A decoder layer's attention half in one call (bf16.c hm_decoder_attention_bf16): x [T, H]
     bf16 -> (x + attention(RMSNorm(x)), RMSNorm of that) [T, H] bf16 each, the bits of
-    layers/decoder.py's steps. norms: the input and post-attention norms' weights [H] bf16 and
-    their eps; table: the block's weights and pools (bf16.c attn_block, Attention._block_table);
-    cos, sin: [T, d] fp32; slots: int64 [T], each row's pool slot; decode: the step's
-    DecodeTables, covering every row."""
+    layers/decoder.py's steps, and where next_w [N, H] (bf16, contiguous) is given `linear` of the
+    second and next_w [T, N] (else None). norms: the input and post-attention norms' weights [H]
+    bf16 and their eps; table: the block's weights and pools (bf16.c attn_block,
+    Attention._block_table); cos, sin: [T, d] fp32; slots: int64 [T], each row's pool slot; decode:
+    the step's DecodeTables, covering every row."""
     in_w, post_w, norm_eps = norms
     x_out = torch.empty(x.shape, dtype=torch.bfloat16)  # [T, H]
     h_out = torch.empty(x.shape, dtype=torch.bfloat16)  # [T, H]
+    n = 0 if next_w is None else next_w.shape[0]
+    row = None if next_w is None else torch.empty(x.shape[0], n, dtype=torch.bfloat16)  # [T, N]
     status = library().hm_decoder_attention_bf16(
         table.data_ptr(),
         in_w.data_ptr(),
@@ -493,7 +497,10 @@ def decoder_attention(
         h_out.data_ptr(),
         kernel_threads(),
         THREADED_MIN_BYTES,
+        0 if next_w is None else next_w.data_ptr(),
+        n,
+        0 if row is None else row.data_ptr(),
     )
     if status != 0:
         raise MemoryError("decoder attention: no memory for its scratch")
-    return x_out, h_out
+    return x_out, h_out, row
