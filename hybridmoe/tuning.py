@@ -20,11 +20,11 @@ FEW_TOKENS = 32
 # to split); the CLI's default thread count.
 WIDE_MODEL = 1024
 
-# Share of the memory available at load (MemAvailable) that a GGUF file's Q4_K blocks may take when
-# they are rearranged into rows of eights, which turns their file pages into the process's own
-# (loader/free_memory.py): the rest is left for the page cache of the file's other tensors, the KV
-# cache and other processes. A file above it keeps its layout and is read in place.
-REARRANGE_SHARE_OF_FREE = 0.75
+# Share of the memory available at load (MemAvailable) that a GGUF file's blocks may take when they
+# are copied into the process's own memory in 2 MB pages (loader/free_memory.py CopyBudget,
+# native/huge_pages.py; Q4_K rearranged into rows of eights there): the rest is left for the page
+# cache of the blocks read in place beyond it, the KV cache and other processes.
+COPY_SHARE_OF_FREE = 0.75
 
 # Rows up to which oneDNN's fp32 linear beats torch's default kernel for weights streamed from RAM.
 FEW_ROWS = 32

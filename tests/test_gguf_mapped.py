@@ -25,7 +25,7 @@ from hybridmoe.native import quant as kernels
 from hybridmoe.quant.formats import Q4_K_X8
 from hybridmoe.quant.interleave import deinterleave
 from hybridmoe.quant.tensor import QTensor, matmul
-from hybridmoe.tuning import REARRANGE_SHARE_OF_FREE
+from hybridmoe.tuning import COPY_SHARE_OF_FREE
 from tests.gguf_writer import Q
 from tests.test_quant_models import PROMPT, wide_mixtral_gguf
 
@@ -165,7 +165,7 @@ def test_blocks_are_copied_while_they_fit_and_the_rest_read_in_place(mapped, tmp
     path = str(tmp_path / "half.gguf")
     shutil.copyfile(mapped[0], path)
     half = sum(p.numel() for p in parts_of(mapped[1])) // 2
-    monkeypatch.setattr(gguf_file, "available_bytes", lambda: int(half / REARRANGE_SHARE_OF_FREE))
+    monkeypatch.setattr(gguf_file, "available_bytes", lambda: int(half / COPY_SHARE_OF_FREE))
     model = load_model(path, progress=False)
     maps = file_mappings(path)
     in_map = [inside(p, maps) for p in parts_of(model)]
@@ -189,7 +189,7 @@ def test_copies_take_at_most_a_share_of_the_free_memory(tmp_path):
     free = available_bytes()  # this machine's, where Linux reports it
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert free is None or 0 < free <= physical
-    share = int(REARRANGE_SHARE_OF_FREE * 4096e6)
+    share = int(COPY_SHARE_OF_FREE * 4096e6)
     budget = CopyBudget(4096e6)
     assert budget.take(share - 10) and not budget.take(11) and budget.take(10)
     assert not budget.take(1) and budget.take(0)

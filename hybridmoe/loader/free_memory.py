@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridmoe.tuning import REARRANGE_SHARE_OF_FREE
+from hybridmoe.tuning import COPY_SHARE_OF_FREE
 
 
 def available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
@@ -28,11 +28,11 @@ def available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
 
 
 class CopyBudget:
-    """Bytes of a file's blocks that may still become the process's own: REARRANGE_SHARE_OF_FREE
+    """Bytes of a file's blocks that may still become the process's own: COPY_SHARE_OF_FREE
     of `available` (none where it is unknown), taken tensor by tensor in file order."""
 
     def __init__(self, available: int | None):
-        self.left = 0 if available is None else int(REARRANGE_SHARE_OF_FREE * available)
+        self.left = 0 if available is None else int(COPY_SHARE_OF_FREE * available)
 
     def take(self, nbytes: int) -> bool:
         """True, and nbytes fewer left, where nbytes fit; else False and nothing taken."""
