@@ -10,6 +10,8 @@ the kernel kills one.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
 
 from hybridmoe.tuning import COPY_SHARE_OF_FREE
@@ -40,3 +42,18 @@ class CopyBudget:
             return False
         self.left -= nbytes
         return True
+
+
+def give_back_heap() -> None:
+    """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere). A
+    file's values are read into buffers of the heap and copied into 2 MB pages
+    (native/huge_pages.py), so the freed buffers no longer become the weights' own memory: kept,
+    they held ~0.8 GB of a BF16 file's 5 GB in the process's resident memory."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None)

@@ -14,6 +14,7 @@ from hybridmoe.errors import ModelFileError, UserError
 from hybridmoe.experts.plan.shape import ExpertShape, expert_shape
 from hybridmoe.experts.run.runtime import CPURuntime, ExpertRuntime
 from hybridmoe.loader import safetensors_dir
+from hybridmoe.loader.free_memory import give_back_heap
 from hybridmoe.loader.tokenizer import Tokenizer, load_tokenizer_dir, load_tokenizer_gguf
 from hybridmoe.models import model_class
 from hybridmoe.quant.formats import QUANTIZE_TO
@@ -119,7 +120,7 @@ def load_model(
         leave=False,
     )
     try:
-        model.load_weights(bar)
+        model.load_weights(_heap_trimmed(bar))
     except (
         ModelFileError
     ) as e:  # the model knows which tensor is wrong, not which file it came from
@@ -129,6 +130,16 @@ def load_model(
     model.place()  # the dense model where the runtime keeps it (an accelerator, or the host)
     model.eval()
     return model
+
+
+def _heap_trimmed(tensors, every: int = 64):
+    """The (name, tensor) pairs, the heap's free pages given back after every `every` of them and
+    at the end (free_memory.give_back_heap): the read buffers the model copied from are free."""
+    for i, item in enumerate(tensors):
+        yield item
+        if i % every == every - 1:
+            give_back_heap()
+    give_back_heap()
 
 
 def load_tokenizer(path: str | Path, tokenizer_dir: str | Path | None = None) -> Tokenizer:
