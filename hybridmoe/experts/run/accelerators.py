@@ -79,6 +79,12 @@ class Accelerator(Protocol):
     def check(self) -> None: ...
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Addresses of t's first byte and one past its last (t contiguous, as placed weights are)."""
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
 def slot_bytes(store: ExpertStore) -> int:
     """Bytes of one slot: the largest expert as packed (expert_bytes.py), whatever its format."""
     return max(layout(w).nbytes for w in store.records.values())
@@ -233,7 +239,8 @@ class EmulatedAccelerator:
         self.buffers = _Buffers(store, slots, "cpu")
         self.bus = _Bus(store, self.buffers.size, pin=False)
         self.layer = _Layer(self.buffers)
-        self.placed: set[int] = set()  # storages of what `place` was given
+        # the bytes of what `place` was given (not their storages: weights share the arena's)
+        self.placed: list[tuple[int, int]] = []
         self.clock = 0.0
         self.copy_free = 0.0  # when the copy stream has finished what is queued
         self.gpu_free = 0.0  # when the compute stream has finished what is queued
@@ -248,11 +255,12 @@ class EmulatedAccelerator:
 
     # ---- memory ----
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        self.placed.add(t.untyped_storage().data_ptr())
+        self.placed.append(_span(t))
         return t
 
     def on_device(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self.placed
+        start, end = _span(t)
+        return any(a <= start and end <= b for a, b in self.placed)
 
     def to_host(self, x: torch.Tensor) -> torch.Tensor:
         host = self.bus.rows(self.bus.up, x.shape[0], x)  # [n, H]
