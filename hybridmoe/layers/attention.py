@@ -103,6 +103,13 @@ def _weight_fields(w) -> tuple[int, int, int] | None:
     return run[0], w.fmt.ggml, run[1]
 
 
+def _held(module: nn.Module, name: str):
+    """module.<name> without nn.Module's __getattr__: a QTensor set in its place (models/base.py)
+    is a plain attribute, a parameter is in `_parameters`."""
+    value = module.__dict__.get(name)
+    return module._parameters.get(name) if value is None else value
+
+
 def _address(t) -> int:
     """Where a plain tensor's data lies (a parameter's .data may be swapped under it), 0 else."""
     return t.data_ptr() if isinstance(t, torch.Tensor) else 0
@@ -238,13 +245,23 @@ class Attention(nn.Module):
         ):
             return None
         pools = ctx.pools_of(self.layer)
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        mods = self._modules  # dict reads: each nn.Module attribute lookup is a Python call
+        projections = (mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"])
         if pools is None or any(p.adapters for p in projections):
             return None
         # A decode step meets the same tensors as the step before: the table stands while they do
         # (checking them all again took ~100 us a layer, on caches a layer's weights had emptied)
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else ()
-        tensors = (*(p.weight for p in projections), *(p.bias for p in projections), *norms, *pools)
+        norms = (
+            (_held(mods["q_norm"], "weight"), _held(mods["k_norm"], "weight"))
+            if self.qk_norm
+            else ()
+        )
+        tensors = (
+            *(_held(p, "weight") for p in projections),
+            *(p._parameters.get("bias") for p in projections),
+            *norms,
+            *pools,
+        )
         key = (*map(id, tensors), *(_address(t) for t in tensors), quant_kernels.isa())
         if key == getattr(self, "_table_key", None) and native.applies(x, max_rows=native_rows(x)):
             return self._table
