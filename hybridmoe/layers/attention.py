@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe import native
+from hybridmoe.layers.held import held
 from hybridmoe.layers.linear import Linear, native_rows
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.packed_attention import packed_attention
@@ -101,13 +102,6 @@ def _weight_fields(w) -> tuple[int, int, int] | None:
     if run is None or not w.parts[0].is_cpu or not quant_kernels.available():
         return None
     return run[0], w.fmt.ggml, run[1]
-
-
-def _held(module: nn.Module, name: str):
-    """module.<name> without nn.Module's __getattr__: a QTensor set in its place (models/base.py)
-    is a plain attribute, a parameter is in `_parameters`."""
-    value = module.__dict__.get(name)
-    return module._parameters.get(name) if value is None else value
 
 
 def _address(t) -> int:
@@ -217,7 +211,7 @@ class Attention(nn.Module):
         first, post = norms
         if table is None or first.eps != post.eps:
             return None
-        in_w, post_w = first.weight, post.weight
+        in_w, post_w = held(first, "weight"), held(post, "weight")
         if not native.weights_apply(in_w, post_w):
             return None
         cos, sin = cos_sin
@@ -252,12 +246,10 @@ class Attention(nn.Module):
         # A decode step meets the same tensors as the step before: the table stands while they do
         # (checking them all again took ~100 us a layer, on caches a layer's weights had emptied)
         norms = (
-            (_held(mods["q_norm"], "weight"), _held(mods["k_norm"], "weight"))
-            if self.qk_norm
-            else ()
+            (held(mods["q_norm"], "weight"), held(mods["k_norm"], "weight")) if self.qk_norm else ()
         )
         tensors = (
-            *(_held(p, "weight") for p in projections),
+            *(held(p, "weight") for p in projections),
             *(p._parameters.get("bias") for p in projections),
             *norms,
             *pools,

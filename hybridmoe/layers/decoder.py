@@ -27,12 +27,13 @@ class DecoderLayer(nn.Module):
         setattr(self, ffn_name, ffn)
 
     def forward(self, x, cos_sin, ctx):
-        ffn = getattr(self, self.ffn_name)
+        mods = self._modules  # dict reads, not nn.Module's __getattr__ (layers/held.py)
+        ffn = mods[self.ffn_name]
         ffn_half = getattr(ffn, "decoder_half", None)  # SparseMoE's: a decode token's in one call
-        half = getattr(self.self_attn, "decoder_half", None)  # Attention's, not MLA's
+        half = getattr(mods["self_attn"], "decoder_half", None)  # Attention's, not MLA's
         both = None
         if half is not None and not self.training:
-            norms = (self.input_layernorm, self.post_attention_layernorm)
+            norms = (mods["input_layernorm"], mods["post_attention_layernorm"])
             # a decode token's feed-forward half's first product (an MoE router's) in that call too
             first = ffn.first_weight() if ffn_half is not None and x.shape[0] == 1 else None
             both = half(x, norms, cos_sin, ctx, first)  # a decode step's first half in one call

@@ -13,6 +13,7 @@ from hybridmoe import native
 from hybridmoe.experts.run.expert_grad import TrainLoRA
 from hybridmoe.experts.run.lora import ExpertLoRA, RowLoRA
 from hybridmoe.layers import lora
+from hybridmoe.layers.held import held
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.lora import add_lora
 from hybridmoe.native import quant as quant_kernels
@@ -169,8 +170,9 @@ class SparseMoE(nn.Module):
         """The weight of decoder_half's first product on h, the router's, where the attention half
         may make that product in its own native call (a plain bf16 weight the kernels take, no
         router adapter, no replay: `choose` is then softmax_topk of that product); else None."""
-        w = self.gate.weight
-        if self.gate.adapters or self.replay is not None or not native.weights_apply(w):
+        gate = self._modules["gate"]  # a dict read (layers/held.py): every layer, every step
+        w = held(gate, "weight")
+        if gate.adapters or self.replay is not None or not native.weights_apply(w):
             return None
         return w
 
@@ -209,7 +211,7 @@ class SparseMoE(nn.Module):
             or self.replay is not None
             or torch.is_grad_enabled()
             or self.adapters
-            or self.gate.adapters
+            or self._modules["gate"].adapters
             or not h.is_cpu
             or not (h.is_contiguous() and x.is_contiguous())
         ):
