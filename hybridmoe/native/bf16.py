@@ -36,10 +36,14 @@ FLAGS += [f"-DWEIGHTS_NTA={int(cpu_vendor() == 'AuthenticAMD')}"]
 MAX_ROWS = 32
 
 # Weight bytes below which a product stays on one thread whatever torch's count: waking the pool's
-# second thread costs as much as it saves on a matrix this small (the demo model's 576 x 576 took
-# 60 us on one thread and on two, its 192 x 576 25 and 31 us, its 1536 x 576 153 and 95 us;
-# docs/notes/2026-11-24-decode-overhead.md).
-THREADED_MIN_BYTES = 1 << 20
+# second thread costs as much as it saves on a matrix this small (on the AMD Zen 4 machine the demo
+# model's 576 x 576 took 60 us on one thread and on two, its 192 x 576 25 and 31 us, its 1536 x 576
+# 153 and 95 us: docs/notes/2026-11-24-decode-overhead.md, with 1 MB here). With the weights in
+# 2 MB pages and the pool's workers spinning between a step's regions, on the Intel Xeon machine
+# 256 KB (the demo's 576 x 576 products on both threads) took its attention half 315-330 -> 251 us a
+# layer and its decode 29.3 -> 25.6 ms a token at two threads; 128 KB was level with 256 KB
+# (docs/notes/2026-12-06-decode-step-glue.md).
+THREADED_MIN_BYTES = 1 << 18
 
 # name -> (argument types, result type), each under a copy of its C prototype in bf16.c
 SIGNATURES = {
