@@ -257,9 +257,9 @@ class Attention(nn.Module):
         key = (*map(id, tensors), *(_address(t) for t in tensors), quant_kernels.isa())
         if key == getattr(self, "_table_key", None) and native.applies(x, max_rows=native_rows(x)):
             return self._table
-        fields = [_weight_fields(p.weight) for p in projections]
-        biases = [p.bias for p in projections]
-        plain = [p.weight for p, f in zip(projections, fields) if f is not None and not f[1]]
+        weights, biases = tensors[:4], tensors[4:8]
+        fields = [_weight_fields(w) for w in weights]
+        plain = [w for w, f in zip(weights, fields) if f is not None and not f[1]]
         plain += [t for t in (*biases, *norms) if t is not None]
         if None in fields or not native.applies(x, *plain, *pools, max_rows=native_rows(x)):
             return None

@@ -12,11 +12,11 @@ from torch import nn
 from hybridmoe import native
 from hybridmoe.experts.run.expert_grad import TrainLoRA
 from hybridmoe.experts.run.lora import ExpertLoRA, RowLoRA
+from hybridmoe.experts.run.runtime import mix_tokens
 from hybridmoe.layers import lora
 from hybridmoe.layers.held import held
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.lora import add_lora
-from hybridmoe.native import quant as quant_kernels
 
 
 def softmax_topk(
@@ -183,10 +183,10 @@ class SparseMoE(nn.Module):
         layer's residual sum, where the runtime lets the block run the token's experts
         (`token_experts`: every expert on the CPU) and nothing else changes what runs (_token_path);
         else None. The router's choice, then one native call for the experts and their weighted
-        sum: the runtime's layers of Python and torch calls, which
-        after the weight stream of the previous call run on emptied caches (~0.1 ms a layer),
-        are skipped (docs/notes/2026-12-06-decode-step-glue.md). row: the router's logits [1, E]
-        where the attention half made them (first_weight), else None."""
+        sum (mix_tokens): the runtime's layers of Python and torch calls, which after the previous
+        call's weight stream run on emptied caches (~0.1 ms a layer), are skipped
+        (docs/notes/2026-12-06-decode-step-glue.md). row: the router's logits [1, E] where the
+        attention half made them (first_weight), else None."""
         experts = self._token_path(x, h)
         if experts is None:
             return None
@@ -196,16 +196,17 @@ class SparseMoE(nn.Module):
         else:  # choose's bits: the same product, no adapter
             ids, weights = softmax_topk(row, self.top_k, self.renormalize)
         t0 = time.perf_counter()
-        mix = quant_kernels.moe_tokens if blocks else native.moe_token
-        out = mix(table, ids, weights, h, self.inter, workers)  # [1, H]
+        out = mix_tokens(table, blocks, ids, weights, h, self.inter, workers)  # [1, H]
+        if out is None:  # a row the kernels do not take: the modules' path
+            return None
         hint = partial(self.look_ahead, h) if self._next else None  # as forward's
         self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
         return x + out
 
     def _token_path(self, x: torch.Tensor, h: torch.Tensor):
-        """The runtime's token_experts where decoder_half applies: one row on the CPU, bf16 (or
-        fp32 for experts in blocks), contiguous, no gradients, the router's own choice, no adapter
-        on the router or the experts; else None. Checked on every layer of every step."""
+        """The runtime's token_experts where decoder_half applies: one row on the CPU, contiguous,
+        no gradients, the router's own choice, no adapter on the router or the experts; else None
+        (which row dtypes the kernels take: mix_tokens). Checked on every layer of every step."""
         if (
             x.shape[0] != 1
             or self.replay is not None
@@ -216,11 +217,7 @@ class SparseMoE(nn.Module):
             or not (h.is_contiguous() and x.is_contiguous())
         ):
             return None
-        experts = self.runtime.token_experts(self.layer)
-        if experts is None:
-            return None
-        takes = h.dtype in (torch.bfloat16, torch.float32) if experts[2] else native.applies(h)
-        return experts if takes else None
+        return self.runtime.token_experts(self.layer)
 
     def expert_lora(self, num_rows: int) -> RowLoRA | TrainLoRA | None:
         """What the runtime is told of the pass's expert adapters: a training step's (in training

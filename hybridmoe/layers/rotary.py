@@ -96,7 +96,7 @@ class Rotary:
     def __init__(self, dim: int, params: dict):
         self.dim, self.params = dim, params
         self.inv_freq = None  # computed on first use: models are built on the meta device
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # _rows'
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos_sin's: (cos, sin)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, dim] fp32 at `positions` [T]: rows of a table made for every position
@@ -110,7 +110,7 @@ class Rotary:
         if (
             self._table is None
             or self._table[0].shape[0] <= last
-            or (self._table[0].device != positions.device)
+            or self._table[0].device != positions.device
         ):
             size = min(max(256, 2 * (last + 1)), TABLE_POSITIONS)
             self._table = self._make(torch.arange(size, device=positions.device))

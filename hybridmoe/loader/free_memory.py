@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 from pathlib import Path
+
+import torch
 
 from hybridmoe.tuning import COPY_SHARE_OF_FREE
 
@@ -54,6 +57,17 @@ def give_back_heap() -> None:
         trim(0)
 
 
+def let_go(view: torch.Tensor) -> None:
+    """Drop the pages wholly under `view`, a part of a file's private map that nothing wrote, from
+    this process's memory (madvise MADV_DONTNEED): they stay in the page cache, and a read of them
+    maps the file's bytes again."""
+    page = mmap.PAGESIZE
+    first = -(-view.data_ptr() // page) * page
+    end = (view.data_ptr() + view.numel() * view.element_size()) // page * page
+    if end > first and hasattr(mmap, "MADV_DONTNEED"):
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), mmap.MADV_DONTNEED)
+
+
 @functools.cache
 def _libc():
-    return ctypes.CDLL(None)
+    return ctypes.CDLL(None, use_errno=True)

@@ -15,9 +15,7 @@ are refused.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +27,7 @@ import torch
 from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
 from hybridmoe.loader import gguf_names as names
-from hybridmoe.loader.free_memory import CopyBudget, available_bytes
+from hybridmoe.loader.free_memory import CopyBudget, available_bytes, let_go
 from hybridmoe.loader.gguf_config import hf_config
 from hybridmoe.native.huge_pages import arena
 from hybridmoe.quant.formats import BY_GGML, FORMATS
@@ -198,24 +196,8 @@ def _blocks(t, fmt, index: int | None, budget: CopyBudget | None) -> QTensor:
     if budget is None or not budget.take(data.numel()):
         return QTensor(data, fmt, cols, keep_layout=True)
     copy = arena().copy(data)
-    _let_go(data)
+    let_go(data)
     return QTensor(copy, fmt, cols)
-
-
-def _let_go(view: torch.Tensor) -> None:
-    """Drop the pages wholly under `view`, a part of the file's private map that nothing wrote,
-    from this process's memory (madvise MADV_DONTNEED): they stay in the page cache, and a read
-    of them maps the file's bytes again."""
-    page = mmap.PAGESIZE
-    first = -(-view.data_ptr() // page) * page
-    end = (view.data_ptr() + view.numel() * view.element_size()) // page * page
-    if end > first and hasattr(mmap, "MADV_DONTNEED"):
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), mmap.MADV_DONTNEED)
-
-
-@functools.cache
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _read(t, f, index: int | None) -> np.ndarray:

@@ -47,10 +47,9 @@ class SharedExpertMoE(SparseMoE):
         forward and the decoder layer's residual sum, where they apply (_shared_path); else None.
         One product reads the router, the shared expert's gate and its gate and up rows (one
         weight, _packed; `row`, where the attention half's call made it: first_weight); torch
-        chooses the experts as `choose` does; the second call runs them,
-        the shared expert's down and every sum (native.shared_moe_token). That is ~20 torch and
-        Python calls a layer fewer, and one weight streamed instead of four
-        (docs/notes/2026-11-25-demo-decode-step.md)."""
+        chooses the experts as `choose` does; the second call runs them, the shared expert's down
+        and every sum (native.shared_moe_token). That is ~20 torch and Python calls a layer fewer,
+        and one weight streamed instead of four (docs/notes/2026-11-25-demo-decode-step.md)."""
         path = self._shared_path(x, h)
         if path is None:
             return None
@@ -72,8 +71,8 @@ class SharedExpertMoE(SparseMoE):
         threads)) where decoder_half applies: SparseMoE's _token_path with plain bf16 experts,
         rows the native kernels take, and no adapter anywhere in the block (_packed); else None."""
         experts = self._token_path(x, h)
-        if experts is None or experts[2] or not native.applies(x):
-            return None  # native.shared_moe_token takes plain bf16 experts
+        if experts is None or experts[2] or not (native.applies(x) and native.applies(h)):
+            return None  # native.shared_moe_token takes plain bf16 experts and rows
         weights = self._packed()
         return None if weights is None else (*weights, experts[:2])
 

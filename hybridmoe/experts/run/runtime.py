@@ -323,6 +323,18 @@ class BaseRuntime:
         self.cpu.close()
 
 
+def mix_tokens(table, blocks: bool, ids, weights, x, inter: int, workers: int):
+    """Tokens x [T, H] through their routed experts and the weighted sums, [T, H], in one native
+    call where the kernels take x: quant_kernels.moe_tokens for experts in blocks (bf16 or fp32
+    rows, any count), native.moe_token for plain bf16 experts (one bf16 row); else None. table:
+    CPURuntime._expert_table's; ids [T, K] int64, weights [T, K] fp32, contiguous."""
+    if blocks and x.dtype in (torch.bfloat16, torch.float32):
+        return quant_kernels.moe_tokens(table, ids, weights, x, inter, workers)
+    if not blocks and x.shape[0] == 1 and native.applies(x):
+        return native.moe_token(table, ids, weights, x, inter, workers)
+    return None
+
+
 class CPURuntime(BaseRuntime):
     """Every routed expert runs on the CPU (cpu_pool.py says where: inline or on the workers)."""
 
@@ -353,11 +365,8 @@ class CPURuntime(BaseRuntime):
             return None
         inter, workers = self.shape.intermediate, self.cpu.workers_now()
         t0 = time.perf_counter()
-        if blocks and x.dtype in (torch.bfloat16, torch.float32):
-            out = quant_kernels.moe_tokens(table, topk_ids, topk_weights, x, inter, workers)
-        elif not blocks and x.shape[0] == 1 and native.applies(x):
-            out = native.moe_token(table, topk_ids, topk_weights, x, inter, workers)
-        else:
+        out = mix_tokens(table, blocks, topk_ids, topk_weights, x, inter, workers)
+        if out is None:
             return None
         experts = topk_ids[0].tolist() if x.shape[0] == 1 else topk_ids.unique().tolist()
         return out, experts, time.perf_counter() - t0
