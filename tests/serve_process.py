@@ -17,13 +17,17 @@ from tests.services import free_port
 
 class ServeProcess:
     def __init__(self, model: Path, *flags: str):
+        self.args = ["--model", str(model), "--threads", "1", *flags]
+        self.log = Path(tempfile.mkstemp(prefix="hybridmoe-serve-", suffix=".log")[1])
+        self.retries = 3  # a port taken between free_port() and the server's bind: another one
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(tempfile.mkstemp(prefix="hybridmoe-serve-", suffix=".log")[1])
-        args = ["--model", str(model), "--port", str(self.port), "--threads", "1", *flags]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hybridmoe", "serve", *args],
+                [sys.executable, "-m", "hybridmoe", "serve", *self.args, "--port", str(self.port)],
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -33,7 +37,12 @@ class ServeProcess:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"hybridmoe serve exited:\n{self.log.read_text()[-3000:]}")
+                log = self.log.read_text()
+                if "cannot listen on" in log and self.retries > 0:
+                    self.retries -= 1
+                    self._start()
+                    continue
+                raise RuntimeError(f"hybridmoe serve exited:\n{log[-3000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return self

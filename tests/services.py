@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -19,10 +20,36 @@ import pytest
 from hybridmoe import env
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives to outgoing connections (and to `bind(0)`)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of 127.0.0.1 nothing listens on, for a server started next. It is drawn from below
+    the kernel's ephemeral range, where no client connection of the tests (httpx to another server)
+    can take it before the server binds it, and never the same one twice in a process, so servers
+    started one after another before any of them listens do not collide."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range on 127.0.0.1")
 
 
 def wait_port(port: int, proc: subprocess.Popen, seconds: float = 20.0) -> None:

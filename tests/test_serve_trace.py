@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ import pytest
 from hybridmoe.experts.plan.profiles import PROFILES
 from hybridmoe.experts.plan.trace_format import read_trace
 from tests.served_model import tiny_chat_model
+from tests.services import free_port
 
 MAX_TOKENS = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, seconds: float = 120.0) -> None:
