@@ -13,6 +13,7 @@ from hybridmoe.engine.generate import generate_ids
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.experts.run.runtime import CPURuntime
 from hybridmoe.layers.moe import SparseMoE
+from hybridmoe.models.base import CausalLM
 
 
 def attention_half_checked(layer, x, cos_sin, ctx, monkeypatch, switch_off) -> int | None:
@@ -34,6 +35,12 @@ def attention_half_checked(layer, x, cos_sin, ctx, monkeypatch, switch_off) -> i
     k_ref, v_ref = ctx.pools_of(attn.layer)
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
     return x.shape[0]
+
+
+def layers_loop_off(m) -> None:
+    """Under monkeypatch (context) m, no decode step runs its layers in one native call
+    (CausalLM._decode_layers): each layer calls its halves, which the tests below check."""
+    m.setattr(CausalLM, "_decode_layers", lambda self, x, cos_sin, ctx: (0, x))
 
 
 @contextmanager
@@ -71,6 +78,7 @@ def moe_halves_checked(model, monkeypatch, in_blocks: bool) -> None:
 
     monkeypatch.setattr(CPURuntime, "_layer", both)
     monkeypatch.setattr(SparseMoE, "decoder_half", lambda *a: None)  # every token through _layer
+    layers_loop_off(monkeypatch)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     with torch.inference_mode():
         assert len(list(generate_ids(model, [5, 17, 3, 40, 9], params))) == 16
@@ -102,6 +110,7 @@ def decoder_halves_checked(
         return ref
 
     monkeypatch.setattr(block, "decoder_half", both)
+    layers_loop_off(monkeypatch)
     monkeypatch.setattr(
         model.runtime.stats, "on_layer", lambda s, o, i, w, r, hint=None: ids.append(i.tolist())
     )

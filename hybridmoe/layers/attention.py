@@ -207,6 +207,33 @@ class Attention(nn.Module):
         layers/decoder.py's steps, and the feed-forward's first product on the second, `linear` of
         it and next_w [N, H] (a plain bf16 weight the native kernels take, or None: no product)
         [T, N]; else None."""
+        taken = self._half_args(x, norms, cos_sin, ctx)
+        if taken is None:
+            return None
+        table, in_w, post_w, norm_eps, scale, eps = taken
+        cos, sin = cos_sin
+        return native.decoder_attention(
+            table, (in_w, post_w, norm_eps), x, cos, sin, ctx.slots, ctx.decode, scale, eps, next_w
+        )
+
+    def decode_fields(self, x: torch.Tensor, norms, cos_sin, ctx) -> list[int] | None:
+        """decoder_half's arguments as native.decode_layers' first fields (bf16.c decode_layer:
+        the block table, the norms' weights and eps, the scale, the q/k norms' eps), where
+        decoder_half applies; else None. The tensors pointed to are held by the modules."""
+        taken = self._half_args(x, norms, cos_sin, ctx)
+        if taken is None:
+            return None
+        table, in_w, post_w, norm_eps, scale, eps = taken
+        bits = native.f32_bits
+        return [table.data_ptr(), in_w.data_ptr(), post_w.data_ptr()] + [
+            bits(norm_eps),
+            bits(scale),
+            bits(eps),
+        ]
+
+    def _half_args(self, x: torch.Tensor, norms, cos_sin, ctx) -> tuple | None:
+        """(block table, input norm's weight, post norm's weight, their eps, scale, q/k norms' eps)
+        where decoder_half applies; else None."""
         table = self._block_table(x, cos_sin, ctx)
         first, post = norms
         if table is None or first.eps != post.eps:
@@ -214,11 +241,8 @@ class Attention(nn.Module):
         in_w, post_w = held(first, "weight"), held(post, "weight")
         if not native.weights_apply(in_w, post_w):
             return None
-        cos, sin = cos_sin
         scale, eps = self.head_dim**-0.5, self.q_norm.eps if self.qk_norm else 0.0
-        return native.decoder_attention(
-            table, (in_w, post_w, first.eps), x, cos, sin, ctx.slots, ctx.decode, scale, eps, next_w
-        )
+        return table, in_w, post_w, first.eps, scale, eps
 
     def _block_table(self, x: torch.Tensor, cos_sin, ctx) -> torch.Tensor | None:
         """native.decoder_attention's table [25] for this step, or None where the block does not

@@ -46,6 +46,26 @@ class DecoderLayer(nn.Module):
         out = None if ffn_half is None else ffn_half(x, h, row)
         return x + ffn(h) if out is None else out
 
+    def decode_fields(self, x, cos_sin, ctx) -> tuple[list[int], int, nn.Module] | None:
+        """This layer's fields of native.decode_layers for a decode step's token x [1, H] (the
+        attention half's, then the feed-forward's: Attention.decode_fields, SparseMoE's), the
+        experts' threads and the block, where forward would run the token through decoder_half
+        calls both; else None."""
+        mods = self._modules
+        ffn, attn = mods[self.ffn_name], mods["self_attn"]
+        if (
+            self.training
+            or getattr(ffn, "decoder_half", None) is None
+            or getattr(attn, "decode_fields", None) is None
+        ):
+            return None
+        moe = ffn.decode_fields(x)
+        if moe is None:
+            return None
+        norms = (mods["input_layernorm"], mods["post_attention_layernorm"])
+        fields = attn.decode_fields(x, norms, cos_sin, ctx)
+        return None if fields is None else (fields + moe[0], moe[1], ffn)
+
     def _attention(self, x, cos_sin, ctx):
         """The attention block's output [T, H]. A training step keeps, of its activations, the
         attention's output (o_proj's input, which the flash backward needs too), and makes q, k

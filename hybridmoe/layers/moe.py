@@ -17,12 +17,18 @@ from hybridmoe.layers import lora
 from hybridmoe.layers.held import held
 from hybridmoe.layers.linear import linear
 from hybridmoe.layers.lora import add_lora
+from hybridmoe.native import rows
 
 
 def softmax_topk(
     logits: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [T, E] -> ids [T, k], weights [T, k] (fp32). Mixtral, Qwen-MoE, OLMoE."""
+    """logits: [T, E] -> ids [T, k], weights [T, k] (fp32). Mixtral, Qwen-MoE, OLMoE. One native
+    call (native/rows.h route_row: exp and sums in double, the same bits for a row whatever its
+    batch) wherever it applies, every pass that records no gradient of the logits; else torch."""
+    chosen = rows.softmax_topk(logits, k, renormalize)
+    if chosen is not None:
+        return chosen
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, k, dim=-1)  # [T, k]
     if renormalize:
@@ -202,6 +208,28 @@ class SparseMoE(nn.Module):
         hint = partial(self.look_ahead, h) if self._next else None  # as forward's
         self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
         return x + out
+
+    def decode_fields(self, x: torch.Tensor) -> tuple[list[int], int] | None:
+        """What native.decode_layers needs of this block for x [1, H], the decode token of a step
+        whose attention halves it runs, where decoder_half would run the token in the same native
+        calls (first_weight, _token_path; the experts' input is then a bf16 row on the CPU): (the
+        router's fields, bf16.c decode_layer's from DL_ROUTER on, the experts' threads); else None.
+        After the call, `decoded` tells the runtime."""
+        router = self.first_weight()
+        experts = None if router is None else self._token_path(x, x)
+        if experts is None or router.shape[0] != self.num_experts:
+            return None
+        table, workers, blocks = experts
+        kind = native.EXPERTS_IN_BLOCKS if blocks else native.EXPERTS_BF16
+        fields = [router.data_ptr(), router.shape[0], self.num_experts, self.top_k]
+        fields += [int(self.renormalize), kind, table.data_ptr(), self.inter, 0, 0]
+        return fields, workers
+
+    def decoded(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, seconds: float):
+        """What decoder_half tells the runtime, for a token native.decode_layers ran through this
+        block: h [1, H] its experts' input, ids and weights [1, K] the router's choice."""
+        hint = partial(self.look_ahead, h) if self._next else None  # as forward's
+        self.runtime.ran_token(self.layer, ids, weights, seconds, hint)
 
     def _token_path(self, x: torch.Tensor, h: torch.Tensor):
         """The runtime's token_experts where decoder_half applies: one row on the CPU, contiguous,

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 
+from hybridmoe import native
 from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
 from hybridmoe.experts.plan.shape import expert_shape
@@ -21,6 +23,7 @@ from hybridmoe.layers.linear import Linear, linear
 from hybridmoe.layers.moe import SparseMoE
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, rope_parameters
+from hybridmoe.native import quant as quant_kernels
 from hybridmoe.native.huge_pages import arena
 from hybridmoe.quant.formats import FORMATS, suits
 from hybridmoe.quant.tensor import QTensor, for_kernels
@@ -68,6 +71,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(hidden, eps)
         self.tied = bool(cfg.get("tie_word_embeddings", default=False))
         self.lm_head = None if self.tied else Linear(hidden, self.vocab_size, bias=False)
+        self._fields_key: list[int] | None = None  # _decode_layers' table [L, DECODE_FIELDS]
+        self._fields: torch.Tensor | None = None
         blocks = self.moe_blocks()
         for block, after in zip(blocks, blocks[1:]):
             block.link_next(after)
@@ -117,9 +122,47 @@ class CausalLM(nn.Module):
         input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         x = self.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rotary.cos_sin(positions)
-        for layer in self.layers:
+        done, x = self._decode_layers(x, cos_sin, ctx)
+        for layer in islice(self.layers, done, None):
             x = layer(x, cos_sin, ctx)
         return self.norm(x)
+
+    def _decode_layers(self, x: torch.Tensor, cos_sin, ctx) -> tuple[int, torch.Tensor]:
+        """A decode step's one token x [1, H] through the first layers whose attention and MoE
+        halves the decoder layer would run in its native calls (DecoderLayer.decode_fields), all in
+        one call (native.decode_layers: the same calls, without Python and torch between them on
+        caches the weights' stream has emptied); the blocks then tell the runtime what ran. (layers
+        done, the next layer's input); (0, x) where none applies."""
+        if (
+            x.shape[0] != 1
+            or x.dtype is not torch.bfloat16
+            or not x.is_cpu
+            or torch.is_grad_enabled()
+            or not native.available()
+        ):
+            return 0, x
+        fields, blocks, workers = [], [], None
+        for layer in self.layers:
+            got = layer.decode_fields(x, cos_sin, ctx)
+            if got is None or workers not in (None, got[1]) or got[2].top_k != self.shape.top_k:
+                break
+            fields += got[0]
+            workers, blocks = got[1], blocks + [got[2]]
+        if not blocks:
+            return 0, x
+        qmoe = (0, 0)
+        if native.EXPERTS_IN_BLOCKS in fields[native.DECODE_KIND :: native.DECODE_FIELDS]:
+            qmoe = quant_kernels.moe_tokens_entry()
+        if self._fields_key != fields:  # the tensor stands while the fields do
+            self._fields = torch.tensor(fields, dtype=torch.int64).view(len(blocks), -1)
+            self._fields_key = fields
+        cos, sin = cos_sin
+        done, x, hs, ids, weights, secs = native.decode_layers(
+            self._fields, x, cos, sin, ctx.slots, ctx.decode, workers, qmoe, self.shape.top_k
+        )
+        for i, (block, seconds) in enumerate(zip(blocks[:done], secs.tolist())):
+            block.decoded(hs[i : i + 1], ids[i : i + 1], weights[i : i + 1], seconds)
+        return done, x
 
     def place(self) -> None:
         """Put every dense weight and buffer where the expert runtime keeps the rest of the model:

@@ -66,6 +66,18 @@ class SharedExpertMoE(SparseMoE):
         self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
         return out
 
+    def decode_fields(self, x: torch.Tensor) -> tuple[list[int], int] | None:
+        """SparseMoE.decode_fields for this block: decoder_half's product (_packed's weight: the
+        router's rows, the shared expert's gate and its gate and up rows) and its second call, where
+        _shared_path applies; else None."""
+        path = self._shared_path(x, x)
+        if path is None:
+            return None
+        packed, down, (table, workers) = path
+        fields = [packed.data_ptr(), packed.shape[0], self.num_experts, self.top_k]
+        fields += [int(self.renormalize), native.EXPERTS_SHARED, table.data_ptr(), self.inter]
+        return fields + [down.data_ptr(), down.shape[1]], workers
+
     def _shared_path(self, x: torch.Tensor, h: torch.Tensor):
         """(_packed's weight, the shared expert's down weight, (the runtime's expert table,
         threads)) where decoder_half applies: SparseMoE's _token_path with plain bf16 experts,

@@ -12,6 +12,7 @@ layers/attention.py) and experts/ (expert FFNs).
 
 from __future__ import annotations
 
+import struct
 from functools import lru_cache
 from pathlib import Path
 
@@ -66,6 +67,15 @@ SIGNATURES = {
     "hm_decoder_attention_bf16": (
         [P, P, P, F, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, P, INT, N, P, N, P],
         INT,
+    ),
+    # long hm_decode_layers_bf16(const int64_t *layers, long L, long H, const uint16_t *X,
+    #     const float *C, const float *S, long ldc, const int64_t *slots, const int32_t *tables,
+    #     const int32_t *table_starts, const int32_t *lengths, const int32_t *rows, long n,
+    #     long block_size, int threads, long threaded_min_bytes, int workers, qmoe_fn qmoe, int isa,
+    #     uint16_t *hs, int64_t *ids, float *w, double *secs, uint16_t *x_out)
+    "hm_decode_layers_bf16": (
+        [P, N, N, P, P, P, N, P, P, P, P, P, N, N, INT, N, INT, P, INT, P, P, P, P, P],
+        N,
     ),
     # int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K,
     #                       const uint16_t *x, long H, long I, int threads, uint16_t *out)
@@ -508,3 +518,68 @@ def decoder_attention(
     if status != 0:
         raise MemoryError("decoder attention: no memory for its scratch")
     return x_out, h_out, row
+
+
+_F32 = struct.Struct("<f")
+
+# A decode layer's fields for decode_layers (bf16.c decode_layer's order) and its kinds of experts
+DECODE_FIELDS, DECODE_KIND = 16, 11  # DL_FIELDS, DL_KIND
+EXPERTS_IN_BLOCKS, EXPERTS_BF16, EXPERTS_SHARED = 0, 1, 2
+
+
+def f32_bits(v: float) -> int:
+    """An fp32 value's bits as an int (a field of decode_layers' table)."""
+    return int.from_bytes(_F32.pack(v), "little")
+
+
+def decode_layers(
+    fields: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    decode,
+    workers: int,
+    qmoe: tuple[int, int],
+    top_k: int,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's first L MoE layers for one token in one call (bf16.c hm_decode_layers_bf16),
+    each with the bits of its attention half, router and experts run one after another. fields:
+    int64 [L, DECODE_FIELDS] (Attention.decode_fields, SparseMoE.decode_fields); x [1, H] bf16;
+    cos, sin, slots, decode: decoder_attention's; qmoe: quant.c hm_qmoe_tokens' address and path
+    (0, 0 where no layer has experts in blocks). -> (layers done, x [1, H] the input of the first
+    not done, each layer's experts' input [L, H], router ids [L, K] and weights [L, K], experts'
+    seconds [L])."""
+    count, hidden = fields.shape[0], x.shape[1]
+    x_out = torch.empty(1, hidden, dtype=torch.bfloat16)  # [1, H]
+    hs = torch.empty(count, hidden, dtype=torch.bfloat16)  # [L, H]
+    ids = torch.empty(count, top_k, dtype=torch.int64)  # [L, K]
+    weights = torch.empty(count, top_k, dtype=torch.float32)  # [L, K]
+    secs = torch.empty(count, dtype=torch.float64)  # [L]
+    done = library().hm_decode_layers_bf16(
+        fields.data_ptr(),
+        count,
+        hidden,
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        slots.data_ptr(),
+        decode.tables.data_ptr(),
+        decode.table_starts.data_ptr(),
+        decode.lengths.data_ptr(),
+        decode.rows.data_ptr(),
+        len(decode.rows),
+        decode.block_size,
+        kernel_threads(),
+        THREADED_MIN_BYTES,
+        workers,
+        qmoe[0],
+        qmoe[1],
+        hs.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        secs.data_ptr(),
+        x_out.data_ptr(),
+    )
+    return done, x_out, hs, ids, weights, secs

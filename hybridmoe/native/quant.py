@@ -289,6 +289,15 @@ def moe_tokens(
     return out
 
 
+def moe_tokens_entry() -> tuple[int, int]:
+    """(hm_qmoe_tokens' address, the path it takes now: isa()) for a native caller of moe_tokens
+    (bf16.c hm_decode_layers_bf16); (0, 0) where the kernels are not built."""
+    lib = library()
+    if lib is None:
+        return 0, 0
+    return ctypes.cast(lib.hm_qmoe_tokens, ctypes.c_void_p).value, isa()
+
+
 def quantize(x: torch.Tensor, fmt: int, row_bytes: int) -> torch.Tensor:
     """fp32 rows [N, K] -> [N, row_bytes] uint8 blocks of ggml type `fmt` (Q8_0, Q4_0, Q4_K,
     Q6_K)."""

@@ -25,3 +25,13 @@ CLONES void hm_rotary_bf16(const uint16_t *X, long ldt, long ldh, long T, long H
     for (long t = 0; t < T; t++)
         for (long h = 0; h < H; h++) rotary_head(X + t * ldt + h * ldh, C + t * ldc, S + t * ldc, Y + (t * H + h) * d, d);
 }
+
+/* The router's choice for T tokens, rows of E logits ld apart (bf16 or fp32): ids [T, K], weights
+   [T, K] (rows.h route_row). 0, or -1 where a row has a logit that is not finite. */
+CLONES int hm_softmax_topk(const void *L, int is_bf16, long ld, long T, long E, long K, int renorm, int64_t *ids,
+                           float *w) {
+    const long size = is_bf16 ? 2 : 4;
+    for (long t = 0; t < T; t++)
+        if (route_row((const char *)L + t * ld * size, is_bf16, E, K, renorm, ids + t * K, w + t * K)) return -1;
+    return 0;
+}

@@ -56,4 +56,36 @@ static inline void rotary_head(const uint16_t *x, const float *c, const float *s
     }
 }
 
+/* A router's choice for one token, layers/moe.py's softmax_topk: p = softmax(l) over E logits, the
+   K largest in descending order (of equal logits the lower index first, so the choice does not
+   depend on how a scan is split), and their weights: p, or with renorm p over the sum of the K. The
+   largest logit is subtracted, exp and the sums are in double, and each weight is rounded once to
+   fp32 at the end: the same bits on every CPU (libm's exp) and whatever the rows beside it, within
+   an fp32 ulp of the exact values (torch's fp32 softmax may differ from them in its last bits). l is
+   bf16 (is_bf16 != 0) or fp32. 0, or -1 for a logit that is not finite (the caller's torch path
+   says what that means). */
+static inline int route_row(const void *l, int is_bf16, long E, long K, int renorm, int64_t *ids, float *w) {
+    double e[E];
+    double top = -INFINITY;
+    for (long i = 0; i < E; i++) {
+        e[i] = is_bf16 ? f32(((const uint16_t *)l)[i]) : ((const float *)l)[i];
+        if (!isfinite(e[i])) return -1;
+        if (e[i] > top) top = e[i];
+    }
+    double sum = 0.0;
+    for (long i = 0; i < E; i++) sum += (e[i] = exp(e[i] - top));
+    double kept = 0.0, pick[K];
+    for (long j = 0; j < K; j++) {
+        long best = -1;
+        for (long i = 0; i < E; i++)
+            if (e[i] >= 0.0 && (best < 0 || e[i] > e[best])) best = i;  /* taken: -1 */
+        ids[j] = best;
+        pick[j] = e[best] / sum;
+        kept += pick[j];
+        e[best] = -1.0;
+    }
+    for (long j = 0; j < K; j++) w[j] = (float)(renorm ? pick[j] / kept : pick[j]);
+    return 0;
+}
+
 #endif

@@ -1,4 +1,5 @@
-"""The small per-row operations of rows.c (RMSNorm, rotary embedding) for bf16 rows on the CPU.
+"""The small per-row operations of rows.c (RMSNorm, rotary embedding, a router's softmax and top-k)
+on the CPU.
 
 A decode step of a narrow model (the demo model: 576 wide, 30 layers) spends more time calling
 torch than computing: RMSNorm is nine torch calls, the rotary embedding about ten, at a few
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.native.build import F, N, P, load
+from hybridmoe.native.build import INT, F, N, P, load
 
 SOURCE = Path(__file__).with_name("rows.c")
 HEADERS = (Path(__file__).with_name("rows.h"),)
@@ -28,6 +29,9 @@ SIGNATURES = {
     # void hm_rotary_bf16(const uint16_t *X, long ldt, long ldh, long T, long H, long d,
     #                     const float *C, const float *S, long ldc, uint16_t *Y)
     "hm_rotary_bf16": ([P, N, N, N, N, N, P, P, N, P], None),
+    # int hm_softmax_topk(const void *L, int is_bf16, long ld, long T, long E, long K, int renorm,
+    #                     int64_t *ids, float *w)
+    "hm_softmax_topk": ([P, INT, N, N, N, N, INT, P, P], INT),
 }
 
 
@@ -95,3 +99,36 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         y.data_ptr(),
     )
     return y
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """logits [T, E] (bf16 or fp32, rows of unit stride, on the CPU) -> ids [T, k] int64, weights
+    [T, k] fp32: rows.h route_row for each row, one call; None where it does not apply (native
+    code off, gradients wanted of the logits, another dtype or layout) or a logit is not finite."""
+    if (
+        logits.dim() != 2
+        or logits.dtype not in (torch.bfloat16, torch.float32)
+        or logits.device.type != "cpu"
+        or logits.stride(-1) != 1
+        or (logits.requires_grad and torch.is_grad_enabled())
+        or not 0 < k <= logits.shape[1]
+        or library() is None
+    ):
+        return None
+    t, e = logits.shape
+    ids = torch.empty(t, k, dtype=torch.int64)  # [T, k]
+    weights = torch.empty(t, k, dtype=torch.float32)  # [T, k]
+    bad = library().hm_softmax_topk(
+        logits.data_ptr(),
+        int(logits.dtype == torch.bfloat16),
+        logits.stride(0),
+        t,
+        e,
+        k,
+        int(renormalize),
+        ids.data_ptr(),
+        weights.data_ptr(),
+    )
+    return None if bad else (ids, weights)
