@@ -40,7 +40,7 @@ def attention_half_checked(layer, x, cos_sin, ctx, monkeypatch, switch_off) -> i
 def layers_loop_off(m) -> None:
     """Under monkeypatch (context) m, no decode step runs its layers in one native call
     (CausalLM._decode_layers): each layer calls its halves, which the tests below check."""
-    m.setattr(CausalLM, "_decode_layers", lambda self, x, cos_sin, ctx: (0, x))
+    m.setattr(CausalLM, "_decode_layers", lambda self, x, cos_sin, ctx, start=0: (0, x))
 
 
 @contextmanager

@@ -71,8 +71,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(hidden, eps)
         self.tied = bool(cfg.get("tie_word_embeddings", default=False))
         self.lm_head = None if self.tied else Linear(hidden, self.vocab_size, bias=False)
-        self._fields_key: list[int] | None = None  # _decode_layers' table [L, DECODE_FIELDS]
-        self._fields: torch.Tensor | None = None
+        # _decode_layers' fields and their table [L, DECODE_FIELDS], by first layer
+        self._fields: dict[int, tuple[list[int], torch.Tensor]] = {}
         blocks = self.moe_blocks()
         for block, after in zip(blocks, blocks[1:]):
             block.link_next(after)
@@ -122,27 +122,40 @@ class CausalLM(nn.Module):
         input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         x = self.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rotary.cos_sin(positions)
-        done, x = self._decode_layers(x, cos_sin, ctx)
-        for layer in islice(self.layers, done, None):
-            x = layer(x, cos_sin, ctx)
+        layers = self.layers
+        if not self._one_token(x):
+            for layer in layers:
+                x = layer(x, cos_sin, ctx)
+            return self.norm(x)
+        i = 0
+        while i < len(layers):
+            done, x = self._decode_layers(x, cos_sin, ctx, i)
+            i += done
+            if i < len(layers):  # a layer the loop does not take (a dense one, say): its own way
+                x = layers[i](x, cos_sin, ctx)
+                i += 1
         return self.norm(x)
 
-    def _decode_layers(self, x: torch.Tensor, cos_sin, ctx) -> tuple[int, torch.Tensor]:
-        """A decode step's one token x [1, H] through the first layers whose attention and MoE
-        halves the decoder layer would run in its native calls (DecoderLayer.decode_fields), all in
-        one call (native.decode_layers: the same calls, without Python and torch between them on
-        caches the weights' stream has emptied); the blocks then tell the runtime what ran. (layers
-        done, the next layer's input); (0, x) where none applies."""
-        if (
-            x.shape[0] != 1
-            or x.dtype is not torch.bfloat16
-            or not x.is_cpu
-            or torch.is_grad_enabled()
-            or not native.available()
-        ):
-            return 0, x
+    @staticmethod
+    def _one_token(x: torch.Tensor) -> bool:
+        """Whether a pass may run layers in _decode_layers: one bf16 row on the CPU, inference."""
+        return (
+            x.shape[0] == 1
+            and x.dtype is torch.bfloat16
+            and x.is_cpu
+            and not torch.is_grad_enabled()
+            and native.available()
+        )
+
+    def _decode_layers(self, x: torch.Tensor, cos_sin, ctx, start: int = 0):
+        """A decode step's one token x [1, H] (_one_token) through the layers from `start` on whose
+        attention and MoE halves the decoder layer would run in its native calls
+        (DecoderLayer.decode_fields), all in one call (native.decode_layers: the same calls, without
+        Python and torch between them on caches the weights' stream has emptied); the blocks then
+        tell the runtime what ran. (layers done, the next layer's input); (0, x) where the layer at
+        `start` is not taken."""
         fields, blocks, workers = [], [], None
-        for layer in self.layers:
+        for layer in islice(self.layers, start, None):
             got = layer.decode_fields(x, cos_sin, ctx)
             if got is None or workers not in (None, got[1]) or got[2].top_k != self.shape.top_k:
                 break
@@ -153,12 +166,13 @@ class CausalLM(nn.Module):
         qmoe = (0, 0)
         if native.EXPERTS_IN_BLOCKS in fields[native.DECODE_KIND :: native.DECODE_FIELDS]:
             qmoe = quant_kernels.moe_tokens_entry()
-        if self._fields_key != fields:  # the tensor stands while the fields do
-            self._fields = torch.tensor(fields, dtype=torch.int64).view(len(blocks), -1)
-            self._fields_key = fields
+        key, table = self._fields.get(start, (None, None))
+        if key != fields:  # the tensor stands while the fields do
+            table = torch.tensor(fields, dtype=torch.int64).view(len(blocks), -1)
+            self._fields[start] = (fields, table)
         cos, sin = cos_sin
         done, x, hs, ids, weights, secs = native.decode_layers(
-            self._fields, x, cos, sin, ctx.slots, ctx.decode, workers, qmoe, self.shape.top_k
+            table, x, cos, sin, ctx.slots, ctx.decode, workers, qmoe, self.shape.top_k
         )
         for i, (block, seconds) in enumerate(zip(blocks[:done], secs.tolist())):
             block.decoded(hs[i : i + 1], ids[i : i + 1], weights[i : i + 1], seconds)

@@ -1,0 +1,213 @@
+"""A decode step's MoE layers in one native call (CausalLM._decode_layers, bf16.c
+hm_decode_layers_bf16) against each layer calling its own halves, inside real generation: the same
+logits at every step and the same tokens, the runtime's observers told the same choices and
+handed the same look-ahead hints, for every kind of experts the loop runs (plain bf16, a Qwen2-MoE
+block with its shared expert, GGUF blocks); a router whose logits are not finite hands the rest of
+the step back to the layers. And the router's softmax and top-k in C (native/rows.h route_row),
+which every inference pass takes, against float64 arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridmoe import native
+from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.sampler import SamplingParams
+from hybridmoe.layers.moe import softmax_topk
+from hybridmoe.loader import load_model
+from hybridmoe.models.base import CausalLM
+from hybridmoe.native import quant as kernels
+from hybridmoe.native import rows
+from tests.gguf_writer import Q, write_gguf
+from tests.halves import layers_loop_off, torch_threads
+from tests.tiny import batch_greedy, build_tiny, build_wide_mixtral
+
+needs_kernels = pytest.mark.skipif(
+    not native.cpu_has_avx512_bf16(), reason="the decode loop needs a CPU with AVX512-BF16"
+)
+needs_quant = pytest.mark.skipif(
+    kernels.best_isa() == 0, reason="needs AVX2 for the integer kernels"
+)
+PROMPT = [5, 17, 3, 40, 9]
+TOKENS = 16
+
+
+def reference_choice(logits: torch.Tensor, k: int, renormalize: bool):
+    """softmax and top-k in float64, equal logits in increasing index order: ids, fp32 weights."""
+    rows64 = logits.double()  # [T, E]
+    ids = torch.tensor(
+        [sorted(range(len(row)), key=lambda i, row=row: (-float(row[i]), i))[:k] for row in rows64]
+    )  # [T, k]
+    weights = F.softmax(rows64, dim=-1).gather(1, ids)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_routers_choice_in_c_is_float64s_rounded_once(dtype, renormalize):
+    """Random logits (bf16 ones full of ties): the same ids as float64 arithmetic with ties to the
+    lower index, weights within an fp32 ulp of it; each row alone gives the bits it has in a
+    batch."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(64, 128, generator=gen) * 3).to(dtype)
+    ids, weights = rows.softmax_topk(logits, 8, renormalize)
+    ref_ids, ref_weights = reference_choice(logits, 8, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1.2e-7, atol=0)
+    for t in (0, 17, 63):
+        alone = rows.softmax_topk(logits[t : t + 1].clone(), 8, renormalize)
+        assert torch.equal(alone[0], ids[t : t + 1]) and torch.equal(alone[1], weights[t : t + 1])
+    if dtype == torch.float32:  # torch's fp32 softmax: the same choice (its weights an ulp off)
+        probs = F.softmax(logits, dim=-1)
+        assert torch.equal(torch.topk(probs, 8).indices, ids)
+
+
+def test_a_logit_that_is_not_finite_and_a_recorded_gradient_take_torchs_path():
+    logits = torch.randn(3, 16)
+    logits[2, 7] = float("-inf")  # an expert no router weight can reach: torch's path chooses
+    ids, weights = softmax_topk(logits, 4, True)
+    assert rows.softmax_topk(logits, 4, True) is None and 7 not in ids[2].tolist()
+    assert torch.isfinite(weights).all()
+    logits[1, 4] = float("nan")
+    assert rows.softmax_topk(logits, 4, True) is None
+    ids, weights = softmax_topk(logits, 4, True)  # torch's, as before the native path
+    probs = F.softmax(logits, dim=-1)
+    want_w, want_ids = torch.topk(probs, 4)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_w / want_w.sum(-1, keepdim=True), equal_nan=True)
+    trained = torch.randn(2, 16, requires_grad=True)
+    assert rows.softmax_topk(trained, 4, True) is None
+    assert softmax_topk(trained, 4, True)[1].grad_fn is not None  # the router learns through it
+
+
+def run(model, monkeypatch, loop: bool, threads: int):
+    """Greedy generation of TOKENS tokens: (tokens, every step's logits, what the runtime's
+    observers saw per layer: the choice and the look-ahead hint, (first layer, layers done) of
+    each call of the loop)."""
+    seen, looped = [], []
+    logits_of, layers_of = CausalLM.logits, CausalLM._decode_layers
+
+    def logits(self, hidden):
+        seen.append(logits_of(self, hidden))
+        return seen[-1]
+
+    def layers(self, x, cos_sin, ctx, start=0):
+        done, out = layers_of(self, x, cos_sin, ctx, start)
+        looped.append((start, done))
+        return done, out
+
+    observed = []
+
+    def on_layer(step, o, ids, weights, report, hint=None):
+        observed.append((o, ids.clone(), weights.clone(), None if hint is None else hint(1)))
+
+    with monkeypatch.context() as m:
+        m.setattr(CausalLM, "logits", logits)
+        if loop:
+            m.setattr(CausalLM, "_decode_layers", layers)
+        else:
+            layers_loop_off(m)
+        m.setattr(model.runtime.stats, "on_layer", on_layer)
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        with torch_threads(threads):
+            tokens = list(generate_ids(model, PROMPT, params))
+    return tokens, seen, observed, looped
+
+
+def assert_same_runs(model, monkeypatch, threads: int) -> list[int]:
+    """The loop on and off give the same bits everywhere; how many layers the loop ran."""
+    tokens, logits, observed, looped = run(model, monkeypatch, True, threads)
+    tokens_off, logits_off, observed_off, _ = run(model, monkeypatch, False, threads)
+    assert tokens == tokens_off and len(tokens) == TOKENS
+    assert len(logits) == len(logits_off)
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_off))
+    assert len(observed) == len(observed_off) > 0
+    for (o, ids, w, hint), (o2, ids2, w2, hint2) in zip(observed, observed_off):
+        assert o == o2 and torch.equal(ids, ids2) and torch.equal(w, w2)
+        assert (hint is None and hint2 is None) or torch.equal(hint, hint2)
+    assert any(h is not None for *_, h in observed)  # the hints were handed and compared
+    return sum(done for _, done in looped)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_loop_gives_the_layers_bits_on_bf16_experts(arch, threads, tmp_path, monkeypatch):
+    """Plain bf16 experts (Qwen3-MoE, Mixtral) and Qwen2-MoE's block with its shared expert: every
+    layer of every decode step in the loop, with the bits of the layers' own calls."""
+    build_tiny(arch, tmp_path / arch, seed=3)
+    model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
+    looped = assert_same_runs(model, monkeypatch, threads)
+    # every MoE layer of every decode step in the loop (the dense ones of the tiny Qwen2-MoE: not)
+    assert looped == (TOKENS - 1) * len(model.runtime.layers)
+
+
+@needs_kernels
+@needs_quant
+@pytest.mark.parametrize("name", ["q8_0-qwen3_moe", "q4_k-wide_mixtral"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_loop_gives_the_layers_bits_on_experts_in_blocks(name, threads, tmp_path, monkeypatch):
+    """GGUF blocks (quant.c's hm_qmoe_tokens called from the loop) on both integer paths."""
+    qtype, arch = name.split("-")
+    hf = tmp_path / arch
+    build_wide_mixtral(hf) if arch == "wide_mixtral" else build_tiny(arch, hf, seed=3)
+    path = str(write_gguf(hf, hf / f"{name}.gguf", Q[qtype.upper()]))
+    for isa in ("avx512", "avx2"):
+        monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", isa)
+        model = load_model(path, dtype=torch.bfloat16, progress=False)
+        assert model.runtime.token_experts(model.runtime.layers[0])[2]  # experts in blocks
+        looped = assert_same_runs(model, monkeypatch, threads)
+        assert looped == (TOKENS - 1) * len(model.runtime.layers)
+
+
+@needs_kernels
+def test_a_router_with_logits_that_are_not_finite_hands_the_step_back_to_the_layers(
+    tmp_path, monkeypatch
+):
+    """Layer 1's router overflows: the loop stops there and layer 1 runs its own way (torch's
+    softmax over an infinity: NaN, and NaN after it), all as without the loop."""
+    build_tiny("qwen3_moe", tmp_path / "m", seed=3)
+    model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
+    with torch.no_grad():
+        model.layers[1].mlp.gate.weight[0] = 3e38  # a product of +-inf
+    tokens, logits, _, looped = run(model, monkeypatch, True, 1)
+    tokens_off, logits_off, _, _ = run(model, monkeypatch, False, 1)
+    assert model.runtime.layers == [1, 2]  # layer 0 dense: its own way, then the loop from 1
+    # layer 1's attention ran in the loop, its router stopped it: layer 1 again its own way (the
+    # same K and V written); then the loop again from layer 2, which NaN stops; no call in the
+    # prompt's pass
+    assert looped == [(0, 0), (1, 0), (2, 0)] * (TOKENS - 1)
+    assert tokens == tokens_off
+    for a, b in zip(logits, logits_off):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+def test_the_loop_leaves_batches_and_prompts_to_the_layers(tmp_path, monkeypatch):
+    """Only a pass of one decode token runs in the loop: the engine's passes with a prompt chunk or
+    several sequences' tokens go through the layers."""
+    build_tiny("qwen2_moe", tmp_path / "m", seed=3)
+    model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
+    passes, looped = [], []
+    forward, layers_of = CausalLM.forward, CausalLM._decode_layers
+
+    def counted(self, input_ids, *args, **kwargs):
+        passes.append(len(input_ids))
+        return forward(self, input_ids, *args, **kwargs)
+
+    def layers(self, x, cos_sin, ctx, start=0):
+        done, out = layers_of(self, x, cos_sin, ctx, start)
+        if done:
+            looped.append(len(passes) - 1)  # the pass it ran in
+        return done, out
+
+    monkeypatch.setattr(CausalLM, "forward", counted)
+    monkeypatch.setattr(CausalLM, "_decode_layers", layers)
+    with torch.inference_mode():
+        batch_greedy(model)()
+    assert looped and all(passes[i] == 1 for i in looped)
+    assert any(rows > 1 for rows in passes)  # and passes of several rows ran, their own way
