@@ -21,6 +21,7 @@ from hybridmoe.native import bf16 as native_bf16
 from tests.halves import (
     attention_half_checked,
     decoder_halves_checked,
+    layers_loop_off,
     moe_halves_checked,
     torch_threads,
 )
@@ -54,6 +55,7 @@ def test_a_layers_attention_half_in_one_call_gives_the_layers_bits(
         return forward(self, x, cos_sin, ctx)
 
     monkeypatch.setattr(DecoderLayer, "forward", both)
+    layers_loop_off(monkeypatch)  # every decode step through the layers' own calls
     with torch_threads(threads):
         generate()
     assert len(compared) > 20 and max(compared) > 1  # decode batches of several sequences too

@@ -22,6 +22,7 @@ from tests.gguf_writer import Q, write_gguf
 from tests.halves import (
     attention_half_checked,
     decoder_halves_checked,
+    layers_loop_off,
     moe_halves_checked,
     torch_threads,
 )
@@ -86,6 +87,7 @@ def test_the_attention_half_on_weights_in_blocks_gives_the_layers_bits(
         return forward(self, x, cos_sin, ctx)
 
     monkeypatch.setattr(DecoderLayer, "forward", both)
+    layers_loop_off(monkeypatch)  # every decode step through the layers' own calls
     with torch_threads(threads):
         batch_greedy(model)()
     assert len(compared) > 20 and max(compared) > 1  # decode batches of several sequences too

@@ -146,16 +146,21 @@ def test_the_loop_gives_the_layers_bits_on_bf16_experts(arch, threads, tmp_path,
     assert looped == (TOKENS - 1) * len(model.runtime.layers)
 
 
+def gguf_file(name: str, tmp_path) -> str:
+    """A tiny model written as GGUF: "q8_0-qwen3_moe" or "q4_k-wide_mixtral"."""
+    qtype, arch = name.split("-")
+    hf = tmp_path / arch
+    build_wide_mixtral(hf) if arch == "wide_mixtral" else build_tiny(arch, hf, seed=3)
+    return str(write_gguf(hf, hf / f"{name}.gguf", Q[qtype.upper()]))
+
+
 @needs_kernels
 @needs_quant
 @pytest.mark.parametrize("name", ["q8_0-qwen3_moe", "q4_k-wide_mixtral"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_loop_gives_the_layers_bits_on_experts_in_blocks(name, threads, tmp_path, monkeypatch):
     """GGUF blocks (quant.c's hm_qmoe_tokens called from the loop) on both integer paths."""
-    qtype, arch = name.split("-")
-    hf = tmp_path / arch
-    build_wide_mixtral(hf) if arch == "wide_mixtral" else build_tiny(arch, hf, seed=3)
-    path = str(write_gguf(hf, hf / f"{name}.gguf", Q[qtype.upper()]))
+    path = gguf_file(name, tmp_path)
     for isa in ("avx512", "avx2"):
         monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", isa)
         model = load_model(path, dtype=torch.bfloat16, progress=False)
@@ -188,8 +193,9 @@ def test_a_router_with_logits_that_are_not_finite_hands_the_step_back_to_the_lay
 
 @needs_kernels
 def test_the_loop_leaves_batches_and_prompts_to_the_layers(tmp_path, monkeypatch):
-    """Only a pass of one decode token runs in the loop: the engine's passes with a prompt chunk or
-    several sequences' tokens go through the layers."""
+    """Plain bf16 experts (Qwen2-MoE's shared block here) take one decode token a call: only a
+    pass of one decode token runs in the loop; the engine's passes with a prompt chunk or several
+    sequences' tokens go through the layers."""
     build_tiny("qwen2_moe", tmp_path / "m", seed=3)
     model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
     passes, looped = [], []
@@ -211,3 +217,46 @@ def test_the_loop_leaves_batches_and_prompts_to_the_layers(tmp_path, monkeypatch
         batch_greedy(model)()
     assert looped and all(passes[i] == 1 for i in looped)
     assert any(rows > 1 for rows in passes)  # and passes of several rows ran, their own way
+
+
+def batch_run(model, monkeypatch, loop: bool):
+    """batch_greedy's engine run (six prompts, decode batches of up to four sequences): its
+    tokens, every pass's logits, and the rows of each pass the loop ran layers of."""
+    seen, looped = [], []
+    logits_of, layers_of = CausalLM.logits, CausalLM._decode_layers
+
+    def logits(self, hidden):
+        seen.append(logits_of(self, hidden))
+        return seen[-1]
+
+    def layers(self, x, cos_sin, ctx, start=0):
+        done, out = layers_of(self, x, cos_sin, ctx, start)
+        looped.extend([x.shape[0]] * done)
+        return done, out
+
+    with monkeypatch.context() as m:
+        m.setattr(CausalLM, "logits", logits)
+        if loop:
+            m.setattr(CausalLM, "_decode_layers", layers)
+        else:
+            layers_loop_off(m)
+        with torch.inference_mode():
+            tokens = batch_greedy(model)()
+    return tokens, seen, looped
+
+
+@needs_kernels
+@needs_quant
+@pytest.mark.parametrize("name", ["q8_0-qwen3_moe", "q4_k-wide_mixtral"])
+def test_decode_batches_on_experts_in_blocks_run_in_the_loop_with_the_layers_bits(
+    name, tmp_path, monkeypatch
+):
+    """Experts in blocks take a decode step of several sequences (the runtime mixes any count of
+    tokens in one call): the loop runs those steps too, with the same logits at every pass and the
+    same tokens as the layers."""
+    model = load_model(gguf_file(name, tmp_path), dtype=torch.bfloat16, progress=False)
+    tokens, logits, looped = batch_run(model, monkeypatch, loop=True)
+    tokens_off, logits_off, _ = batch_run(model, monkeypatch, loop=False)
+    assert tokens == tokens_off and len(logits) == len(logits_off) > 20
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_off))
+    assert 1 in looped and max(looped) > 1  # steps of one sequence and of several

@@ -210,13 +210,14 @@ class SparseMoE(nn.Module):
         return x + out
 
     def decode_fields(self, x: torch.Tensor) -> tuple[list[int], int] | None:
-        """What native.decode_layers needs of this block for x [1, H], the decode token of a step
-        whose attention halves it runs, where decoder_half would run the token in the same native
-        calls (first_weight, _token_path; the experts' input is then a bf16 row on the CPU): (the
-        router's fields, bf16.c decode_layer's from DL_ROUTER on, the experts' threads); else None.
-        After the call, `decoded` tells the runtime."""
+        """What native.decode_layers needs of this block for x [T, H], a decode step's tokens (one
+        per sequence) whose attention halves it runs, where the block would run them with the
+        same native calls (first_weight; _token_path, for several tokens experts in blocks, which
+        the runtime mixes in one call too; the experts' input is then bf16 rows on the CPU): (the
+        router's fields, bf16.c's from DL_ROUTER on, the experts' threads); else None. After the
+        call, `decoded` tells the runtime."""
         router = self.first_weight()
-        experts = None if router is None else self._token_path(x, x)
+        experts = None if router is None else self._token_path(x, x, rows=True)
         if experts is None or router.shape[0] != self.num_experts:
             return None
         table, workers, blocks = experts
@@ -226,17 +227,19 @@ class SparseMoE(nn.Module):
         return fields, workers
 
     def decoded(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, seconds: float):
-        """What decoder_half tells the runtime, for a token native.decode_layers ran through this
-        block: h [1, H] its experts' input, ids and weights [1, K] the router's choice."""
+        """What forward tells the runtime, for tokens native.decode_layers ran through this block:
+        h [T, H] their experts' input, ids and weights [T, K] the router's choice."""
         hint = partial(self.look_ahead, h) if self._next else None  # as forward's
         self.runtime.ran_token(self.layer, ids, weights, seconds, hint)
 
-    def _token_path(self, x: torch.Tensor, h: torch.Tensor):
+    def _token_path(self, x: torch.Tensor, h: torch.Tensor, rows: bool = False):
         """The runtime's token_experts where decoder_half applies: one row on the CPU, contiguous,
         no gradients, the router's own choice, no adapter on the router or the experts; else None
-        (which row dtypes the kernels take: mix_tokens). Checked on every layer of every step."""
+        (which row dtypes the kernels take: mix_tokens). With `rows`, several rows too where the
+        experts are in blocks (the runtime's one call for any count: quant_kernels.moe_tokens).
+        Checked on every layer of every step."""
         if (
-            x.shape[0] != 1
+            (x.shape[0] != 1 and not rows)
             or self.replay is not None
             or torch.is_grad_enabled()
             or self.adapters
@@ -245,7 +248,10 @@ class SparseMoE(nn.Module):
             or not (h.is_contiguous() and x.is_contiguous())
         ):
             return None
-        return self.runtime.token_experts(self.layer)
+        experts = self.runtime.token_experts(self.layer)
+        if experts is not None and x.shape[0] != 1 and not experts[2]:
+            return None
+        return experts
 
     def expert_lora(self, num_rows: int) -> RowLoRA | TrainLoRA | None:
         """What the runtime is told of the pass's expert adapters: a training step's (in training

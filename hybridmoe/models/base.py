@@ -123,7 +123,7 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rotary.cos_sin(positions)
         layers = self.layers
-        if not self._one_token(x):
+        if not self._decode_pass(x, ctx):
             for layer in layers:
                 x = layer(x, cos_sin, ctx)
             return self.norm(x)
@@ -137,10 +137,13 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     @staticmethod
-    def _one_token(x: torch.Tensor) -> bool:
-        """Whether a pass may run layers in _decode_layers: one bf16 row on the CPU, inference."""
+    def _decode_pass(x: torch.Tensor, ctx) -> bool:
+        """Whether a pass may run layers in _decode_layers: one decode token of each sequence (the
+        context's decode view covers them all), bf16 rows on the CPU, inference."""
+        decode = getattr(ctx, "decode", None)
         return (
-            x.shape[0] == 1
+            decode is not None
+            and len(decode.seqs) == len(ctx.seq_lens) == x.shape[0]
             and x.dtype is torch.bfloat16
             and x.is_cpu
             and not torch.is_grad_enabled()
@@ -148,7 +151,7 @@ class CausalLM(nn.Module):
         )
 
     def _decode_layers(self, x: torch.Tensor, cos_sin, ctx, start: int = 0):
-        """A decode step's one token x [1, H] (_one_token) through the layers from `start` on whose
+        """A decode step's tokens x [T, H] (_decode_pass) through the layers from `start` on whose
         attention and MoE halves the decoder layer would run in its native calls
         (DecoderLayer.decode_fields), all in one call (native.decode_layers: the same calls, without
         Python and torch between them on caches the weights' stream has emptied); the blocks then
@@ -174,8 +177,8 @@ class CausalLM(nn.Module):
         done, x, hs, ids, weights, secs = native.decode_layers(
             table, x, cos, sin, ctx.slots, ctx.decode, workers, qmoe, self.shape.top_k
         )
-        for i, (block, seconds) in enumerate(zip(blocks[:done], secs.tolist())):
-            block.decoded(hs[i : i + 1], ids[i : i + 1], weights[i : i + 1], seconds)
+        for block, h, chosen, mix, seconds in zip(blocks[:done], hs, ids, weights, secs.tolist()):
+            block.decoded(h, chosen, mix, seconds)  # [T, H], [T, K], [T, K]
         return done, x
 
     def place(self) -> None:

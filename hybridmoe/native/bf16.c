@@ -1035,14 +1035,14 @@ int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const u
 
 /* ---- A decode step's MoE layers in one call ----
 
-   A decode step of one token runs, per layer, the attention half, the router's choice and the routed
+   A decode step runs, per layer, the attention half, the router's choice and the routed
    experts: three calls into C with Python and torch between them, which after each call's weight stream
    run on emptied caches (~0.1-0.3 ms a layer; docs/notes/2026-12-06-decode-layers-in-one-call.md). Here
    consecutive layers run in one call, each as the calls it replaces, in their order and with their bits:
    hm_decoder_attention_bf16 (with the router's product), route_row (layers/moe.py softmax_topk), then the
    experts (quant.c's hm_qmoe_tokens through a pointer, or hm_moe_token_bf16) and the residual sum as
-   torch rounds it, or a Qwen2-MoE block's hm_shared_moe_token_bf16. A layer is int64 fields (decode_layer;
-   floats as their bits). */
+   torch rounds it, or a Qwen2-MoE block's hm_shared_moe_token_bf16. A layer is DL_FIELDS int64 fields (the
+   enum below; floats as their bits). */
 enum {
     DL_ATTN, DL_IN_W, DL_POST_W, DL_NORM_EPS, DL_SCALE, DL_QK_EPS, /* hm_decoder_attention_bf16's */
     DL_ROUTER, DL_ROUTER_ROWS,                                       /* its next_w: the router's rows first */
@@ -1068,50 +1068,58 @@ static double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* Layers [0, L) of one token's decode step: X [H] bf16 in, x_out [H] the last layer's output. hs [L, H]:
-   each layer's post-attention norm (the experts' input: the runtime's look-ahead reads it); ids, w [L, K]:
-   each router's choice; secs [L]: each layer's experts' time. The step's attention arguments as
-   hm_decoder_attention_bf16 takes them; threads: its threads, workers: the experts'; qmoe, isa: quant.c's
-   hm_qmoe_tokens and its path. Returns the number of layers done: L, or fewer where a router's logit was
-   not finite or a call found no memory for its scratch; x_out is then the input of the first layer not
-   done, which the caller runs its own way (its attention writes the same K and V again). */
-long hm_decode_layers_bf16(const int64_t *layers, long L, long H, const uint16_t *X, const float *C,
+/* Layers [0, L) of a decode step of T tokens, one per sequence: X [T, H] bf16 in, x_out [T, H] the last
+   layer's output. hs [L, T, H]: each layer's post-attention norm (the experts' input: the runtime's
+   look-ahead reads it); ids, w [L, T, K]: each router's choice; secs [L]: each layer's experts' time. The
+   step's attention arguments as hm_decoder_attention_bf16 takes them; threads: its threads, workers: the
+   experts'; qmoe, isa: quant.c's hm_qmoe_tokens and its path (experts in blocks take any T; the other
+   kinds one token). Returns the number of layers done: L, or fewer where a router's logit was not
+   finite, a kind does not take T tokens or a call found no memory for its scratch; x_out is then the
+   input of the first layer not done, which the caller runs its own way (its attention writes the same
+   K and V again). */
+long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const uint16_t *X, const float *C,
                            const float *S, long ldc, const int64_t *slots, const int32_t *tables,
                            const int32_t *table_starts, const int32_t *lengths, const int32_t *rows, long n,
                            long block_size, int threads, long threaded_min_bytes, int workers, qmoe_fn qmoe,
                            int isa, uint16_t *hs, int64_t *ids, float *w, double *secs, uint16_t *x_out) {
-    long max_rows = 0, max_k = 0;
+    long max_rows = 0;
     for (long l = 0; l < L; l++) {
         const int64_t *f = layers + l * DL_FIELDS;
         if (f[DL_ROUTER_ROWS] > max_rows) max_rows = f[DL_ROUTER_ROWS];
-        if (f[DL_K] > max_k) max_k = f[DL_K];
     }
-    uint16_t *x = malloc(sizeof(uint16_t) * (2 * H + max_rows)), *out = x + H, *row = x + 2 * H;
+    /* x [T, H]: after attention; out [T, H]: the experts' sums; row [T, max_rows]: the routers' logits */
+    uint16_t *x = malloc(sizeof(uint16_t) * T * (2 * H + max_rows)), *out = x + T * H, *row = x + 2 * T * H;
     if (!x) return 0;
-    memcpy(x_out, X, sizeof(uint16_t) * H);
+    memcpy(x_out, X, sizeof(uint16_t) * T * H);
     long l = 0;
     for (; l < L; l++) {
         const int64_t *f = layers + l * DL_FIELDS;
-        const long K = f[DL_K], E = f[DL_E];
-        uint16_t *h = hs + l * H;
+        const long K = f[DL_K], E = f[DL_E], N = f[DL_ROUTER_ROWS];
+        if (T > 1 && f[DL_KIND] != DL_QUANT) break;
+        uint16_t *h = hs + l * T * H;
+        int64_t *lid = ids + l * T * K;
+        float *lw = w + l * T * K;
         int status = hm_decoder_attention_bf16(
             (const attn_block *)f[DL_ATTN], (const uint16_t *)f[DL_IN_W], (const uint16_t *)f[DL_POST_W],
-            bits_f32(f[DL_NORM_EPS]), x_out, H, 1, C, S, ldc, slots, tables, table_starts, lengths, rows, n,
+            bits_f32(f[DL_NORM_EPS]), x_out, H, T, C, S, ldc, slots, tables, table_starts, lengths, rows, n,
             block_size, bits_f32(f[DL_SCALE]), bits_f32(f[DL_QK_EPS]), x, h, threads, threaded_min_bytes,
-            (const uint16_t *)f[DL_ROUTER], f[DL_ROUTER_ROWS], row);
+            (const uint16_t *)f[DL_ROUTER], N, row);
         if (status) break;
-        if (route_row(row, 1, E, K, (int)f[DL_RENORM], ids + l * K, w + l * K)) break; /* x_out: its input */
+        long t = 0;
+        for (; t < T; t++)
+            if (route_row(row + t * N, 1, E, K, (int)f[DL_RENORM], lid + t * K, lw + t * K)) break;
+        if (t < T) break; /* x_out: the layer's input */
         const double t0 = now_s();
         const int64_t *experts = (const int64_t *)f[DL_EXPERTS];
         if (f[DL_KIND] == DL_SHARED) {
-            status = hm_shared_moe_token_bf16(experts, ids + l * K, w + l * K, K, h, H, f[DL_INTER], row + E,
+            status = hm_shared_moe_token_bf16(experts, lid, lw, K, h, H, f[DL_INTER], row + E,
                                               (const uint16_t *)f[DL_DOWN], f[DL_S], x, workers, x_out);
         } else {
             status = f[DL_KIND] == DL_QUANT
-                         ? qmoe(experts, E, ids + l * K, w + l * K, 1, K, h, 1, H, f[DL_INTER], workers, isa, out)
-                         : hm_moe_token_bf16(experts, ids + l * K, w + l * K, K, h, H, f[DL_INTER], workers, out);
+                         ? qmoe(experts, E, lid, lw, T, K, h, 1, H, f[DL_INTER], workers, isa, out)
+                         : hm_moe_token_bf16(experts, lid, lw, K, h, H, f[DL_INTER], workers, out);
             if (!status)
-                for (long i = 0; i < H; i++) x_out[i] = bf16(f32(x[i]) + f32(out[i])); /* x + out, torch's */
+                for (long i = 0; i < T * H; i++) x_out[i] = bf16(f32(x[i]) + f32(out[i])); /* x + out, torch's */
         }
         secs[l] = now_s() - t0;
         if (status) break; /* x_out is written only by a call that succeeds: still the layer's input */

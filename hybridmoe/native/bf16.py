@@ -68,13 +68,13 @@ SIGNATURES = {
         [P, P, P, F, P, N, N, P, P, N, P, P, P, P, P, N, N, F, F, P, P, INT, N, P, N, P],
         INT,
     ),
-    # long hm_decode_layers_bf16(const int64_t *layers, long L, long H, const uint16_t *X,
+    # long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const uint16_t *X,
     #     const float *C, const float *S, long ldc, const int64_t *slots, const int32_t *tables,
     #     const int32_t *table_starts, const int32_t *lengths, const int32_t *rows, long n,
     #     long block_size, int threads, long threaded_min_bytes, int workers, qmoe_fn qmoe, int isa,
     #     uint16_t *hs, int64_t *ids, float *w, double *secs, uint16_t *x_out)
     "hm_decode_layers_bf16": (
-        [P, N, N, P, P, P, N, P, P, P, P, P, N, N, INT, N, INT, P, INT, P, P, P, P, P],
+        [P, N, N, N, P, P, P, N, P, P, P, P, P, N, N, INT, N, INT, P, INT, P, P, P, P, P],
         N,
     ),
     # int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K,
@@ -543,22 +543,23 @@ def decode_layers(
     qmoe: tuple[int, int],
     top_k: int,
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decode step's first L MoE layers for one token in one call (bf16.c hm_decode_layers_bf16),
-    each with the bits of its attention half, router and experts run one after another. fields:
-    int64 [L, DECODE_FIELDS] (Attention.decode_fields, SparseMoE.decode_fields); x [1, H] bf16;
-    cos, sin, slots, decode: decoder_attention's; qmoe: quant.c hm_qmoe_tokens' address and path
-    (0, 0 where no layer has experts in blocks). -> (layers done, x [1, H] the input of the first
-    not done, each layer's experts' input [L, H], router ids [L, K] and weights [L, K], experts'
-    seconds [L])."""
-    count, hidden = fields.shape[0], x.shape[1]
-    x_out = torch.empty(1, hidden, dtype=torch.bfloat16)  # [1, H]
-    hs = torch.empty(count, hidden, dtype=torch.bfloat16)  # [L, H]
-    ids = torch.empty(count, top_k, dtype=torch.int64)  # [L, K]
-    weights = torch.empty(count, top_k, dtype=torch.float32)  # [L, K]
+    """A decode step's L MoE layers in one call (bf16.c hm_decode_layers_bf16), each with the bits
+    of its attention half, router and experts run one after another. fields: int64 [L,
+    DECODE_FIELDS] (Attention.decode_fields, SparseMoE.decode_fields); x [T, H] bf16, one decode
+    token of each sequence (T > 1: experts in blocks only); cos, sin, slots, decode:
+    decoder_attention's; qmoe: quant.c hm_qmoe_tokens' address and path (0, 0 where no layer has
+    experts in blocks). -> (layers done, x [T, H] the input of the first not done, each layer's
+    experts' input [L, T, H], router ids [L, T, K] and weights [L, T, K], experts' seconds [L])."""
+    count, (tokens, hidden) = fields.shape[0], x.shape
+    x_out = torch.empty(tokens, hidden, dtype=torch.bfloat16)  # [T, H]
+    hs = torch.empty(count, tokens, hidden, dtype=torch.bfloat16)  # [L, T, H]
+    ids = torch.empty(count, tokens, top_k, dtype=torch.int64)  # [L, T, K]
+    weights = torch.empty(count, tokens, top_k, dtype=torch.float32)  # [L, T, K]
     secs = torch.empty(count, dtype=torch.float64)  # [L]
     done = library().hm_decode_layers_bf16(
         fields.data_ptr(),
         count,
+        tokens,
         hidden,
         x.data_ptr(),
         cos.data_ptr(),

@@ -219,10 +219,11 @@ class BaseRuntime:
         seconds: float,
         hint: Hint | None = None,
     ) -> None:
-        """What `forward` tells the observers, for a token whose experts ran through
-        `token_experts`' table (ids [1, K], weights [1, K]: a router's top-k, K distinct experts;
-        hint as `forward` takes it)."""
-        n = topk_ids.shape[1]
+        """What `forward` tells the observers, for tokens whose experts ran through
+        `token_experts`' table (ids [T, K], weights [T, K]: each a router's top-k, distinct
+        experts; hint as `forward` takes it): as `_layer` reports them, every distinct expert run
+        once on the CPU."""
+        n = topk_ids.shape[1] if topk_ids.shape[0] == 1 else len(set(topk_ids.view(-1).tolist()))
         report = {
             "routed": n,
             "misses": n,
