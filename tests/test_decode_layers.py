@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe import native
+from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.generate import generate_ids
+from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.loader import load_model
@@ -192,10 +194,27 @@ def test_a_router_with_logits_that_are_not_finite_hands_the_step_back_to_the_lay
 
 
 @needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_decode_batches_on_bf16_experts_run_in_the_loop_where_rows_are_alone(
+    arch, tmp_path, monkeypatch
+):
+    """With every row computed as if alone (the serving default), a decode step of several
+    sequences on plain bf16 experts (Qwen2-MoE's shared block, Qwen3-MoE's) runs in the loop, one
+    token's experts a call: the same logits at every pass and the same tokens as the layers."""
+    build_tiny(arch, tmp_path / arch, seed=3)
+    model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
+    tokens, logits, looped = batch_run(model, monkeypatch, True, deterministic_greedy)
+    tokens_off, logits_off, _ = batch_run(model, monkeypatch, False, deterministic_greedy)
+    assert tokens == tokens_off and len(logits) == len(logits_off) > 20
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_off))
+    assert 1 in looped and max(looped) > 1  # steps of one sequence and of several
+
+
+@needs_kernels
 def test_the_loop_leaves_batches_and_prompts_to_the_layers(tmp_path, monkeypatch):
-    """Plain bf16 experts (Qwen2-MoE's shared block here) take one decode token a call: only a
-    pass of one decode token runs in the loop; the engine's passes with a prompt chunk or several
-    sequences' tokens go through the layers."""
+    """Plain bf16 experts (Qwen2-MoE's shared block here) where rows are not computed alone (the
+    fastest kernel for each pass's size): only a pass of one decode token runs in the loop; the
+    engine's passes with a prompt chunk or several sequences' tokens go through the layers."""
     build_tiny("qwen2_moe", tmp_path / "m", seed=3)
     model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
     passes, looped = [], []
@@ -219,9 +238,25 @@ def test_the_loop_leaves_batches_and_prompts_to_the_layers(tmp_path, monkeypatch
     assert any(rows > 1 for rows in passes)  # and passes of several rows ran, their own way
 
 
-def batch_run(model, monkeypatch, loop: bool):
-    """batch_greedy's engine run (six prompts, decode batches of up to four sequences): its
-    tokens, every pass's logits, and the rows of each pass the loop ran layers of."""
+def deterministic_greedy(model):
+    """batch_greedy's prompts through an engine that computes every row as if alone (the
+    serving default, --deterministic on)."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (1, 5, 17, 33, 9, 40)]
+
+    def generate() -> list[list[int]]:
+        config = EngineConfig(block_size=4, max_batch_size=4, max_tokens_per_step=24)
+        assert config.deterministic
+        eng = LLMEngine(model, None, config, eos_ids=())
+        return eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0), max_steps=500)
+
+    return generate
+
+
+def batch_run(model, monkeypatch, loop: bool, runner=batch_greedy):
+    """An engine run of six prompts in decode batches of up to four sequences (batch_greedy's, or
+    `runner`'s): its tokens, every pass's logits, and the rows of each pass the loop ran layers
+    of."""
     seen, looped = [], []
     logits_of, layers_of = CausalLM.logits, CausalLM._decode_layers
 
@@ -241,7 +276,7 @@ def batch_run(model, monkeypatch, loop: bool):
         else:
             layers_loop_off(m)
         with torch.inference_mode():
-            tokens = batch_greedy(model)()
+            tokens = runner(model)()
     return tokens, seen, looped
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe import native
+from hybridmoe import invariance, native
 from hybridmoe.experts.run.expert_grad import TrainLoRA
 from hybridmoe.experts.run.lora import ExpertLoRA, RowLoRA
 from hybridmoe.experts.run.runtime import mix_tokens
@@ -212,8 +212,8 @@ class SparseMoE(nn.Module):
     def decode_fields(self, x: torch.Tensor) -> tuple[list[int], int] | None:
         """What native.decode_layers needs of this block for x [T, H], a decode step's tokens (one
         per sequence) whose attention halves it runs, where the block would run them with the
-        same native calls (first_weight; _token_path, for several tokens experts in blocks, which
-        the runtime mixes in one call too; the experts' input is then bf16 rows on the CPU): (the
+        same native calls (first_weight; _token_path, whose rules for several tokens the loop's
+        calls follow; the experts' input is then bf16 rows on the CPU): (the
         router's fields, bf16.c's from DL_ROUTER on, the experts' threads); else None. After the
         call, `decoded` tells the runtime."""
         router = self.first_weight()
@@ -236,8 +236,9 @@ class SparseMoE(nn.Module):
         """The runtime's token_experts where decoder_half applies: one row on the CPU, contiguous,
         no gradients, the router's own choice, no adapter on the router or the experts; else None
         (which row dtypes the kernels take: mix_tokens). With `rows`, several rows too where the
-        experts are in blocks (the runtime's one call for any count: quant_kernels.moe_tokens).
-        Checked on every layer of every step."""
+        experts are in blocks (the runtime's one call for any count: quant_kernels.moe_tokens) or
+        where each row is computed as if alone (invariance.active(): then a row's bits are those of
+        one token's native call). Checked on every layer of every step."""
         if (
             (x.shape[0] != 1 and not rows)
             or self.replay is not None
@@ -249,8 +250,8 @@ class SparseMoE(nn.Module):
         ):
             return None
         experts = self.runtime.token_experts(self.layer)
-        if experts is not None and x.shape[0] != 1 and not experts[2]:
-            return None
+        if experts is not None and x.shape[0] != 1 and not (experts[2] or invariance.active()):
+            return None  # plain bf16 experts: a token a call, each row's bits where rows are alone
         return experts
 
     def expert_lora(self, num_rows: int) -> RowLoRA | TrainLoRA | None:

@@ -70,7 +70,7 @@ class SharedExpertMoE(SparseMoE):
         """SparseMoE.decode_fields for this block: decoder_half's product (_packed's weight: the
         router's rows, the shared expert's gate and its gate and up rows) and its second call, where
         _shared_path applies; else None."""
-        path = self._shared_path(x, x)
+        path = self._shared_path(x, x, rows=True)
         if path is None:
             return None
         packed, down, (table, workers) = path
@@ -78,11 +78,12 @@ class SharedExpertMoE(SparseMoE):
         fields += [int(self.renormalize), native.EXPERTS_SHARED, table.data_ptr(), self.inter]
         return fields + [down.data_ptr(), down.shape[1]], workers
 
-    def _shared_path(self, x: torch.Tensor, h: torch.Tensor):
+    def _shared_path(self, x: torch.Tensor, h: torch.Tensor, rows: bool = False):
         """(_packed's weight, the shared expert's down weight, (the runtime's expert table,
-        threads)) where decoder_half applies: SparseMoE's _token_path with plain bf16 experts,
-        rows the native kernels take, and no adapter anywhere in the block (_packed); else None."""
-        experts = self._token_path(x, h)
+        threads)) where decoder_half applies: SparseMoE's _token_path (with its `rows`) with plain
+        bf16 experts, rows the native kernels take, and no adapter anywhere in the block (_packed);
+        else None."""
+        experts = self._token_path(x, h, rows)
         if experts is None or experts[2] or not (native.applies(x) and native.applies(h)):
             return None  # native.shared_moe_token takes plain bf16 experts and rows
         weights = self._packed()

@@ -1072,9 +1072,10 @@ static double now_s(void) {
    layer's output. hs [L, T, H]: each layer's post-attention norm (the experts' input: the runtime's
    look-ahead reads it); ids, w [L, T, K]: each router's choice; secs [L]: each layer's experts' time. The
    step's attention arguments as hm_decoder_attention_bf16 takes them; threads: its threads, workers: the
-   experts'; qmoe, isa: quant.c's hm_qmoe_tokens and its path (experts in blocks take any T; the other
-   kinds one token). Returns the number of layers done: L, or fewer where a router's logit was not
-   finite, a kind does not take T tokens or a call found no memory for its scratch; x_out is then the
+   experts'; qmoe, isa: quant.c's hm_qmoe_tokens and its path (experts in blocks: the T tokens in one
+   call; plain bf16 experts: one call a token, which the caller asks for only where each token is
+   computed as if alone). Returns the number of layers done: L, or fewer where a router's logit was not
+   finite or a call found no memory for its scratch; x_out is then the
    input of the first layer not done, which the caller runs its own way (its attention writes the same
    K and V again). */
 long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const uint16_t *X, const float *C,
@@ -1095,7 +1096,6 @@ long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const 
     for (; l < L; l++) {
         const int64_t *f = layers + l * DL_FIELDS;
         const long K = f[DL_K], E = f[DL_E], N = f[DL_ROUTER_ROWS];
-        if (T > 1 && f[DL_KIND] != DL_QUANT) break;
         uint16_t *h = hs + l * T * H;
         int64_t *lid = ids + l * T * K;
         float *lw = w + l * T * K;
@@ -1111,14 +1111,21 @@ long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const 
         if (t < T) break; /* x_out: the layer's input */
         const double t0 = now_s();
         const int64_t *experts = (const int64_t *)f[DL_EXPERTS];
-        if (f[DL_KIND] == DL_SHARED) {
-            status = hm_shared_moe_token_bf16(experts, lid, lw, K, h, H, f[DL_INTER], row + E,
-                                              (const uint16_t *)f[DL_DOWN], f[DL_S], x, workers, x_out);
-        } else {
-            status = f[DL_KIND] == DL_QUANT
-                         ? qmoe(experts, E, lid, lw, T, K, h, 1, H, f[DL_INTER], workers, isa, out)
-                         : hm_moe_token_bf16(experts, lid, lw, K, h, H, f[DL_INTER], workers, out);
-            if (!status)
+        if (f[DL_KIND] == DL_QUANT) { /* every token in one call, as the runtime mixes them */
+            status = qmoe(experts, E, lid, lw, T, K, h, 1, H, f[DL_INTER], workers, isa, out);
+        } else { /* plain bf16 experts: one token a call, as each is computed alone (the caller's rule) */
+            for (long t = 0; t < T && !status; t++)
+                status = f[DL_KIND] == DL_SHARED
+                             ? hm_shared_moe_token_bf16(experts, lid + t * K, lw + t * K, K, h + t * H, H, f[DL_INTER],
+                                                        row + t * N + E, (const uint16_t *)f[DL_DOWN], f[DL_S],
+                                                        x + t * H, workers, out + t * H)
+                             : hm_moe_token_bf16(experts, lid + t * K, lw + t * K, K, h + t * H, H, f[DL_INTER],
+                                                 workers, out + t * H);
+        }
+        if (!status) {
+            if (f[DL_KIND] == DL_SHARED) /* the block's call made the residual sum */
+                memcpy(x_out, out, sizeof(uint16_t) * T * H);
+            else
                 for (long i = 0; i < T * H; i++) x_out[i] = bf16(f32(x[i]) + f32(out[i])); /* x + out, torch's */
         }
         secs[l] = now_s() - t0;
