@@ -86,11 +86,11 @@ def test_a_logit_that_is_not_finite_and_a_recorded_gradient_take_torchs_path():
     assert softmax_topk(trained, 4, True)[1].grad_fn is not None  # the router learns through it
 
 
-def run(model, monkeypatch, loop: bool, threads: int):
-    """Greedy generation of TOKENS tokens: (tokens, every step's logits, what the runtime's
-    observers saw per layer: the choice and the look-ahead hint, (first layer, layers done) of
-    each call of the loop)."""
-    seen, looped = [], []
+def watched(m, loop: bool, looped) -> list[torch.Tensor]:
+    """Under monkeypatch context m: every pass's logits appended to the list returned, and with
+    `loop` each call of the decode loop told to looped(x, first layer, layers done); without it,
+    the loop off."""
+    seen = []
     logits_of, layers_of = CausalLM.logits, CausalLM._decode_layers
 
     def logits(self, hidden):
@@ -99,20 +99,28 @@ def run(model, monkeypatch, loop: bool, threads: int):
 
     def layers(self, x, cos_sin, ctx, start=0):
         done, out = layers_of(self, x, cos_sin, ctx, start)
-        looped.append((start, done))
+        looped(x, start, done)
         return done, out
 
-    observed = []
+    m.setattr(CausalLM, "logits", logits)
+    if loop:
+        m.setattr(CausalLM, "_decode_layers", layers)
+    else:
+        layers_loop_off(m)
+    return seen
+
+
+def run(model, monkeypatch, loop: bool, threads: int):
+    """Greedy generation of TOKENS tokens: (tokens, every step's logits, what the runtime's
+    observers saw per layer: the choice and the look-ahead hint, (first layer, layers done) of
+    each call of the loop)."""
+    looped, observed = [], []
 
     def on_layer(step, o, ids, weights, report, hint=None):
         observed.append((o, ids.clone(), weights.clone(), None if hint is None else hint(1)))
 
     with monkeypatch.context() as m:
-        m.setattr(CausalLM, "logits", logits)
-        if loop:
-            m.setattr(CausalLM, "_decode_layers", layers)
-        else:
-            layers_loop_off(m)
+        seen = watched(m, loop, lambda x, start, done: looped.append((start, done)))
         m.setattr(model.runtime.stats, "on_layer", on_layer)
         params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
         with torch_threads(threads):
@@ -257,24 +265,9 @@ def batch_run(model, monkeypatch, loop: bool, runner=batch_greedy):
     """An engine run of six prompts in decode batches of up to four sequences (batch_greedy's, or
     `runner`'s): its tokens, every pass's logits, and the rows of each pass the loop ran layers
     of."""
-    seen, looped = [], []
-    logits_of, layers_of = CausalLM.logits, CausalLM._decode_layers
-
-    def logits(self, hidden):
-        seen.append(logits_of(self, hidden))
-        return seen[-1]
-
-    def layers(self, x, cos_sin, ctx, start=0):
-        done, out = layers_of(self, x, cos_sin, ctx, start)
-        looped.extend([x.shape[0]] * done)
-        return done, out
-
+    looped = []
     with monkeypatch.context() as m:
-        m.setattr(CausalLM, "logits", logits)
-        if loop:
-            m.setattr(CausalLM, "_decode_layers", layers)
-        else:
-            layers_loop_off(m)
+        seen = watched(m, loop, lambda x, start, done: looped.extend([x.shape[0]] * done))
         with torch.inference_mode():
             tokens = runner(model)()
     return tokens, seen, looped

@@ -463,6 +463,23 @@ def prefill_attention(
     return out
 
 
+def _step_args(cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, decode) -> tuple:
+    """The step's arguments of bf16.c's decoder attention calls, in their order: C, S, ldc, slots,
+    tables, table_starts, lengths, rows, n, block_size."""
+    return (
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        slots.data_ptr(),
+        decode.tables.data_ptr(),
+        decode.table_starts.data_ptr(),
+        decode.lengths.data_ptr(),
+        decode.rows.data_ptr(),
+        len(decode.rows),
+        decode.block_size,
+    )
+
+
 def decoder_attention(
     table: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor, float],
@@ -495,16 +512,7 @@ def decoder_attention(
         x.data_ptr(),
         x.stride(0),
         x.shape[0],
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.stride(0),
-        slots.data_ptr(),
-        decode.tables.data_ptr(),
-        decode.table_starts.data_ptr(),
-        decode.lengths.data_ptr(),
-        decode.rows.data_ptr(),
-        len(decode.rows),
-        decode.block_size,
+        *_step_args(cos, sin, slots, decode),
         scale,
         eps,
         x_out.data_ptr(),
@@ -562,16 +570,7 @@ def decode_layers(
         tokens,
         hidden,
         x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.stride(0),
-        slots.data_ptr(),
-        decode.tables.data_ptr(),
-        decode.table_starts.data_ptr(),
-        decode.lengths.data_ptr(),
-        decode.rows.data_ptr(),
-        len(decode.rows),
-        decode.block_size,
+        *_step_args(cos, sin, slots, decode),
         kernel_threads(),
         THREADED_MIN_BYTES,
         workers,
