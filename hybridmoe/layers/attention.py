@@ -217,9 +217,9 @@ class Attention(nn.Module):
         )
 
     def decode_fields(self, x: torch.Tensor, norms, cos_sin, ctx) -> list[int] | None:
-        """decoder_half's arguments as native.decode_layers' first fields (bf16.c decode_layer:
-        the block table, the norms' weights and eps, the scale, the q/k norms' eps), where
-        decoder_half applies; else None. The tensors pointed to are held by the modules."""
+        """decoder_half's arguments as native.decode_layers' first fields (bf16.c's DL_ATTN to
+        DL_QK_EPS: the block table, the norms' weights and eps, the scale, the q/k norms' eps),
+        where decoder_half applies; else None. The tensors pointed to are held by the modules."""
         taken = self._half_args(x, norms, cos_sin, ctx)
         if taken is None:
             return None

@@ -47,10 +47,10 @@ class DecoderLayer(nn.Module):
         return x + ffn(h) if out is None else out
 
     def decode_fields(self, x, cos_sin, ctx) -> tuple[list[int], int, nn.Module] | None:
-        """This layer's fields of native.decode_layers for a decode step's token x [1, H] (the
-        attention half's, then the feed-forward's: Attention.decode_fields, SparseMoE's), the
-        experts' threads and the block, where forward would run the token through decoder_half
-        calls both; else None."""
+        """This layer's fields of native.decode_layers for a decode step's tokens x [T, H], one
+        per sequence (the attention half's, then the feed-forward's: Attention.decode_fields,
+        SparseMoE.decode_fields), the experts' threads and the block, where both halves would run
+        the tokens in the same native calls; else None."""
         mods = self._modules
         ffn, attn = mods[self.ffn_name], mods["self_attn"]
         if (

@@ -211,11 +211,11 @@ class SparseMoE(nn.Module):
 
     def decode_fields(self, x: torch.Tensor) -> tuple[list[int], int] | None:
         """What native.decode_layers needs of this block for x [T, H], a decode step's tokens (one
-        per sequence) whose attention halves it runs, where the block would run them with the
-        same native calls (first_weight; _token_path, whose rules for several tokens the loop's
-        calls follow; the experts' input is then bf16 rows on the CPU): (the
-        router's fields, bf16.c's from DL_ROUTER on, the experts' threads); else None. After the
-        call, `decoded` tells the runtime."""
+        per sequence) whose attention halves it runs, where the block would run them with the same
+        native calls (first_weight; _token_path, whose rules for several tokens the loop's calls
+        follow; the experts' input is then bf16 rows on the CPU): (the router's and the experts'
+        fields, bf16.c's from DL_ROUTER on, the experts' threads); else None. After the call,
+        `decoded` tells the runtime."""
         router = self.first_weight()
         experts = None if router is None else self._token_path(x, x, rows=True)
         if experts is None or router.shape[0] != self.num_experts:
