@@ -224,12 +224,8 @@ class Attention(nn.Module):
         if taken is None:
             return None
         table, in_w, post_w, norm_eps, scale, eps = taken
-        bits = native.f32_bits
-        return [table.data_ptr(), in_w.data_ptr(), post_w.data_ptr()] + [
-            bits(norm_eps),
-            bits(scale),
-            bits(eps),
-        ]
+        pointers = [table.data_ptr(), in_w.data_ptr(), post_w.data_ptr()]
+        return pointers + [native.f32_bits(v) for v in (norm_eps, scale, eps)]
 
     def _half_args(self, x: torch.Tensor, norms, cos_sin, ctx) -> tuple | None:
         """(block table, input norm's weight, post norm's weight, their eps, scale, q/k norms' eps)

@@ -205,8 +205,7 @@ class SparseMoE(nn.Module):
         out = mix_tokens(table, blocks, ids, weights, h, self.inter, workers)  # [1, H]
         if out is None:  # a row the kernels do not take: the modules' path
             return None
-        hint = partial(self.look_ahead, h) if self._next else None  # as forward's
-        self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
+        self.decoded(h, ids, weights, time.perf_counter() - t0)
         return x + out
 
     def decode_fields(self, x: torch.Tensor) -> tuple[list[int], int] | None:
@@ -222,13 +221,20 @@ class SparseMoE(nn.Module):
             return None
         table, workers, blocks = experts
         kind = native.EXPERTS_IN_BLOCKS if blocks else native.EXPERTS_BF16
+        return self._loop_fields(router, kind, table), workers
+
+    def _loop_fields(self, router, kind: int, table, down: torch.Tensor | None = None) -> list[int]:
+        """bf16.c's fields from DL_ROUTER on: the first product's weight (the router's rows
+        first) and its rows, the router's E, K and renormalisation, the experts' kind, table and
+        intermediate size, and a shared expert's down weight [H, S] and S (0, 0 without one)."""
         fields = [router.data_ptr(), router.shape[0], self.num_experts, self.top_k]
-        fields += [int(self.renormalize), kind, table.data_ptr(), self.inter, 0, 0]
-        return fields, workers
+        fields += [int(self.renormalize), kind, table.data_ptr(), self.inter]
+        return fields + ([0, 0] if down is None else [down.data_ptr(), down.shape[1]])
 
     def decoded(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, seconds: float):
-        """What forward tells the runtime, for tokens native.decode_layers ran through this block:
-        h [T, H] their experts' input, ids and weights [T, K] the router's choice."""
+        """What forward tells the runtime, for tokens decoder_half or native.decode_layers ran
+        through this block: h [T, H] their experts' input, ids and weights [T, K] the router's
+        choice, seconds the experts' time."""
         hint = partial(self.look_ahead, h) if self._next else None  # as forward's
         self.runtime.ran_token(self.layer, ids, weights, seconds, hint)
 

@@ -163,7 +163,8 @@ class CausalLM(nn.Module):
             if got is None or workers not in (None, got[1]) or got[2].top_k != self.shape.top_k:
                 break
             fields += got[0]
-            workers, blocks = got[1], blocks + [got[2]]
+            workers = got[1]
+            blocks.append(got[2])
         if not blocks:
             return 0, x
         qmoe = (0, 0)

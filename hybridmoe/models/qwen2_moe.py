@@ -5,7 +5,6 @@ sigmoid(shared_expert_gate x)."""
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import torch
 from torch import nn
@@ -62,8 +61,7 @@ class SharedExpertMoE(SparseMoE):
         out = native.shared_moe_token(
             table, ids, weights, h, self.inter, (row, e, down), x, workers
         )  # [1, H]
-        hint = partial(self.look_ahead, h) if self._next else None  # as SparseMoE.forward's
-        self.runtime.ran_token(self.layer, ids, weights, time.perf_counter() - t0, hint)
+        self.decoded(h, ids, weights, time.perf_counter() - t0)
         return out
 
     def decode_fields(self, x: torch.Tensor) -> tuple[list[int], int] | None:
@@ -74,9 +72,7 @@ class SharedExpertMoE(SparseMoE):
         if path is None:
             return None
         packed, down, (table, workers) = path
-        fields = [packed.data_ptr(), packed.shape[0], self.num_experts, self.top_k]
-        fields += [int(self.renormalize), native.EXPERTS_SHARED, table.data_ptr(), self.inter]
-        return fields + [down.data_ptr(), down.shape[1]], workers
+        return self._loop_fields(packed, native.EXPERTS_SHARED, table, down), workers
 
     def _shared_path(self, x: torch.Tensor, h: torch.Tensor, rows: bool = False):
         """(_packed's weight, the shared expert's down weight, (the runtime's expert table,
