@@ -4,6 +4,7 @@
 |-------------------|---------------------------------------------------------------------|
 | HYBRIDMOE_NATIVE  | 0 turns the native C kernels off (torch's kernels do the work)      |
 | HYBRIDMOE_QUANT_ISA | the quantised kernels' path: avx512, avx2 or off (default: widest) |
+| HYBRIDMOE_AMX     | 0 keeps the decode attention off the AMX tiles (default: on where present) |
 | HYBRIDMOE_API_KEY | the API key `serve` requires (instead of --api-key, which `ps` shows)   |
 | CC                | the C compiler that builds them (default `cc`)                      |
 | XDG_CACHE_HOME    | where the user cache directory lies (default ~/.cache)              |
@@ -24,6 +25,10 @@ def native_enabled() -> bool:
 
 def quant_isa() -> str | None:
     return os.environ.get("HYBRIDMOE_QUANT_ISA")
+
+
+def amx_enabled() -> bool:
+    return os.environ.get("HYBRIDMOE_AMX", "1") != "0"
 
 
 def api_key() -> str | None:

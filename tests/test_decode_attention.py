@@ -4,16 +4,34 @@ torch's path."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from hybridmoe import native
+from hybridmoe import env, native
 from hybridmoe.engine.paged_kv import PagedKVCache, PagedKVContext
+from hybridmoe.native import bf16
 from tests.tiny import bf16_batch_greedy
 
 needs_kernels = pytest.mark.skipif(
     not native.cpu_has_avx512_bf16(), reason="needs a CPU with AVX512-BF16"
 )
+# the scores and the values' sums on AMX tiles, and the AVX-512 path (every CPU with the kernels);
+# where the CPU has no tiles, asking for them leaves the AVX-512 path on
+TILES = [False, True]
+
+
+@pytest.fixture
+def tiles(request):
+    """Runs the test with the decode attention on the AMX tiles or off them."""
+    on = bf16.use_amx(request.param)
+    assert on == (request.param and bf16.cpu_has_amx())  # granted wherever the CPU has them
+    yield on
+    bf16.use_amx(env.amx_enabled())
+
 
 LENGTHS = [1, 15, 16, 17, 1100]
 
@@ -79,9 +97,10 @@ LAYOUTS = [(9, 3, 64, 64), (32, 4, 128, 128), (4, 4, 64, 64), (8, 2, 80, 80), (6
 
 
 @needs_kernels
+@pytest.mark.parametrize("tiles", TILES, indirect=True)
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("heads, kv_heads, d, dv", LAYOUTS)
-def test_kernel_matches_softmax_attention_in_float64(heads, kv_heads, d, dv, block_size):
+def test_kernel_matches_softmax_attention_in_float64(heads, kv_heads, d, dv, block_size, tiles):
     gen = torch.Generator().manual_seed(heads * 1000 + d + block_size)
     q, k_pool, v_pool, tables = paged_batch(heads, kv_heads, d, dv, block_size, gen)
     scale = d**-0.5
@@ -103,7 +122,48 @@ def test_kernel_matches_softmax_attention_in_float64(heads, kv_heads, d, dv, blo
 
 
 @needs_kernels
-def test_the_sequences_shared_over_threads_give_the_same_bits():
+def test_the_tiles_take_the_attention_where_the_cpu_has_them():
+    """On an AMX CPU the scores and the weighted sums of values come from the tiles (HYBRIDMOE_AMX
+    unset): their bits differ from the AVX-512 path's (the same products summed in another order),
+    both within fp32 rounding of attention in float64; head sizes the tiles do not take (keys of
+    16, not whole tiles of 32; values of 40, not whole tiles of 16) keep the AVX-512 path, bit for
+    bit. Without AMX, asking for the tiles changes nothing."""
+    amx = bf16.cpu_has_amx()
+    assert env.amx_enabled() and bf16.use_amx(True) == amx
+    cases = [(32, 4, 128, 128, not amx), (8, 2, 80, 80, not amx), (6, 3, 16, 40, True)]
+    try:
+        for heads, kv_heads, d, dv, same in cases:
+            gen = torch.Generator().manual_seed(d)
+            q, k_pool, v_pool, tables = paged_batch(heads, kv_heads, d, dv, 16, gen)
+            outs = []
+            for on in (True, False):
+                bf16.use_amx(on)
+                out = torch.zeros(len(q), heads, dv)
+                run_kernel(q, k_pool, v_pool, tables, LENGTHS, 16, d**-0.5, out)
+                outs.append(out[1::2])
+            assert torch.equal(outs[0], outs[1]) == same, (d, same)
+            assert (outs[0] - outs[1]).abs().max() < 2e-6
+    finally:
+        bf16.use_amx(env.amx_enabled())
+
+
+@needs_kernels
+def test_hybridmoe_amx_0_keeps_the_attention_off_the_tiles():
+    code = "from hybridmoe.native import bf16; print(bf16.amx_active())"
+    for value, want in (("0", "False"), ("1", str(bf16.cpu_has_amx()))):
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "HYBRIDMOE_AMX": value},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert run.stdout.strip() == want, (value, run.stdout, run.stderr)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tiles", TILES, indirect=True)
+def test_the_sequences_shared_over_threads_give_the_same_bits(tiles):
     """A prefill chunk's rows come as sequences of lengths 1..n: shared out over the kernels'
     threads, each is computed alone, so one thread and two give the same bits."""
     lengths = list(range(1, 40)) + [300, 2, 129]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe import env
 from hybridmoe.native.build import INT, F, N, P, cpu_flags, cpu_vendor, load
 from hybridmoe.native.threads import kernel_threads
 
@@ -107,6 +108,9 @@ SIGNATURES = {
     "hm_bind_quant": ([P, P], None),
     # void hm_share_pool(parallel_fn f): run this library's regions on another's pool (pool.h)
     "hm_share_pool": ([P], None),
+    # int hm_amx_permit(void); void hm_set_amx(int on): the decode attention's scores on AMX tiles
+    "hm_amx_permit": ([], INT),
+    "hm_set_amx": ([INT], None),
 }
 
 
@@ -124,7 +128,45 @@ def cpu_has_native_bf16() -> bool:
 @lru_cache(maxsize=1)
 def library():
     """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
-    return load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
+    lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
+    if lib is not None and env.amx_enabled() and _amx_permitted(lib):
+        lib.hm_set_amx(1)
+        _AMX_ON[0] = True
+    return lib
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles with bf16 products (Sapphire Rapids and later; not AMD's Zen 4)."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+_AMX_GRANTED: list[bool] = []  # once asked
+_AMX_ON = [False]  # what bf16.c's hm_set_amx was last told
+
+
+def _amx_permitted(lib) -> bool:
+    """Whether this process may use the tiles: Linux grants their state on request (5.16 on)."""
+    if not _AMX_GRANTED:
+        _AMX_GRANTED.append(cpu_has_amx() and bool(lib.hm_amx_permit()))
+    return _AMX_GRANTED[0]
+
+
+def use_amx(on: bool) -> bool:
+    """Put the decode attention's scores on the AMX tiles or off them (bf16.c, scores_amx); on only
+    where the CPU has them and the process was granted them (HYBRIDMOE_AMX=0 starts with them
+    off). Returns whether they are on now."""
+    lib = library()
+    on = bool(on and lib is not None and _amx_permitted(lib))
+    if lib is not None:
+        lib.hm_set_amx(int(on))
+        _AMX_ON[0] = on
+    return on
+
+
+def amx_active() -> bool:
+    """Whether the decode attention runs on the AMX tiles now."""
+    library()
+    return _AMX_ON[0]
 
 
 def available() -> bool:
