@@ -288,3 +288,64 @@ def test_decode_batches_on_experts_in_blocks_run_in_the_loop_with_the_layers_bit
     assert tokens == tokens_off and len(logits) == len(logits_off) > 20
     assert all(torch.equal(a, b) for a, b in zip(logits, logits_off))
     assert 1 in looped and max(looped) > 1  # steps of one sequence and of several
+
+
+def counting_plans(m) -> list[int]:
+    """Under monkeypatch context m: how many layers' checks (DecoderLayer.decode_fields) each
+    generation's plans ran, appended per call."""
+    from hybridmoe.layers.decoder import DecoderLayer
+
+    calls, fields_of = [0], DecoderLayer.decode_fields
+
+    def fields(self, *args):
+        calls[0] += 1
+        return fields_of(self, *args)
+
+    m.setattr(DecoderLayer, "decode_fields", fields)
+    return calls
+
+
+@needs_kernels
+def test_a_plan_is_kept_across_steps_and_made_again_when_what_it_read_changes(
+    tmp_path, monkeypatch
+):
+    """The layers' checks run once per generation (its first decode step), not at every step;
+    the plan is made again for a new KV cache, a new thread count, a store that changed, an
+    adapter attached to a dict of adapters, replayed routing, and the kept plan gives the layers'
+    bits throughout (assert_same_runs)."""
+    build_tiny("qwen3_moe", tmp_path / "m", seed=3)
+    model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
+    layers = len(model.runtime.layers)  # MoE layers 1 and 2; layer 0 is dense
+    with monkeypatch.context() as m:
+        calls = counting_plans(m)
+        assert_same_runs(model, monkeypatch, 1)
+        # loop on: every layer checked once for its TOKENS - 1 decode steps (from layer 0: no
+        # plan, the dense layer; from 1: layers 1 and 2); then the loop-off run, not counted here
+        layers = len(model.layers)
+        assert calls[0] == layers
+        calls[0] = 0
+        run(model, monkeypatch, True, 1)  # another engine: another KV cache, a new plan
+        assert calls[0] == layers
+        calls[0] = 0
+        run(model, monkeypatch, True, 2)  # two threads: the experts' threads differ
+        assert calls[0] == layers
+        # the store changed: expert 0 of the first MoE layer put again, scaled: a new table
+        layer = model.runtime.layers[0]
+        w = model.runtime.store.records[(layer, 0)]
+        inter = model.runtime.shape.intermediate
+        gate, up = w.gate_up[:inter], w.gate_up[inter:]
+        model.runtime.store.put(layer, 0, gate * 2, up, w.down)
+        calls[0] = 0
+        assert_same_runs(model, monkeypatch, 1)
+        assert calls[0] == layers
+
+    # an adapter attached to the q projections: every layer declines the loop; detached, the
+    # loop takes them all again
+    from hybridmoe.models import lora
+
+    lora.attach(lora.select(model, "q_proj"), "a", 2, 4.0)
+    tokens, _, _, looped = run(model, monkeypatch, True, 1)
+    assert sum(done for _, done in looped) == 0 and len(tokens) == TOKENS
+    lora.detach(model, "a")
+    _, _, _, looped = run(model, monkeypatch, True, 1)
+    assert sum(done for _, done in looped) == (TOKENS - 1) * len(model.runtime.layers)

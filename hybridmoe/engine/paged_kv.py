@@ -6,6 +6,7 @@ standard attention, (compressed kv, rope key) for MLA; the engine never needs to
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -22,12 +23,16 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+_SERIALS = itertools.count()
+
+
 class PagedKVCache:
     """`place` puts a new pool where the model lives (CausalLM.place_tensor: the accelerator's
     memory with the hybrid runtime); pools are made on the device of the entries they hold."""
 
     def __init__(self, num_blocks: int, block_size: int, place=None):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.serial = next(_SERIALS)  # this cache among all made (a decode plan's key)
         self.place = place or (lambda t: t)
         self.pools: dict[
             int, tuple[torch.Tensor, ...]

@@ -78,6 +78,16 @@ def causal_attention(
     return out.view(kv_heads, groups, n, -1).permute(2, 0, 1, 3).reshape(n, heads, -1)
 
 
+# How many attention tables (Attention._block_table) were made: a decode plan that points to one
+# is kept under this count (models/base.py CausalLM._plan), and a table made anywhere may have freed
+# the one it pointed to.
+_TABLES_MADE = [0]
+
+
+def tables_made() -> int:
+    return _TABLES_MADE[0]
+
+
 def _rows_of_cos(cos_sin, T: int, d: int) -> bool:
     """Whether cos and sin are what the native rotary reads: [T, d] fp32 on the CPU, unit stride
     along d, the same row stride, and the row library is there."""
@@ -293,6 +303,7 @@ class Attention(nn.Module):
         if getattr(self, "_table_ptr", None) != ptr:
             self._table = torch.tensor(ptr, dtype=torch.int64)  # [25]: bf16.c attn_block
             self._table_ptr = ptr
+            _TABLES_MADE[0] += 1
         self._table_key = key
         return self._table
 

@@ -11,12 +11,12 @@ from itertools import islice
 import torch
 from torch import nn
 
-from hybridmoe import native
+from hybridmoe import invariance, native
 from hybridmoe.config import HFConfig
 from hybridmoe.errors import ModelFileError
 from hybridmoe.experts.plan.shape import expert_shape
 from hybridmoe.experts.run.runtime import ExpertRuntime
-from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.attention import Attention, tables_made
 from hybridmoe.layers.decoder import DecoderLayer
 from hybridmoe.layers.embedding import Embedding
 from hybridmoe.layers.linear import Linear, linear
@@ -71,8 +71,11 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(hidden, eps)
         self.tied = bool(cfg.get("tie_word_embeddings", default=False))
         self.lm_head = None if self.tied else Linear(hidden, self.vocab_size, bias=False)
-        # _decode_layers' fields and their table [L, DECODE_FIELDS], by first layer
-        self._fields: dict[int, tuple[list[int], torch.Tensor]] = {}
+        # _decode_layers' plans by (first layer, rows): (the key it was made under (_plan_key),
+        # the count of attention tables made then, the plan)
+        self._plans: dict[int, tuple] = {}
+        self._version = 0  # counts the changes that a plan's key cannot see (_changed)
+        self._adapter_dicts: list[dict] | None = None  # every dict of LoRA adapters, once found
         blocks = self.moe_blocks()
         for block, after in zip(blocks, blocks[1:]):
             block.link_next(after)
@@ -102,6 +105,15 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks():
             block.replay = replay
         self.runtime.add_observer(replay)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The weights, the routing or the mode changed: every decode plan is made again."""
+        self._version += 1
+
+    def train(self, mode: bool = True):
+        self._changed()
+        return super().train(mode)
 
     # ---- forward ----
     def forward(
@@ -157,6 +169,34 @@ class CausalLM(nn.Module):
         Python and torch between them on caches the weights' stream has emptied); the blocks then
         tell the runtime what ran. (layers done, the next layer's input); (0, x) where the layer at
         `start` is not taken."""
+        plan = self._plan(x, cos_sin, ctx, start)
+        if plan is None:
+            return 0, x
+        table, blocks, workers, qmoe = plan
+        cos, sin = cos_sin
+        done, x, hs, ids, weights, secs = native.decode_layers(
+            table, x, cos, sin, ctx.slots, ctx.decode, workers, qmoe, self.shape.top_k
+        )
+        for block, h, chosen, mix, seconds in zip(blocks[:done], hs, ids, weights, secs.tolist()):
+            block.decoded(h, chosen, mix, seconds)  # [T, H], [T, K], [T, K]
+        return done, x
+
+    def _plan(self, x: torch.Tensor, cos_sin, ctx, start: int):
+        """(fields table [L, DECODE_FIELDS], the L blocks, the experts' threads, quant.c's entry)
+        for _decode_layers from layer `start`, or None where that layer is not taken.
+
+        Each layer's checks (DecoderLayer.decode_fields) ran ~56 us a layer on the caches the
+        weights' stream had emptied, 1.7 of the demo model's 22.5 ms a token at one thread: a plan
+        is kept, and made again when its key changes (_plan_key: what a step can change) or the
+        model does (_changed: weights placed or loaded, routing replayed, train/eval)."""
+        key = self._plan_key(x, cos_sin, ctx)
+        at = (start, x.shape[0])  # a plan for each count of rows: serving's batches vary
+        kept = self._plans.get(at)
+        # a plan points to attention tables, which a table made anywhere may have freed; a layer
+        # not taken points to nothing
+        if kept is not None and kept[0] == key and kept[1] in (None, tables_made()):
+            return kept[2]
+        self._plans.pop(at, None)
         fields, blocks, workers = [], [], None
         for layer in islice(self.layers, start, None):
             got = layer.decode_fields(x, cos_sin, ctx)
@@ -165,22 +205,42 @@ class CausalLM(nn.Module):
             fields += got[0]
             workers = got[1]
             blocks.append(got[2])
-        if not blocks:
-            return 0, x
-        qmoe = (0, 0)
-        if native.EXPERTS_IN_BLOCKS in fields[native.DECODE_KIND :: native.DECODE_FIELDS]:
-            qmoe = quant_kernels.moe_tokens_entry()
-        key, table = self._fields.get(start, (None, None))
-        if key != fields:  # the tensor stands while the fields do
+        plan = None
+        if blocks:
+            qmoe = (0, 0)
+            if native.EXPERTS_IN_BLOCKS in fields[native.DECODE_KIND :: native.DECODE_FIELDS]:
+                qmoe = quant_kernels.moe_tokens_entry()
             table = torch.tensor(fields, dtype=torch.int64).view(len(blocks), -1)
-            self._fields[start] = (fields, table)
-        cos, sin = cos_sin
-        done, x, hs, ids, weights, secs = native.decode_layers(
-            table, x, cos, sin, ctx.slots, ctx.decode, workers, qmoe, self.shape.top_k
+            plan = (table, blocks, workers, qmoe)
+        self._plans[at] = (key, None if plan is None else tables_made(), plan)
+        return plan
+
+    def _plan_key(self, x: torch.Tensor, cos_sin, ctx) -> tuple:
+        """What the layers' decode_fields depend on that a step may change: the rows (their count,
+        layout, whether each is computed as if alone, the threads), the integer kernels' path, the
+        KV cache and which layers' pools it has made, the expert store and the experts' threads,
+        the LoRA adapters attached (any, in every dict of them: a few us), the model's version."""
+        if self._adapter_dicts is None:
+            from hybridmoe.models.lora import adapter_dicts  # lora imports the layers
+
+            self._adapter_dicts = list(adapter_dicts(self))
+        kv = getattr(ctx, "cache", None)
+        cos = cos_sin[0]
+        return (
+            self._version,
+            x.shape,
+            x.stride(),
+            cos.shape,
+            cos.stride(),
+            cos.dtype,
+            invariance.active(),
+            torch.get_num_threads(),
+            quant_kernels.isa(),
+            getattr(kv, "serial", None),
+            len(kv.pools) if kv is not None else 0,
+            self.runtime.decode_key() if self.runtime is not None else None,
+            any(self._adapter_dicts),
         )
-        for block, h, chosen, mix, seconds in zip(blocks[:done], hs, ids, weights, secs.tolist()):
-            block.decoded(h, chosen, mix, seconds)  # [T, H], [T, K], [T, K]
-        return done, x
 
     def place(self) -> None:
         """Put every dense weight and buffer where the expert runtime keeps the rest of the model:
@@ -211,6 +271,7 @@ class CausalLM(nn.Module):
                         QTensor(put(value.data), value.fmt, value.cols, value.keep_layout),
                     )
         self.device = self.runtime.device
+        self._changed()
 
     def place_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor made for the model (a KV pool) put where the model lives."""
@@ -240,6 +301,7 @@ class CausalLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs in, one at a time; routed experts go to the runtime's store."""
+        self._changed()
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}

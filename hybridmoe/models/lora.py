@@ -155,8 +155,9 @@ def attach(
     return modules
 
 
-def _holders(model):
-    """Every dict of adapters in `model`: its projections', routers' and MoE blocks'."""
+def adapter_dicts(model):
+    """Every dict of adapters in `model`: its projections', routers' and MoE blocks' (each made
+    with its module, and changed in place)."""
     for m in model.modules():
         if isinstance(m, Linear):
             yield m.adapters
@@ -167,12 +168,12 @@ def _holders(model):
 
 def adapter_names(model) -> frozenset[str]:
     """The adapters attached to `model`, by name."""
-    return frozenset(name for holder in _holders(model) for name in holder)
+    return frozenset(name for holder in adapter_dicts(model) for name in holder)
 
 
 def detach(model, name: str) -> None:
     """Remove adapter `name` from every part of `model`."""
-    for holder in _holders(model):
+    for holder in adapter_dicts(model):
         holder.pop(name, None)
 
 

@@ -203,6 +203,12 @@ class BaseRuntime:
         self._observe(step, o, topk_ids, topk_weights, report, hint)
         return out
 
+    def decode_key(self) -> tuple:
+        """What token_experts' answers depend on that may change between two steps: the store's
+        version, the deferral, the experts' threads now (a model's decode plans are kept under it:
+        models/base.py CausalLM._plan)."""
+        return (self.store.version, self.defer_experts, self.cpu.workers_now())
+
     def token_experts(self, layer: int) -> tuple[torch.Tensor, int, bool] | None:
         """(the layer's expert table, threads, whether its experts are in blocks) where a model's
         block may run a decode token's routed experts in its own native calls exactly as this
