@@ -148,6 +148,49 @@ def test_the_tiles_take_the_attention_where_the_cpu_has_them():
 
 
 @needs_kernels
+@pytest.mark.parametrize("tiles", TILES, indirect=True)
+@pytest.mark.parametrize("heads, kv_heads, d, dv", [(32, 4, 128, 128), (9, 3, 64, 64)])
+def test_a_prefill_chunks_rows_give_each_row_its_bits_alone(heads, kv_heads, d, dv, tiles):
+    """A prefill chunk's rows come as sequences of one history, lengths 250..289 (on the tiles, two
+    rows at a time, their keys and values read once for both): each row's bits are those it has
+    in a call of its own, and the result is attention (float64)."""
+    gen = torch.Generator().manual_seed(d + heads)
+    block_size, total = 16, 289
+    q, k_pool, v_pool, tables = paged_batch(heads, kv_heads, d, dv, block_size, gen, [total])
+    lengths = list(range(250, total + 1))
+    table = tables[0]
+    q = torch.randn(len(lengths), heads, d, generator=gen).to(torch.bfloat16)
+    int32 = dict(dtype=torch.int32)
+
+    def call(rows):
+        out = torch.zeros(len(lengths), heads, dv)
+        native.decode_attention(
+            q,
+            k_pool,
+            v_pool,
+            torch.tensor(table, **int32),
+            torch.zeros(len(rows), **int32),  # one table for every row
+            torch.tensor([lengths[i] for i in rows], **int32),
+            torch.tensor(rows, **int32),
+            block_size,
+            d**-0.5,
+            out,
+        )
+        return out
+
+    together = call(list(range(len(lengths))))
+    for i in (0, 1, 2, 17, len(lengths) - 1):
+        assert torch.equal(call([i])[i], together[i]), i
+        want = reference(
+            q[i],
+            history(k_pool, table, lengths[i], block_size),
+            history(v_pool, table, lengths[i], block_size),
+            d**-0.5,
+        )
+        assert (together[i].double() - want).abs().max() < 1e-5
+
+
+@needs_kernels
 def test_hybridmoe_amx_0_keeps_the_attention_off_the_tiles():
     code = "from hybridmoe.native import bf16; print(bf16.amx_active())"
     for value, want in (("0", "False"), ("1", str(bf16.cpu_has_amx()))):

@@ -537,31 +537,35 @@ typedef struct {
 /* Which heads and head sizes the tiles take: d in whole tiles of 32, a group's heads in one C tile. */
 ALWAYS_INLINE int amx_takes(long G, long d) { return amx_on && d % 32 == 0 && d <= 256 && G <= 16; }
 
-/* S[h][l] = scale q_h . k_l for the query heads of KV heads 0..groups-1 (G each, q rows d apart; the
-   group's keys at K + g * d + slots[l] * ldk), l < L; as scores_block's loop writes them, 16 positions
-   at a time (past L: position L - 1 again). runs16: every aligned 16 positions are 16 consecutive slots
-   (the block size a multiple of 16). Scratch: Qp groups * G * d, Kg 16 * d, Ct 16 * G. */
-AMX_TARGET static void scores_amx(const uint16_t *q, long G, long groups, const uint16_t *K, long ldk,
-                                  const long *slots, long L, long d, int runs16, float scale, float *S,
-                                  long ldp, uint16_t *Qp, uint16_t *Kg, float *Ct) {
+/* S[(g G + h) R + r][l] = scale q_{r,h} . k_l for the query heads of KV heads 0..groups-1 (G each) of R
+   query rows that share a history (qs[r]: row r's heads, rows d apart; the group's keys at K + g * d +
+   slots[l] * ldk), l < L; as scores_block's loop writes them, 16 positions at a time (past L: position
+   L - 1 again). The R G columns of a tile are independent sums: a row's scores are the same alone and
+   in a pair. runs16: every aligned 16 positions are 16 consecutive slots (the block size a multiple of
+   16). Scratch: Qp groups * R * G * d, Kg 16 * d, Ct 16 * R * G. */
+AMX_TARGET static void scores_amx(const uint16_t *const *qs, long R, long G, long groups, const uint16_t *K,
+                                  long ldk, const long *slots, long L, long d, int runs16, float scale,
+                                  float *S, long ldp, uint16_t *Qp, uint16_t *Kg, float *Ct) {
+    const long N = R * G; /* a tile's columns: head h of row r at h R + r */
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    cfg.colsb[0] = (uint16_t)(4 * G), cfg.rows[0] = 16; /* C: 16 positions x G heads, fp32 */
+    cfg.colsb[0] = (uint16_t)(4 * N), cfg.rows[0] = 16; /* C: 16 positions x N, fp32 */
     cfg.colsb[1] = 64, cfg.rows[1] = 16;                /* A: 16 positions x 32 dimensions */
-    cfg.colsb[2] = (uint16_t)(4 * G), cfg.rows[2] = 16; /* B: 16 pairs of dimensions x G heads */
+    cfg.colsb[2] = (uint16_t)(4 * N), cfg.rows[2] = 16; /* B: 16 pairs of dimensions x N */
     _tile_loadconfig(&cfg);
-    const long C = d / 32, tile = 32 * G; /* Qp elements per tile */
+    const long C = d / 32, tile = 32 * N; /* Qp elements per tile */
     for (long g = 0; g < groups; g++)
         for (long c = 0; c < C; c++)
             for (long k = 0; k < 16; k++)
-                for (long h = 0; h < G; h++) {
-                    const uint16_t *src = q + (g * G + h) * d + c * 32 + 2 * k;
-                    uint16_t *dst = Qp + (g * C + c) * tile + (k * G + h) * 2;
-                    dst[0] = src[0], dst[1] = src[1];
-                }
+                for (long h = 0; h < G; h++)
+                    for (long r = 0; r < R; r++) {
+                        const uint16_t *src = qs[r] + (g * G + h) * d + c * 32 + 2 * k;
+                        uint16_t *dst = Qp + (g * C + c) * tile + (k * N + h * R + r) * 2;
+                        dst[0] = src[0], dst[1] = src[1];
+                    }
     const __m512i lanes = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)G));
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)N));
     const __m512 sc = _mm512_set1_ps(scale);
     const long row_bytes = groups * d * 2;
     prefetch_rows(K, ldk, slots, 0, L < AHEAD ? L : AHEAD, row_bytes);
@@ -581,14 +585,14 @@ AMX_TARGET static void scores_amx(const uint16_t *q, long G, long groups, const 
             _tile_zero(0);
             for (long c = 0; c < C; c++) {
                 _tile_loadd(1, A + c * 32, stride);
-                _tile_loadd(2, Qp + (g * C + c) * tile, 4 * G);
+                _tile_loadd(2, Qp + (g * C + c) * tile, 4 * N);
                 _tile_dpbf16ps(0, 1, 2);
             }
-            _tile_stored(0, Ct, 4 * G);
-            for (long h = 0; h < G; h++) /* C's column h: head g G + h's 16 scores */
-                _mm512_storeu_ps(S + (g * G + h) * ldp + l0,
+            _tile_stored(0, Ct, 4 * N);
+            for (long n = 0; n < N; n++) /* C's column n: its 16 scores */
+                _mm512_storeu_ps(S + (g * N + n) * ldp + l0,
                                  _mm512_mul_ps(_mm512_i32gather_ps(
-                                     _mm512_add_epi32(lanes, _mm512_set1_epi32((int)h)), Ct, 4), sc));
+                                     _mm512_add_epi32(lanes, _mm512_set1_epi32((int)n)), Ct, 4), sc));
         }
     }
     _tile_release();
@@ -605,9 +609,11 @@ static const uint16_t PAIRS_HI[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21
 static const uint16_t ZERO_ROW[256];
 #define VALUES_RUN 256 /* positions: 256 KB of value rows at 32/4 heads of 128 */
 
-/* O[h][c] = sum_l P[h][l] V[l][c] for the heads of KV heads 0..groups-1 (G each; P: S's rows, ldp
-   apart, 0 past L; the group's values at V + g * dv + slots[l] * ldv), on tiles: 32 positions and 16
-   columns a product, C [G heads, 16 columns] in fp32 held across the positions. The tiles multiply
+/* O[i][c] = sum_l P[i][l] V[l][c] for the rows i = (g G + h) R + r: head h of KV head g (of
+   0..groups-1) of query row r (P: S's rows, ldp apart, taken to row r's length L0 + r; the group's
+   values at V + g * dv + slots[l] * ldv), on tiles: 32 positions and 16 columns a product, C [R G, 16
+   columns] in fp32 held across the positions; a row's sums are the same alone and in a pair (the
+   other row's last position adds its value times a weight of 0). The tiles multiply
    bf16, so each weight goes in as three bf16 parts, p = hi + mid + lo (each the rest of the one
    before, rounded to nearest even): their sum is p to ~2^-24 of it, as close as fp32 holds it, and
    each part's product with a value (bf16) is exact in fp32. The value rows go into B with pairs of
@@ -616,18 +622,20 @@ static const uint16_t ZERO_ROW[256];
    us of it), over 8192 positions from RAM from ~2550 to ~1600 us (the sum ~880 us: it streams 8.4 MB
    of values at ~9.5 GB/s, its tile work not hidden behind the reads). Scratch: Ap 3 * 16 * 32, Vp
    4 * 16 * 32. */
-AMX_TARGET static void values_amx(const float *S, long ldp, long G, long groups, const uint16_t *V, long ldv,
-                                  const long *slots, long L, long dv, float *O, uint16_t *Ap, uint16_t *Vp) {
+AMX_TARGET static void values_amx(const float *S, long ldp, long R, long G, long groups, const uint16_t *V,
+                                  long ldv, const long *slots, long L0, long dv, float *O, uint16_t *Ap,
+                                  uint16_t *Vp) {
+    const long N = R * G, L = L0 + R - 1; /* a C tile's rows; the last row's length */
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = (uint8_t)G; /* C: G heads x 16 columns */
+    for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = (uint8_t)N; /* C: N rows x 16 columns */
     cfg.colsb[4] = 64, cfg.rows[4] = 16;                                    /* B: 16 pairs x 16 columns */
-    for (int t = 5; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = (uint8_t)G; /* A: hi, mid, lo */
+    for (int t = 5; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = (uint8_t)N; /* A: hi, mid, lo */
     _tile_loadconfig(&cfg);
     const __m512i lo = _mm512_loadu_si512(PAIRS_LO), hi = _mm512_loadu_si512(PAIRS_HI);
     const long row_bytes = groups * dv * 2;
-    memset(O, 0, sizeof(float) * groups * G * dv);
+    memset(O, 0, sizeof(float) * groups * N * dv);
     /* VALUES_RUN positions at a time, their value rows read from RAM once (asked for a run ahead, into
        L2) and kept in L2 for every group and every 64 columns */
     for (long r0 = 0; r0 < L; r0 += VALUES_RUN) {
@@ -635,19 +643,20 @@ AMX_TARGET static void values_amx(const float *S, long ldp, long G, long groups,
         for (long g = 0; g < groups; g++)
             for (long c0 = 0; c0 < dv; c0 += 64) {
                 const long nj = (dv - c0) / 16 < 4 ? (dv - c0) / 16 : 4; /* C tiles in this pass */
-                float *o = O + g * G * dv + c0;
+                float *o = O + g * N * dv + c0;
                 _tile_loadd(0, o, dv * 4);
                 if (nj > 1) _tile_loadd(1, o + 16, dv * 4);
                 if (nj > 2) _tile_loadd(2, o + 32, dv * 4);
                 if (nj > 3) _tile_loadd(3, o + 48, dv * 4);
                 for (long l0 = r0; l0 < r1; l0 += 32) {
-                    for (long r = 0; r < G; r++) {
-                        const float *p = S + (g * G + r) * ldp + l0;
+                    for (long i = 0; i < N; i++) {
+                        const float *p = S + (g * N + i) * ldp + l0;
+                        const long end = r1 < L0 + i % R ? r1 : L0 + i % R; /* row i's positions */
                         for (int half = 0; half < 2; half++) {
-                            __m512 x = _mm512_maskz_loadu_ps(mask16(r1 - l0 - 16 * half), p + 16 * half);
+                            __m512 x = _mm512_maskz_loadu_ps(mask16(end - l0 - 16 * half), p + 16 * half);
                             for (int t = 0; t < 3; t++) {
                                 __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
-                                _mm256_storeu_si256((__m256i *)(Ap + (t * 16 + r) * 32 + 16 * half), b);
+                                _mm256_storeu_si256((__m256i *)(Ap + (t * 16 + i) * 32 + 16 * half), b);
                                 x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
                             }
                         }
@@ -716,17 +725,22 @@ ALWAYS_INLINE void weigh_values(float *O, long dv, long c0, const float *P, long
         for (int t = 0; t < 4; t++) _mm512_mask_storeu_ps(O + r * dv + c0 + 16 * t, m[t], acc[r][t]);
 }
 
-/* One sequence's query heads of KV heads g0..g1-1: q [heads, d] bf16 -> out [heads, dv] (fp32, or bf16 if
-   out_bf16) over its L positions at slots[0..L). S: heads x roundup(L, 16) floats, O: heads x dv floats
-   of scratch. Each head's arithmetic is its own, whichever other heads come with it. */
-static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uint16_t *V, long ldv,
-                       const long *slots, long L, long heads, long kv_heads, long g0, long g1, long d, long dv,
-                       int runs16, float scale, void *out, int out_bf16, float *S, float *O, uint16_t *tiles) {
-    const long G = heads / kv_heads, ldp = (L + 15) & ~15L, h0 = g0 * G, h1 = g1 * G;
+/* R query rows (R = 1, or 2 where attend_pair says) of one history: row r's heads of KV heads g0..g1-1,
+   qs[r] [heads, d] bf16 -> outs[r] [heads, dv] (fp32, or bf16 if out_bf16), over its L + r positions
+   at slots[0..L + r). S: R x heads x roundup(L + R - 1, 16) floats, O: R x heads x dv floats of
+   scratch, tiles: the tiles' (scores_amx, values_amx). Each head's arithmetic is its own, whichever
+   other heads and rows come with it; two rows only where both halves take the tiles. */
+static void attend_one(const uint16_t *const *qs, void *const *outs, long R, const uint16_t *K, long ldk,
+                       const uint16_t *V, long ldv, const long *slots, long L, long heads, long kv_heads,
+                       long g0, long g1, long d, long dv, int runs16, float scale, int out_bf16, float *S,
+                       float *O, uint16_t *tiles) {
+    const long G = heads / kv_heads, Lr = L + R - 1, ldp = (Lr + 15) & ~15L, h0 = g0 * G, h1 = g1 * G;
     K += g0 * d, V += g0 * dv;  /* the rows' part of these KV heads: what the prefetches ask for */
-    if (amx_takes(G, d)) {
-        uint16_t *Qp = tiles, *Kg = tiles + heads * d;
-        scores_amx(q + h0 * d, G, g1 - g0, K, ldk, slots, L, d, runs16, scale, S + h0 * ldp, ldp, Qp, Kg,
+    const uint16_t *q = qs[0];
+    if (amx_takes(R * G, d)) {  /* S's row for head h of row r: h R + r */
+        uint16_t *Qp = tiles, *Kg = tiles + 2 * heads * d;
+        const uint16_t *from[2] = {qs[0] + h0 * d, R > 1 ? qs[1] + h0 * d : NULL};
+        scores_amx(from, R, G, g1 - g0, K, ldk, slots, Lr, d, runs16, scale, S + h0 * R * ldp, ldp, Qp, Kg,
                    (float *)(Kg + 16 * d));
     } else {
         /* scores, 16 positions at a time; the block's key rows stay in L1 for every head */
@@ -740,25 +754,27 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
                 scores_block(q + g * G * d, G, K + (g - g0) * d, off, d, scale, S + g * G * ldp + l0, ldp);
         }
     }
-    /* softmax numerators exp(s - max) in place; 1 / sum kept per head */
-    float inv[heads];
-    for (long h = h0; h < h1; h++) {
-        float *s = S + h * ldp;
+    /* softmax numerators exp(s - max) in place; 1 / sum kept per head and row */
+    float inv[2 * heads];
+    for (long i = h0 * R; i < h1 * R; i++) {
+        float *s = S + i * ldp;
+        const long n = L + i % R;
         __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (long l = 0; l < L; l += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, mask16(L - l), s + l));
+        for (long l = 0; l < n; l += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, mask16(n - l), s + l));
         __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        for (long l = 0; l < L; l += 16) {
-            __mmask16 m = mask16(L - l);
+        for (long l = 0; l < n; l += 16) {
+            __mmask16 m = mask16(n - l);
             __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + l), top)));
             _mm512_storeu_ps(s + l, e);
             sum = _mm512_add_ps(sum, e);
         }
-        inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     /* sum_l p_l v_l: 16 positions at a time, for up to 4 heads of a group and 64 columns at once */
-    if (amx_takes_values(G, dv)) {
-        uint16_t *Ap = tiles + (heads + 16) * d + 2 * 16 * 16;
-        values_amx(S + h0 * ldp, ldp, G, g1 - g0, V, ldv, slots, L, dv, O + h0 * dv, Ap, Ap + 3 * 16 * 32);
+    if (amx_takes_values(R * G, dv)) {
+        uint16_t *Ap = tiles + (2 * heads + 16) * d + 2 * 16 * 16;
+        values_amx(S + h0 * R * ldp, ldp, R, G, g1 - g0, V, ldv, slots, L, dv, O + h0 * R * dv, Ap,
+                   Ap + 3 * 16 * 32);
     } else {
     memset(O + h0 * dv, 0, sizeof(float) * (h1 - h0) * dv);
     prefetch_rows(V, ldv, slots, 0, L < AHEAD ? L : AHEAD, (g1 - g0) * dv * 2);
@@ -780,15 +796,27 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
                 }
     }
     }
-    for (long h = h0; h < h1; h++)
+    for (long i = h0 * R; i < h1 * R; i++) {
+        const long h = i / R, r = i % R;
         for (long c = 0; c < dv; c += 16) {
             __mmask16 m = mask16(dv - c);
-            __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, O + h * dv + c), _mm512_set1_ps(inv[h]));
+            __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, O + i * dv + c), _mm512_set1_ps(inv[i]));
             if (out_bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)out + h * dv + c, m, (__m256i)_mm512_cvtneps_pbh(y));
+                _mm256_mask_storeu_epi16((uint16_t *)outs[r] + h * dv + c, m, (__m256i)_mm512_cvtneps_pbh(y));
             else
-                _mm512_mask_storeu_ps((float *)out + h * dv + c, m, y);
+                _mm512_mask_storeu_ps((float *)outs[r] + h * dv + c, m, y);
         }
+    }
+}
+
+/* Whether sequences s and s + 1 go through attend_one together: two rows of one history (a prefill
+   chunk's rows, each its own sequence: the same table, one position apart), both halves on tiles with
+   the two rows' heads in one tile. Their keys and values are then read once for both, and each row's
+   bits are those it has alone (scores_amx, values_amx). */
+static int attend_pair(const int32_t *table_starts, const int32_t *lengths, long s, long n, long G, long d,
+                       long dv) {
+    return s + 1 < n && table_starts[s + 1] == table_starts[s] && lengths[s + 1] == lengths[s] + 1 &&
+           amx_takes(2 * G, d) && amx_takes_values(2 * G, dv);
 }
 
 /* Decode attention for n sequences, one query token each. Sequence s: its query row is
@@ -803,11 +831,13 @@ static void attend_one(const uint16_t *q, const uint16_t *K, long ldk, const uin
 typedef struct {
     const uint16_t *Q, *K, *V;
     long ldq, ldk, ldv, n, block_size, heads, kv_heads, d, dv, ldo, most;
-    long parts; /* units per sequence: each a share of its KV heads */
+    long parts; /* units per item: each a share of its KV heads */
     const int32_t *tables, *table_starts, *lengths, *rows;
     float scale;
     void *out;
     int out_bf16;
+    const long *items; /* each item's first sequence: one, or two that attend_pair joins */
+    long count;        /* items */
     atomic_long next;
     atomic_int failed;
 } decode_call;
@@ -815,26 +845,34 @@ typedef struct {
 static void decode_region(void *arg, int t, int T) {
     decode_call *c = arg;
     (void)t, (void)T;
-    long *slots = malloc(sizeof(long) * c->most);
-    float *S = malloc(sizeof(float) * c->heads * ((c->most + 15) & ~15L)), *O = malloc(sizeof(float) * c->heads * c->dv);
+    const long most = c->most + 1, ldp = (most + 15) & ~15L; /* a pair's second row: one more */
+    long *slots = malloc(sizeof(long) * most);
+    float *S = malloc(sizeof(float) * 2 * c->heads * ldp), *O = malloc(sizeof(float) * 2 * c->heads * c->dv);
     /* the tiles' scratch: the packed queries, 16 gathered key rows, a C tile (scores_amx); the weights'
        parts and the value rows in pairs (values_amx) */
-    uint16_t *tiles = malloc(sizeof(uint16_t) * ((c->heads + 16) * c->d + 2 * 16 * 16 + 7 * 16 * 32));
+    uint16_t *tiles = malloc(sizeof(uint16_t) * ((2 * c->heads + 16) * c->d + 2 * 16 * 16 + 7 * 16 * 32));
     if (!slots || !S || !O || !tiles) {
         atomic_store(&c->failed, 1);
         free(slots), free(S), free(O), free(tiles);
         return;
     }
-    for (long u; (u = next_unit(&c->next, c->n * c->parts)) >= 0;) {
-        const long s = u / c->parts, part = u % c->parts;
+    for (long u; (u = next_unit(&c->next, c->count * c->parts)) >= 0;) {
+        const long item = u / c->parts, part = u % c->parts, s = c->items[item];
+        const long R = (item + 1 < c->count ? c->items[item + 1] : c->n) - s; /* rows: 1 or 2 */
         const long g0 = part * c->kv_heads / c->parts, g1 = (part + 1) * c->kv_heads / c->parts;
         const int32_t *table = c->tables + c->table_starts[s];
-        long L = c->lengths[s], row = c->rows[s];
-        for (long l = 0, b = 0; l < L; b++)  /* no division per position */
-            for (long i = 0; i < c->block_size && l < L; i++) slots[l++] = (long)table[b] * c->block_size + i;
-        void *o = c->out_bf16 ? (void *)((uint16_t *)c->out + row * c->ldo) : (void *)((float *)c->out + row * c->ldo);
-        attend_one(c->Q + row * c->ldq, c->K, c->ldk, c->V, c->ldv, slots, L, c->heads, c->kv_heads, g0, g1, c->d, c->dv,
-                   c->block_size % 16 == 0, c->scale, o, c->out_bf16, S, O, tiles);
+        const long L = c->lengths[s], Lr = L + R - 1;
+        for (long l = 0, b = 0; l < Lr; b++)  /* no division per position */
+            for (long i = 0; i < c->block_size && l < Lr; i++) slots[l++] = (long)table[b] * c->block_size + i;
+        const uint16_t *qs[2];
+        void *outs[2];
+        for (long r = 0; r < R; r++) {
+            const long row = c->rows[s + r];
+            qs[r] = c->Q + row * c->ldq;
+            outs[r] = c->out_bf16 ? (void *)((uint16_t *)c->out + row * c->ldo) : (void *)((float *)c->out + row * c->ldo);
+        }
+        attend_one(qs, outs, R, c->K, c->ldk, c->V, c->ldv, slots, L, c->heads, c->kv_heads, g0, g1, c->d, c->dv,
+                   c->block_size % 16 == 0, c->scale, c->out_bf16, S, O, tiles);
     }
     free(slots), free(S), free(O), free(tiles);
 }
@@ -843,12 +881,18 @@ int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, lon
                              long ldv, const int32_t *tables, const int32_t *table_starts, const int32_t *lengths,
                              const int32_t *rows, long n, long block_size, long heads, long kv_heads, long d,
                              long dv, float scale, void *out, long ldo, int out_bf16, int threads) {
+    long *items = malloc(sizeof(long) * (n > 0 ? n : 1)), count = 0;
+    if (!items) return -1;
+    for (long s = 0; s < n; s += attend_pair(table_starts, lengths, s, n, heads / kv_heads, d, dv) ? 2 : 1)
+        items[count++] = s;
     decode_call c = {Q, K, V, ldq, ldk, ldv, n, block_size, heads, kv_heads, d, dv, ldo, 1,
-                     n < threads ? kv_heads : 1, tables, table_starts, lengths, rows, scale, out, out_bf16};
+                     count < threads ? kv_heads : 1, tables, table_starts, lengths, rows, scale, out, out_bf16,
+                     items, count};
     for (long s = 0; s < n; s++) c.most = lengths[s] > c.most ? lengths[s] : c.most;
     atomic_init(&c.next, 0);
     atomic_init(&c.failed, 0);
-    hm_parallel(decode_region, &c, (int)min_l(threads, n * c.parts));
+    hm_parallel(decode_region, &c, (int)min_l(threads, count * c.parts));
+    free(items);
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
