@@ -12,6 +12,7 @@ token to the native bf16 decode kernel, which reads their history in place (no g
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -82,6 +83,7 @@ def causal_attention(
 # is kept under this count (models/base.py CausalLM._plan), and a table made anywhere may have freed
 # the one it pointed to.
 _TABLES_MADE = [0]
+_TABLES_LOCK = threading.Lock()
 
 
 def tables_made() -> int:
@@ -303,7 +305,8 @@ class Attention(nn.Module):
         if getattr(self, "_table_ptr", None) != ptr:
             self._table = torch.tensor(ptr, dtype=torch.int64)  # [25]: bf16.c attn_block
             self._table_ptr = ptr
-            _TABLES_MADE[0] += 1
+            with _TABLES_LOCK:  # two passes at once (overlap_prefill) may both make one
+                _TABLES_MADE[0] += 1
         self._table_key = key
         return self._table
 
