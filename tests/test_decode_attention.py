@@ -149,11 +149,15 @@ def test_the_tiles_take_the_attention_where_the_cpu_has_them():
 
 @needs_kernels
 @pytest.mark.parametrize("tiles", TILES, indirect=True)
-@pytest.mark.parametrize("heads, kv_heads, d, dv", [(32, 4, 128, 128), (9, 3, 64, 64)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, d, dv",
+    [(32, 4, 128, 128), (9, 3, 64, 64), (16, 16, 128, 128), (8, 2, 64, 64)],
+)
 def test_a_prefill_chunks_rows_give_each_row_its_bits_alone(heads, kv_heads, d, dv, tiles):
-    """A prefill chunk's rows come as sequences of one history, lengths 250..289 (on the tiles, two
-    rows at a time, their keys and values read once for both): each row's bits are those it has
-    in a call of its own, and the result is attention (float64)."""
+    """A prefill chunk's rows come as sequences of one history, lengths 250..289 (on the tiles, as
+    many rows at a time as one tile holds with their heads of a KV head: 2, 5, 8 and 4 here, their
+    keys and values read once for all): each row's bits are those it has in a call of its own, and
+    the result is attention (float64)."""
     gen = torch.Generator().manual_seed(d + heads)
     block_size, total = 16, 289
     q, k_pool, v_pool, tables = paged_batch(heads, kv_heads, d, dv, block_size, gen, [total])

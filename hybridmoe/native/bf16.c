@@ -516,6 +516,7 @@ __attribute__((noinline)) static void scores_block(const uint16_t *q, long n, co
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 static int amx_on;
+#define ROWS_MAX 8 /* query rows of one history in one tile (rows_together) */
 
 /* Asks Linux for the tile registers' state for this process (every thread); 1 if granted. */
 int hm_amx_permit(void) {
@@ -725,11 +726,11 @@ ALWAYS_INLINE void weigh_values(float *O, long dv, long c0, const float *P, long
         for (int t = 0; t < 4; t++) _mm512_mask_storeu_ps(O + r * dv + c0 + 16 * t, m[t], acc[r][t]);
 }
 
-/* R query rows (R = 1, or 2 where attend_pair says) of one history: row r's heads of KV heads g0..g1-1,
+/* R query rows (1, or up to ROWS_MAX where rows_together says) of one history: row r's heads of KV heads g0..g1-1,
    qs[r] [heads, d] bf16 -> outs[r] [heads, dv] (fp32, or bf16 if out_bf16), over its L + r positions
    at slots[0..L + r). S: R x heads x roundup(L + R - 1, 16) floats, O: R x heads x dv floats of
    scratch, tiles: the tiles' (scores_amx, values_amx). Each head's arithmetic is its own, whichever
-   other heads and rows come with it; two rows only where both halves take the tiles. */
+   other heads and rows come with it; several rows only where both halves take the tiles. */
 static void attend_one(const uint16_t *const *qs, void *const *outs, long R, const uint16_t *K, long ldk,
                        const uint16_t *V, long ldv, const long *slots, long L, long heads, long kv_heads,
                        long g0, long g1, long d, long dv, int runs16, float scale, int out_bf16, float *S,
@@ -738,8 +739,9 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
     K += g0 * d, V += g0 * dv;  /* the rows' part of these KV heads: what the prefetches ask for */
     const uint16_t *q = qs[0];
     if (amx_takes(R * G, d)) {  /* S's row for head h of row r: h R + r */
-        uint16_t *Qp = tiles, *Kg = tiles + 2 * heads * d;
-        const uint16_t *from[2] = {qs[0] + h0 * d, R > 1 ? qs[1] + h0 * d : NULL};
+        uint16_t *Qp = tiles, *Kg = tiles + ROWS_MAX * heads * d;
+        const uint16_t *from[ROWS_MAX];
+        for (long r = 0; r < R; r++) from[r] = qs[r] + h0 * d;
         scores_amx(from, R, G, g1 - g0, K, ldk, slots, Lr, d, runs16, scale, S + h0 * R * ldp, ldp, Qp, Kg,
                    (float *)(Kg + 16 * d));
     } else {
@@ -755,7 +757,7 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
         }
     }
     /* softmax numerators exp(s - max) in place; 1 / sum kept per head and row */
-    float inv[2 * heads];
+    float inv[R * heads];
     for (long i = h0 * R; i < h1 * R; i++) {
         float *s = S + i * ldp;
         const long n = L + i % R;
@@ -772,7 +774,7 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
     }
     /* sum_l p_l v_l: 16 positions at a time, for up to 4 heads of a group and 64 columns at once */
     if (amx_takes_values(R * G, dv)) {
-        uint16_t *Ap = tiles + (2 * heads + 16) * d + 2 * 16 * 16;
+        uint16_t *Ap = tiles + (ROWS_MAX * heads + 16) * d + 2 * 16 * 16;
         values_amx(S + h0 * R * ldp, ldp, R, G, g1 - g0, V, ldv, slots, L, dv, O + h0 * R * dv, Ap,
                    Ap + 3 * 16 * 32);
     } else {
@@ -809,14 +811,18 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
     }
 }
 
-/* Whether sequences s and s + 1 go through attend_one together: two rows of one history (a prefill
-   chunk's rows, each its own sequence: the same table, one position apart), both halves on tiles with
-   the two rows' heads in one tile. Their keys and values are then read once for both, and each row's
-   bits are those it has alone (scores_amx, values_amx). */
-static int attend_pair(const int32_t *table_starts, const int32_t *lengths, long s, long n, long G, long d,
-                       long dv) {
-    return s + 1 < n && table_starts[s + 1] == table_starts[s] && lengths[s + 1] == lengths[s] + 1 &&
-           amx_takes(2 * G, d) && amx_takes_values(2 * G, dv);
+/* How many sequences from s on go through attend_one together: rows of one history (a prefill chunk's
+   rows, each its own sequence: the same table, each one position after the one before), as many as
+   one tile's columns hold with every row's heads of a KV head (16 / G, at most ROWS_MAX), both halves
+   on tiles. Their keys and values are then read once for all of them, and each row's bits are those
+   it has alone (scores_amx, values_amx). Depends on the rows alone, not on the threads. */
+static long rows_together(const int32_t *table_starts, const int32_t *lengths, long s, long n, long G, long d,
+                          long dv) {
+    long most = 16 / (G > 0 ? G : 1), R = 1;
+    most = most < ROWS_MAX ? most : ROWS_MAX;
+    while (R < most && s + R < n && table_starts[s + R] == table_starts[s] && lengths[s + R] == lengths[s] + R)
+        R++;
+    return R > 1 && amx_takes(R * G, d) && amx_takes_values(R * G, dv) ? R : 1;
 }
 
 /* Decode attention for n sequences, one query token each. Sequence s: its query row is
@@ -836,7 +842,7 @@ typedef struct {
     float scale;
     void *out;
     int out_bf16;
-    const long *items; /* each item's first sequence: one, or two that attend_pair joins */
+    const long *items; /* each item's first sequence: one, or the rows that rows_together joins */
     long count;        /* items */
     atomic_long next;
     atomic_int failed;
@@ -845,12 +851,12 @@ typedef struct {
 static void decode_region(void *arg, int t, int T) {
     decode_call *c = arg;
     (void)t, (void)T;
-    const long most = c->most + 1, ldp = (most + 15) & ~15L; /* a pair's second row: one more */
+    const long most = c->most + ROWS_MAX, ldp = (most + 15) & ~15L; /* a group's last row: more */
     long *slots = malloc(sizeof(long) * most);
-    float *S = malloc(sizeof(float) * 2 * c->heads * ldp), *O = malloc(sizeof(float) * 2 * c->heads * c->dv);
+    float *S = malloc(sizeof(float) * ROWS_MAX * c->heads * ldp), *O = malloc(sizeof(float) * ROWS_MAX * c->heads * c->dv);
     /* the tiles' scratch: the packed queries, 16 gathered key rows, a C tile (scores_amx); the weights'
        parts and the value rows in pairs (values_amx) */
-    uint16_t *tiles = malloc(sizeof(uint16_t) * ((2 * c->heads + 16) * c->d + 2 * 16 * 16 + 7 * 16 * 32));
+    uint16_t *tiles = malloc(sizeof(uint16_t) * ((ROWS_MAX * c->heads + 16) * c->d + 2 * 16 * 16 + 7 * 16 * 32));
     if (!slots || !S || !O || !tiles) {
         atomic_store(&c->failed, 1);
         free(slots), free(S), free(O), free(tiles);
@@ -858,14 +864,14 @@ static void decode_region(void *arg, int t, int T) {
     }
     for (long u; (u = next_unit(&c->next, c->count * c->parts)) >= 0;) {
         const long item = u / c->parts, part = u % c->parts, s = c->items[item];
-        const long R = (item + 1 < c->count ? c->items[item + 1] : c->n) - s; /* rows: 1 or 2 */
+        const long R = (item + 1 < c->count ? c->items[item + 1] : c->n) - s; /* rows together */
         const long g0 = part * c->kv_heads / c->parts, g1 = (part + 1) * c->kv_heads / c->parts;
         const int32_t *table = c->tables + c->table_starts[s];
         const long L = c->lengths[s], Lr = L + R - 1;
         for (long l = 0, b = 0; l < Lr; b++)  /* no division per position */
             for (long i = 0; i < c->block_size && l < Lr; i++) slots[l++] = (long)table[b] * c->block_size + i;
-        const uint16_t *qs[2];
-        void *outs[2];
+        const uint16_t *qs[ROWS_MAX];
+        void *outs[ROWS_MAX];
         for (long r = 0; r < R; r++) {
             const long row = c->rows[s + r];
             qs[r] = c->Q + row * c->ldq;
@@ -883,7 +889,7 @@ int hm_decode_attention_bf16(const uint16_t *Q, long ldq, const uint16_t *K, lon
                              long dv, float scale, void *out, long ldo, int out_bf16, int threads) {
     long *items = malloc(sizeof(long) * (n > 0 ? n : 1)), count = 0;
     if (!items) return -1;
-    for (long s = 0; s < n; s += attend_pair(table_starts, lengths, s, n, heads / kv_heads, d, dv) ? 2 : 1)
+    for (long s = 0; s < n; s += rows_together(table_starts, lengths, s, n, heads / kv_heads, d, dv))
         items[count++] = s;
     decode_call c = {Q, K, V, ldq, ldk, ldv, n, block_size, heads, kv_heads, d, dv, ldo, 1,
                      count < threads ? kv_heads : 1, tables, table_starts, lengths, rows, scale, out, out_bf16,
