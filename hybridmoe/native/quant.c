@@ -62,8 +62,13 @@ enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 #define CHUNK_TOKENS 64
 #define MIN_UNIT_ROWS 16
 /* Weight bytes of one unit of work handed to a thread: large enough that taking a unit (an atomic add)
-   costs nothing beside it, small enough that 2..16 threads get many units each from one expert. */
-#define UNIT_BYTES 65536
+   costs nothing beside it and that each thread's stream runs long enough for the core's prefetchers,
+   small enough that 2..16 threads get several units each from one expert (a Qwen3-30B-A3B Q4_K
+   expert: ~7 of gate/up, ~3.5 of down). 64 KB units had two threads' streams alternate every 64 KB;
+   at 256 KB the Qwen3-30B-A3B shape's decode loop, two threads, took 28.5-30.1 -> 26.2-28.2 ms a
+   token over 16 layers, and the 4-layer file's decode went 114-116 -> 122-123 tok/s (one thread
+   67-68 -> 69-70, prefill level; Intel Xeon VM, docs/notes/2026-12-07-amx-attention-and-decode-plans.md). */
+#define UNIT_BYTES 262144
 /* How far ahead of the weights being read a one-token K-quant product asks for them (into L2): its work
    per byte leaves too few loads in flight for the hardware prefetcher to keep up with a stream from RAM.
    The same holds for a one-token product of blocks of 32 (Q8_0) over a model's shapes read from RAM,
