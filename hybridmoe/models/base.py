@@ -73,7 +73,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tied else Linear(hidden, self.vocab_size, bias=False)
         # _decode_layers' plans by (first layer, rows): (the key it was made under (_plan_key),
         # the count of attention tables made then, the plan)
-        self._plans: dict[int, tuple] = {}
+        self._plans: dict[tuple[int, int], tuple] = {}
         self._version = 0  # counts the changes that a plan's key cannot see (_changed)
         self._adapter_dicts: list[dict] | None = None  # every dict of LoRA adapters, once found
         blocks = self.moe_blocks()

@@ -108,7 +108,7 @@ SIGNATURES = {
     "hm_bind_quant": ([P, P], None),
     # void hm_share_pool(parallel_fn f): run this library's regions on another's pool (pool.h)
     "hm_share_pool": ([P], None),
-    # int hm_amx_permit(void); void hm_set_amx(int on): the decode attention's scores on AMX tiles
+    # int hm_amx_permit(void); void hm_set_amx(int on): the decode attention on AMX tiles
     "hm_amx_permit": ([], INT),
     "hm_set_amx": ([INT], None),
 }
@@ -152,9 +152,9 @@ def _amx_permitted(lib) -> bool:
 
 
 def use_amx(on: bool) -> bool:
-    """Put the decode attention's scores on the AMX tiles or off them (bf16.c, scores_amx); on only
-    where the CPU has them and the process was granted them (HYBRIDMOE_AMX=0 starts with them
-    off). Returns whether they are on now."""
+    """Put the decode attention on the AMX tiles or off them (bf16.c scores_amx, values_amx); on
+    only where the CPU has them and the process was granted them (HYBRIDMOE_AMX=0 starts with
+    them off). Returns whether they are on now."""
     lib = library()
     on = bool(on and lib is not None and _amx_permitted(lib))
     if lib is not None:
