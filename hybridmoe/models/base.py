@@ -196,7 +196,6 @@ class CausalLM(nn.Module):
         # not taken points to nothing
         if kept is not None and kept[0] == key and kept[1] in (None, tables_made()):
             return kept[2]
-        self._plans.pop(at, None)
         fields, blocks, workers = [], [], None
         for layer in islice(self.layers, start, None):
             got = layer.decode_fields(x, cos_sin, ctx)

@@ -192,11 +192,13 @@ void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const ui
 
 #define UNIT_BYTES 65536
 
-/* Rows of a [O, I] bf16 weight in one unit, a multiple of 4 (block()'s width). */
-static long unit_rows(long I) {
-    long rows = UNIT_BYTES / (2 * I) / 4 * 4;
+/* Rows of a [O, I] bf16 weight in a unit of `bytes`, a multiple of 4 (block()'s width). */
+static long rows_in(long bytes, long I) {
+    long rows = bytes / (2 * I) / 4 * 4;
     return rows > 4 ? rows : 4;
 }
+
+static long unit_rows(long I) { return rows_in(UNIT_BYTES, I); }
 
 /* Rows of an expert's [O, I] bf16 matrix in one unit: EXPERT_UNIT_BYTES, four times a product's, so
    that two threads' streams through a layer's experts each run 256 KB before they meet (quant.c's
@@ -205,10 +207,7 @@ static long unit_rows(long I) {
    tens of units (a demo expert's gate/up 7). The products keep 64 KB: the demo's 576 x 576 would be
    under three 256 KB units, one of two threads idle a third of the time. */
 #define EXPERT_UNIT_BYTES 262144
-static long expert_rows(long I) {
-    long rows = EXPERT_UNIT_BYTES / (2 * I) / 4 * 4;
-    return rows > 4 ? rows : 4;
-}
+static long expert_rows(long I) { return rows_in(EXPERT_UNIT_BYTES, I); }
 
 typedef struct {
     const uint16_t *W, *X;
@@ -547,8 +546,9 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Which heads and head sizes the tiles take: d in whole tiles of 32, a group's heads in one C tile. */
-ALWAYS_INLINE int amx_takes(long G, long d) { return amx_on && d % 32 == 0 && d <= 256 && G <= 16; }
+/* Whether the tiles take N columns (a group's heads, of every row) over a head size d in whole
+   tiles of `tile` (32 dimensions for the scores, 16 columns for the values). */
+ALWAYS_INLINE int amx_takes(long N, long d, long tile) { return amx_on && d % tile == 0 && d <= 256 && N <= 16; }
 
 /* S[(g G + h) R + r][l] = scale q_{r,h} . k_l for the query heads of KV heads 0..groups-1 (G each) of R
    query rows that share a history (qs[r]: row r's heads, rows d apart; the group's keys at K + g * d +
@@ -610,9 +610,6 @@ AMX_TARGET static void scores_amx(const uint16_t *const *qs, long R, long G, lon
     }
     _tile_release();
 }
-
-/* Which value sizes the tiles take: 16 columns a C tile, a group's heads in its rows. */
-ALWAYS_INLINE int amx_takes_values(long G, long dv) { return amx_on && dv % 16 == 0 && dv <= 256 && G <= 16; }
 
 /* Two rows of 32 bf16 as B tiles' rows: [a0 b0 a1 b1 .. a15 b15] and [a16 b16 .. a31 b31]. */
 static const uint16_t PAIRS_LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -750,7 +747,7 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
     const long G = heads / kv_heads, Lr = L + R - 1, ldp = (Lr + 15) & ~15L, h0 = g0 * G, h1 = g1 * G;
     K += g0 * d, V += g0 * dv;  /* the rows' part of these KV heads: what the prefetches ask for */
     const uint16_t *q = qs[0];
-    if (amx_takes(R * G, d)) {  /* S's row for head h of row r: h R + r */
+    if (amx_takes(R * G, d, 32)) {  /* S's row for head h of row r: h R + r */
         uint16_t *Qp = tiles, *Kg = tiles + ROWS_MAX * heads * d;
         const uint16_t *from[ROWS_MAX];
         for (long r = 0; r < R; r++) from[r] = qs[r] + h0 * d;
@@ -785,7 +782,7 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
         inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     /* sum_l p_l v_l: 16 positions at a time, for up to 4 heads of a group and 64 columns at once */
-    if (amx_takes_values(R * G, dv)) {
+    if (amx_takes(R * G, dv, 16)) {
         uint16_t *Ap = tiles + (ROWS_MAX * heads + 16) * d + 2 * 16 * 16;
         values_amx(S + h0 * R * ldp, ldp, R, G, g1 - g0, V, ldv, slots, L, dv, O + h0 * R * dv, Ap,
                    Ap + 3 * 16 * 32);
@@ -834,7 +831,7 @@ static long rows_together(const int32_t *table_starts, const int32_t *lengths, l
     most = most < ROWS_MAX ? most : ROWS_MAX;
     while (R < most && s + R < n && table_starts[s + R] == table_starts[s] && lengths[s + R] == lengths[s] + R)
         R++;
-    return R > 1 && amx_takes(R * G, d) && amx_takes_values(R * G, dv) ? R : 1;
+    return R > 1 && amx_takes(R * G, d, 32) && amx_takes(R * G, dv, 16) ? R : 1;
 }
 
 /* Decode attention for n sequences, one query token each. Sequence s: its query row is
