@@ -12,11 +12,13 @@
    Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
    instructions made them; after that every lane goes through the same float operations in the same order.
    Blocks of 32: block b adds fma(L_b, w_b * dx_b) (and, for Q4_1, fma(S_b * dx_b, m_b)) into accumulator
-   b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one register); K-quants: super-block s
+   b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one register); Q5_K, Q6_K: super-block s
    adds fma(A_s, d * dx_s) and fma(B_s, d * dx_s) (its 8 halves of 32 values alternately) and
-   fma(C_s, dmin * dx_s) (the minimums, or Q6_K's offset of 32, against the 16-value sums). A row's result
-   is its accumulators summed by one fixed tree (reduce). It depends on nothing but the row: not on how
-   many rows came with it, nor on which thread computed it.
+   fma(C_s, dmin * dx_s) (the minimums, or Q6_K's offset of 32, against the 16-value sums); a row's result
+   is those accumulators summed by one fixed tree (reduce). Q4_K: a super-block's lanes are summed in
+   integers, exactly, to one scaled dot and one minimums' term per row, each added by one fma (K_FMA). A
+   row's result depends on nothing but the row: not on how many rows came with it, nor on which thread
+   computed it.
 
    Work is split over the threads of pool.h in units of whole output rows. The library is compiled without
    ISA flags: each path carries its own target attribute and the caller picks one from the CPU's flags
@@ -131,11 +133,26 @@ static float reduce(const float *a, const float *b) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-/* K-quants: reduce(A, B) + reduce(C, 0). */
+/* Q5_K, Q6_K: reduce(A, B) + reduce(C, 0). */
 static float k_result(const float *a, const float *b, const float *c) {
     static const float zero[8];
     return reduce(a, b) + reduce(c, zero);
 }
+
+/* Q4_K, every path: a super-block of a row against a token gives two exact integers, its scaled dot
+   (the sum over its sub-blocks of scale x the integer dot, `isum`) and its minimums' term (`csum`: the
+   sum of minimum x the activations' 16-value sums). The row's two fp32 sums take one fused multiply-add
+   each per super-block, in the order of the super-blocks: acc = fma(isum, d dx, acc), accm = fma(csum,
+   -dmin dx, accm) (d dx, -dmin dx: fp32 products; both in one register); the result is acc + accm. Where the integers' lanes
+   are summed does not change them, so each path sums its lanes wherever it is cheapest: Q4_K rows in
+   eights sum a sub-block's four 8-byte chunks before its scale, one vpdpwssd where there were four
+   (dotk_x8_512_t). |isum| <= 256 x 15 x 127 x 63 < 2^31; it converts to fp32 rounded to nearest, as
+   (float) does. (Q5_K and Q6_K keep their lanes in fp32 to the end, k_result: summing them in integers
+   measured 10% slower on Q6_K's one-row products, which have no rows in eights; notes:
+   docs/notes/2026-12-07-q4k-sums-in-integers.md.) */
+#define K_FMA(am, u, d, dm, dx) /* am = [acc, accm, 0, 0], u = [isum, csum, ...] */ \
+    (am) = _mm_fmadd_ps(_mm_cvtepi32_ps(u), _mm_mul_ps(_mm_setr_ps(d, dm, 0.0f, 0.0f), _mm_set1_ps(dx)), am)
+#define K_RESULT(am) (_mm_cvtss_f32(am) + _mm_cvtss_f32(_mm_movehdup_ps(am)))
 
 /* ---- activations ------------------------------------------------------------------------------------ */
 
@@ -504,13 +521,24 @@ AVX2 ALWAYS_INLINE void unpack_k(int fmt, const uint8_t *p, __m256i half[8]) {
     }
 }
 
+/* Q4_K's two integers of a super-block (K_FMA) from its lanes: u[0] the sum of A's 8, u[1] of C's. */
+AVX2 ALWAYS_INLINE __m128i sums2(__m256i A, __m256i C) {
+    __m256i h = _mm256_hadd_epi32(A, C);
+    h = _mm256_hadd_epi32(h, h); /* per 128-bit half: its A sum, its C sum, twice */
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
                                     const acts *a, const long *mi, float *Y, long ldy) {
     const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = W + n * ldw;
-        __m256 acc[GROUP][3];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
+        __m128 am[GROUP];      /* Q4_K (K_FMA) */
+        __m256 lane[GROUP][3]; /* Q5_K, Q6_K (k_result) */
+        for (int r = 0; r < R; r++) {
+            am[r] = _mm_setzero_ps();
+            lane[r][0] = lane[r][1] = lane[r][2] = _mm256_setzero_ps();
+        }
         for (long s = 0; s < ns; s++) {
             const uint8_t *p = row + s * bb;
             __m256i q[8], sc[8];
@@ -527,17 +555,25 @@ AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W
                     if (i & 1) B = _mm256_add_epi32(B, p32); else A = _mm256_add_epi32(A, p32);
                 }
                 __m256i C = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16)));
+                if (fmt == Q4_K) {
+                    K_FMA(am[r], sums2(_mm256_add_epi32(A, B), C), k.d, k.dm, a->dx[sb]);
+                    continue;
+                }
                 __m256 ddx = _mm256_set1_ps(k.d * a->dx[sb]);
-                acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), ddx, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(B), ddx, acc[r][1]);
-                acc[r][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * a->dx[sb]), acc[r][2]);
+                lane[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), ddx, lane[r][0]);
+                lane[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(B), ddx, lane[r][1]);
+                lane[r][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * a->dx[sb]), lane[r][2]);
             }
         }
         float fa[8], fb[8], fc[8];
         for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(fa, acc[r][0]);
-            _mm256_storeu_ps(fb, acc[r][1]);
-            _mm256_storeu_ps(fc, acc[r][2]);
+            if (fmt == Q4_K) {
+                Y[r * ldy + n] = K_RESULT(am[r]);
+                continue;
+            }
+            _mm256_storeu_ps(fa, lane[r][0]);
+            _mm256_storeu_ps(fb, lane[r][1]);
+            _mm256_storeu_ps(fc, lane[r][2]);
             Y[r * ldy + n] = k_result(fa, fb, fc);
         }
     }
@@ -600,9 +636,23 @@ AVX512 ALWAYS_INLINE float reduce512(__m256 a, __m256 b) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-AVX512 ALWAYS_INLINE float k_result512(__m512 acc, __m256 accm) {
-    return reduce512(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)) +
-           reduce512(accm, _mm256_setzero_ps());
+/* A row's accumulators for one token: Q4_K's two sums (K_FMA), or Q5_K's and Q6_K's lanes (k_result). */
+typedef struct {
+    __m128 am;
+    __m512 lanes;
+    __m256 lanesm;
+} kacc512;
+
+AVX512 ALWAYS_INLINE void kacc_zero(kacc512 *c) {
+    c->am = _mm_setzero_ps();
+    c->lanes = _mm512_setzero_ps();
+    c->lanesm = _mm256_setzero_ps();
+}
+
+AVX512 ALWAYS_INLINE float kacc_result(const int fmt, const kacc512 *c) {
+    if (fmt == Q4_K) return K_RESULT(c->am);
+    return reduce512(_mm512_castps512_ps256(c->lanes), _mm512_extractf32x8_ps(c->lanes, 1)) +
+           reduce512(c->lanesm, _mm256_setzero_ps());
 }
 
 /* A super-block unpacked for AVX-512: its four q registers, their scale words, its scales. */
@@ -618,17 +668,22 @@ AVX512 ALWAYS_INLINE void kblock_of(const int fmt, const uint8_t *p, kblock512 *
 }
 
 /* One token's share of super-block b: x its 256 bytes as 4 registers, bsum and dx its sums and scale,
-   added into acc (the scaled dot) and accm (the minimums' term). A lane's 4 products summed by vpdpbusd fit a
-   word (|sum| <= 4 * 63 * 127), which vpdpwssd multiplies by the lane's scale and adds: the exact integers
-   of vpmaddubsw, vpmaddwd and an add, in two instructions instead of three (1.1-1.2x on SPR,
-   docs/notes/2026-12-06-prefill-two-threads.md). */
-AVX512 ALWAYS_INLINE void k_token512(const kblock512 *b, const __m512i x[4], __m256i bsum, float dx, __m512 *acc,
-                                     __m256 *accm) {
+   added into c. A lane's 4 products summed by vpdpbusd fit a word (|sum| <= 4 * 63 * 127), which vpdpwssd
+   multiplies by the lane's scale and adds: the exact integers of vpmaddubsw, vpmaddwd and an add, in two
+   instructions instead of three (1.1-1.2x on SPR, docs/notes/2026-12-06-prefill-two-threads.md). Q4_K's
+   16 + 8 lanes are then summed (sums2, K_FMA). */
+AVX512 ALWAYS_INLINE void k_token512(const int fmt, const kblock512 *b, const __m512i x[4], __m256i bsum, float dx,
+                                     kacc512 *c) {
     __m512i A = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->q[i], x[i]), b->sc[i]);
     __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(b->k.d * dx), *acc);
-    *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(b->k.dm * dx), *accm);
+    if (fmt == Q4_K) {
+        K_FMA(c->am, sums2(_mm256_add_epi32(_mm512_castsi512_si256(A), _mm512_extracti64x4_epi64(A, 1)), C), b->k.d,
+              b->k.dm, dx);
+        return;
+    }
+    c->lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(b->k.d * dx), c->lanes);
+    c->lanesm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(b->k.dm * dx), c->lanesm);
 }
 
 /* Token row m's 256 bytes of super-block s as 4 registers, and their 16-value sums. */
@@ -644,9 +699,8 @@ AVX512 ALWAYS_INLINE void k_acts512(const acts *a, long m, long s, __m512i x[4],
 AVX512 ALWAYS_INLINE void dotk_512_rows(const int fmt, const int RR, const uint8_t *W, long ldw, long n,
                                         const acts *a, long m, float *Y) {
     const long bb = block_bytes(fmt), ns = a->K / 256;
-    __m512 acc[ONE_ROWS];
-    __m256 accm[ONE_ROWS];
-    for (int j = 0; j < RR; j++) acc[j] = _mm512_setzero_ps(), accm[j] = _mm256_setzero_ps();
+    kacc512 c[ONE_ROWS];
+    for (int j = 0; j < RR; j++) kacc_zero(&c[j]);
     for (long s = 0; s < ns; s++) {
         __m512i x[4];
         __m256i bsum;
@@ -656,10 +710,10 @@ AVX512 ALWAYS_INLINE void dotk_512_rows(const int fmt, const int RR, const uint8
             kblock512 b;
             prefetch_far(p, bb);
             kblock_of(fmt, p, &b);
-            k_token512(&b, x, bsum, a->dx[m * ns + s], &acc[j], &accm[j]);
+            k_token512(fmt, &b, x, bsum, a->dx[m * ns + s], &c[j]);
         }
     }
-    for (int j = 0; j < RR; j++) Y[n + j] = k_result512(acc[j], accm[j]);
+    for (int j = 0; j < RR; j++) Y[n + j] = kacc_result(fmt, &c[j]);
 }
 
 AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
@@ -673,12 +727,8 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
     }
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = W + n * ldw;
-        __m512 acc[GROUP];
-        __m256 accm[GROUP];
-        for (int r = 0; r < R; r++) {
-            acc[r] = _mm512_setzero_ps();
-            accm[r] = _mm256_setzero_ps();
-        }
+        kacc512 c[GROUP];
+        for (int r = 0; r < R; r++) kacc_zero(&c[r]);
         for (long s = 0; s < ns; s++) {
             kblock512 b;
             kblock_of(fmt, row + s * bb, &b);
@@ -686,10 +736,10 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
                 __m512i x[4];
                 __m256i bsum;
                 k_acts512(a, mi[r], s, x, &bsum);
-                k_token512(&b, x, bsum, a->dx[mi[r] * ns + s], &acc[r], &accm[r]);
+                k_token512(fmt, &b, x, bsum, a->dx[mi[r] * ns + s], &c[r]);
             }
         }
-        for (int r = 0; r < R; r++) Y[r * ldy + n] = k_result512(acc[r], accm[r]);
+        for (int r = 0; r < R; r++) Y[r * ldy + n] = kacc_result(fmt, &c[r]);
     }
 }
 
@@ -707,9 +757,9 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
    One 64-byte load of nibbles then holds the same 8 bytes of eight rows, whose low (high) nibbles share
    one sub-block scale per row: a sub-block's scale register serves four registers of eight rows, and the
    scales of eight rows unpack in a few vector operations, where Q4_K's layout unpacks them row by row in
-   scalar code (llama.cpp repacks its CPU weights likewise, block_q4_Kx8). The integer lane sums, their
-   scaling and the final reduction are those of dotk_512_t lane for lane, so the results keep their bits
-   (docs/notes/2026-11-25-q4k-rows-in-eights.md). */
+   scalar code (llama.cpp repacks its CPU weights likewise, block_q4_Kx8). Each row's integers per
+   super-block and its float operations are those of K_FMA, as on Q4_K rows, so the results keep their
+   bits (docs/notes/2026-11-25-q4k-rows-in-eights.md). */
 #define X8 8
 #define X8_BYTES (X8 * 144)
 
@@ -750,17 +800,31 @@ int hm_q4k_to_x8(uint8_t *W, long N, long K) {
     return 0;
 }
 
-/* Word i of a scale register is row i / 4's (WSEL[k]: of block k of 32 words 8k + r); lane 8t + r of a
-   minimums' register takes the 16-value sums of block 2j + t (BSEL[j]). */
+/* Word i of a scale register is row i / 4's (WSEL[k]: of block k of 32 words 8k + r). */
 #define W4(v) v, v, v, v
 #define W32(k) W4(8 * k), W4(8 * k + 1), W4(8 * k + 2), W4(8 * k + 3), W4(8 * k + 4), W4(8 * k + 5), W4(8 * k + 6), \
     W4(8 * k + 7)
 static const int16_t WSEL[4][32] = {{W32(0)}, {W32(1)}, {W32(2)}, {W32(3)}};
 #undef W4
 #undef W32
-#define B8(v) v, v, v, v, v, v, v, v
-static const int32_t BSEL[4][16] = {{B8(0), B8(1)}, {B8(2), B8(3)}, {B8(4), B8(5)}, {B8(6), B8(7)}};
-#undef B8
+/* The minimums' term as word pairs, for vpdpwssd: MIDX puts word 8 (2j + t) + r of the widened minimum
+   bytes (block 2j + t, row r: x8_scales' mn) at word 2 (8j + r) + t, so that dword lane 8j + r holds row
+   r's minimums of blocks 2j and 2j + 1; BIDX[h] puts the activation's 32-value sums of those blocks
+   (4h + 2j + t, held one per dword: word 2b) beside them. */
+#define MI(l, t) (8 * (2 * ((l) / 8) + (t)) + (l) % 8)
+#define MI2(l) MI(l, 0), MI(l, 1)
+static const int16_t MIDX_W[32] = {MI2(0), MI2(1), MI2(2),  MI2(3),  MI2(4),  MI2(5),  MI2(6),  MI2(7),
+                                   MI2(8), MI2(9), MI2(10), MI2(11), MI2(12), MI2(13), MI2(14), MI2(15)};
+#define BI(h, l, t) (2 * (4 * (h) + 2 * ((l) / 8) + (t)))
+#define BI2(h, l) BI(h, l, 0), BI(h, l, 1)
+#define BI16(h) BI2(h, 0), BI2(h, 1), BI2(h, 2), BI2(h, 3), BI2(h, 4), BI2(h, 5), BI2(h, 6), BI2(h, 7), \
+    BI2(h, 8), BI2(h, 9), BI2(h, 10), BI2(h, 11), BI2(h, 12), BI2(h, 13), BI2(h, 14), BI2(h, 15)
+static const int16_t BIDX_W[2][32] = {{BI16(0)}, {BI16(1)}};
+#undef MI
+#undef MI2
+#undef BI
+#undef BI2
+#undef BI16
 
 /* Super-block p's 6-bit scales of eight rows as words (sw[0]: blocks 0..3, word 8b + r; sw[1]: 4..7) and
    its minimums as bytes (mn[0]: blocks 0..3, byte 8b + r; mn[1]: 4..7), as unpack_scales_k4 splits them. */
@@ -776,103 +840,73 @@ AVX512 ALWAYS_INLINE void x8_scales(const uint8_t *p, __m512i sw[2], __m256i mn[
                             _mm256_and_si256(_mm256_srli_epi16(u1, 2), m30));
 }
 
-/* Half h of super-block p against the R tokens' bytes x[r] (paired order): groups h and h + 2, blocks 2h,
-   2h+1, 2h+4, 2h+5, which dotk_512_t's registers hold in their lanes 0..7 (h = 0) or 8..15 (h = 1). Each
-   64-byte load of nibbles is unpacked once for all R tokens. Z[r][c] lane 2k + i: row k's lane 8h + 2c + i
-   of dotk_512_t's A for token r. */
-AVX512 ALWAYS_INLINE void x8_half(const int R, const uint8_t *p, const int8_t *const x[GROUP], const __m512i sw[2],
-                                  int h, __m512i Z[GROUP][4]) {
-    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* natural block b's place in a paired token */
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) Z[r][c] = _mm512_setzero_si512();
-    for (int g = h; g < 4; g += 2) { /* group g: low nibbles block 2g, high nibbles 2g + 1 */
-        const int bl = 2 * g, bh = 2 * g + 1;
-        const __m512i low = _mm512_set1_epi32(0xFFFF); /* a lane's scale in its low word, 0 above */
-        __m512i sl = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
-        __m512i sh = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
-        sl = _mm512_and_si512(sl, low), sh = _mm512_and_si512(sh, low);
-        for (int c = 0; c < 4; c++) {
-            __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
-            __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-            for (int r = 0; r < R; r++) {
-                int64_t vl, vh; /* the token's same 8 bytes, for all eight rows */
-                memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
-                memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
-                /* a lane's 4 products summed (|sum| <= 4 * 15 * 127: a word), times its scale */
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi64(vl));
-                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], d, sl);
-                d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi64(vh));
-                Z[r][c] = _mm512_dpwssd_epi32(Z[r][c], d, sh);
-            }
-        }
-    }
-}
-
-/* Row r of eight: its 16 + 8 accumulator lanes out of F, M (dotk_x8_512_t's) through k_result. Inlined:
-   called out of line, F and M lived in memory through the whole loop (31 -> 35 us a 768 x 2048 token,
-   docs/notes/2026-11-25-q4k-rows-in-eights.md). */
-ALWAYS_INLINE void x8_results(const __m512 F[8], const __m512 M[4], float *Y) {
-    float f[8][16], g[4][16];
-    for (int i = 0; i < 8; i++) memcpy(f[i], &F[i], sizeof f[i]);
-    for (int j = 0; j < 4; j++) memcpy(g[j], &M[j], sizeof g[j]);
-    for (int r = 0; r < X8; r++) {
-        float A[8], B[8], C[8];
-        for (int l = 0; l < 8; l++) {
-            A[l] = f[l / 2][2 * r + l % 2];
-            B[l] = f[4 + l / 2][2 * r + l % 2];
-            C[l] = g[l / 2][8 * (l % 2) + r];
-        }
-        Y[r] = k_result(A, B, C);
-    }
-}
-
-/* Eight interleaved rows at G (ns super-blocks) against the R tokens mi[0..R) of `a`: Y[r * ldy + 0..8).
-   Lanes hold eight rows: F[r][c + 4h] lane 2k + i is dotk_512_t's acc lane 8h + 2c + i of row k, M[r][j]
-   lane 8t + k its accm lane 2j + t; each goes through the same integer sums and float operations. */
+/* Eight interleaved rows at G (ns super-blocks) against the R tokens mi[0..R) of `a`: Y[r * ldy + 0..8),
+   lane k row k. A 64-byte load of nibbles holds 8 bytes of each row (chunk c of group g: low nibbles
+   of block 2g, high of 2g + 1), dword lane 2k + i four of row k's. vpdpbusd sums the four chunks of a
+   group into L (low) and H (high nibbles masked in place: 16 x their values, shifted back after), so that
+   |lane| <= 16 x 15 x 127 fits the word vpdpwssd multiplies by the block's scale (one per group and
+   nibble half, where there was one per chunk: 1.38x hot, 1.13x from RAM, one token); lanes 2k and 2k + 1
+   then give row k's isum and the minimums' words its csum (K_FMA). */
 AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
                                         float *Y, long ldy) {
-    const __m512i two = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512 F[GROUP][8], M[GROUP][4];
-    for (int r = 0; r < R; r++) {
-        for (int i = 0; i < 8; i++) F[r][i] = _mm512_setzero_ps();
-        for (int j = 0; j < 4; j++) M[r][j] = _mm512_setzero_ps();
-    }
+    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const __m512i m4 = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8((char)0xF0);
+    const __m512i MIDX = _mm512_loadu_si512((const void *)MIDX_W);
+    const __m512i bidx[2] = {_mm512_loadu_si512((const void *)BIDX_W[0]), _mm512_loadu_si512((const void *)BIDX_W[1])};
+    __m256 F[GROUP], Mn[GROUP]; /* acc and accm of the eight rows */
+    for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_BYTES;
-        if (R == 1) prefetch_near_far(p, X8_BYTES); /* a token's stream */
+        if (R == 1) prefetch_near_far(p, X8_BYTES);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
-        __m512i sw[2], Z[GROUP][4];
+        __m512i sw[2], Z[GROUP];
         __m256i mn[2];
         const int8_t *x[GROUP];
         x8_scales(p, sw, mn);
-        __m512 ddx[GROUP], dmdx[GROUP];
+        __m512i mp[2]; /* dword lane 8j + r: row r's minimums of blocks 2j, 2j + 1 (mp[1]: 4 + those) */
+        mp[0] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[0]));
+        mp[1] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[1]));
         for (int r = 0; r < R; r++) {
-            const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]), dmdx8 = _mm256_mul_ps(dm, dx);
             x[r] = a->qs + mi[r] * a->K + s * 256;
-            ddx[r] = _mm512_permutexvar_ps(two, _mm512_castps256_ps512(_mm256_mul_ps(d, dx))); /* lane 2k+i: row k */
-            dmdx[r] = _mm512_insertf32x8(_mm512_castps256_ps512(dmdx8), dmdx8, 1);              /* lane 8t+k: row k */
+            Z[r] = _mm512_setzero_si512();
         }
-        for (int h = 0; h < 2; h++) {
-            x8_half(R, p, x, sw, h, Z);
-            for (int r = 0; r < R; r++)
-                for (int c = 0; c < 4; c++)
-                    F[r][c + 4 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Z[r][c]), ddx[r], F[r][c + 4 * h]);
-        }
-        for (int j = 0; j < 4; j++) { /* blocks 2j, 2j+1: each minimum twice, against its two 16-value sums */
-            __m128i b = j % 2 ? _mm256_extracti128_si256(mn[j / 2], 1) : _mm256_castsi256_si128(mn[j / 2]);
-            __m512i mw = _mm512_cvtepu8_epi32(b);
-            mw = _mm512_or_si512(mw, _mm512_slli_epi32(mw, 16));
+        for (int g = 0; g < 4; g++) {
+            const int bl = 2 * g, bh = 2 * g + 1;
+            __m512i sl = _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
+            __m512i sh = _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
+            __m512i L[GROUP], H[GROUP];
+            for (int r = 0; r < R; r++) L[r] = H[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
+                __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(w, mf0);
+                for (int r = 0; r < R; r++) {
+                    int64_t vl, vh;
+                    memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
+                    memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
+                    L[r] = _mm512_dpbusd_epi32(L[r], lo, _mm512_set1_epi64(vl));
+                    H[r] = _mm512_dpbusd_epi32(H[r], hi, _mm512_set1_epi64(vh));
+                }
+            }
             for (int r = 0; r < R; r++) {
-                const int16_t *bs = a->bsum + (mi[r] * ns + s) * 16;
-                __m512i bsum = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)bs));
-                __m512i C = _mm512_madd_epi16(mw, _mm512_permutexvar_epi32(_mm512_loadu_si512((const void *)BSEL[j]), bsum));
-                M[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(C), dmdx[r], M[r][j]);
+                Z[r] = _mm512_dpwssd_epi32(Z[r], L[r], sl);
+                Z[r] = _mm512_dpwssd_epi32(Z[r], _mm512_srai_epi32(H[r], 4), sh);
             }
         }
+        for (int r = 0; r < R; r++) {
+            const int16_t *bs = a->bsum + (mi[r] * ns + s) * 16;
+            /* B_b = the block's 32-value sum, in dword lane b (word 2b; 0 above) */
+            __m512i B = _mm512_castsi256_si512(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), _mm256_set1_epi16(1)));
+            __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi16(bidx[0], B));
+            C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi16(bidx[1], B));
+            __m256i csum = _mm256_add_epi32(_mm512_castsi512_si256(C), _mm512_extracti64x4_epi64(C, 1));
+            __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(Z[r], _mm512_srli_epi64(Z[r], 32)));
+            const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]);
+            F[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F[r]);
+            Mn[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(csum), _mm256_mul_ps(dm, dx), Mn[r]);
+        }
     }
-    for (int r = 0; r < R; r++) x8_results(F[r], M[r], Y + r * ldy);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
 
 /* Rows [n0, n1) (whole eights) of Q4_K_X8 weights against tokens mi[0..R) (R <= GROUP). */
