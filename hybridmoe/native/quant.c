@@ -164,6 +164,7 @@ typedef struct {
     int32_t *So;    /* blocks of 32: [M, K/32, 8], offset_of(fmt) * the lane's byte sum */
     float *Sf;      /* blocks of 32: [M, K/32, 8], dx * the lane's byte sum */
     int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
+    int32_t *bpair; /* K-quants: [M, K/256, 4], dword j: the sums of natural blocks 2j, 2j + 1 as words */
     void *mem;
 } acts;
 
@@ -200,13 +201,15 @@ AVX2 ALWAYS_INLINE void round32(const __m256 v[4], float id, int8_t *q) {
     _mm256_storeu_si256((__m256i *)q, b);
 }
 
-/* Blocks of 32: M rows of K values -> qs, and per block and lane dx, So, Sf. */
-AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, long M, long K, int offset, acts *a) {
+/* Blocks of 32: M rows of K values (rows[m] of x, or row m where rows is NULL) -> qs, and per block and
+   lane dx, So, Sf. */
+AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, long M, long K, int offset, acts *a) {
     long nb = K / 32;
     for (long m = 0; m < M; m++) {
+        const long xm = (rows ? rows[m] : m) * ldx;
         for (long b = 0; b < nb; b++) {
             __m256 v[4];
-            load32(x, x_bf16, m * ldx + b * 32, v);
+            load32(x, x_bf16, xm + b * 32, v);
             float amax = amax32(v), d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *q = a->qs + m * K + b * 32;
             round32(v, id, q);
@@ -224,15 +227,17 @@ AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, long M, long K, in
 /* K-quants: M rows of K values -> qs, dx per 256 values, bsum per 16. `paired` stores each super-block's
    eight blocks of 32 in the order 0 2 1 3 4 6 5 7: the order in which one 64-byte load of Q4_K/Q5_K
    nibbles unpacks (groups g, g+1 -> low nibbles of both, then high nibbles of both). */
-AVX2 static void q8k_rows(const void *x, long ldx, int x_bf16, long M, long K, int paired, acts *a) {
+AVX2 static void q8k_rows(const void *x, long ldx, int x_bf16, const long *rows, long M, long K, int paired,
+                          acts *a) {
     static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     long ns = K / 256;
     for (long m = 0; m < M; m++) {
+        const long xm = (rows ? rows[m] : m) * ldx;
         for (long s = 0; s < ns; s++) {
             __m256 v[8][4];
             float amax = 0.0f;
             for (int j = 0; j < 8; j++) {
-                load32(x, x_bf16, m * ldx + s * 256 + 32 * j, v[j]);
+                load32(x, x_bf16, xm + s * 256 + 32 * j, v[j]);
                 float mj = amax32(v[j]);
                 amax = mj > amax ? mj : amax;
             }
@@ -242,24 +247,28 @@ AVX2 static void q8k_rows(const void *x, long ldx, int x_bf16, long M, long K, i
             for (int j = 0; j < 8; j++) {
                 int8_t *q = out + 32 * (paired ? order[j] : j);  /* natural block j goes here */
                 round32(v[j], id, q);
-                int lo = 0, hi = 0;
-                for (int i = 0; i < 16; i++) {
-                    lo += q[i];
-                    hi += q[16 + i];
-                }
-                bs[2 * j] = (int16_t)lo;
-                bs[2 * j + 1] = (int16_t)hi;
+                /* the sums of bytes 0..15 and 16..31: pairs, fours, then each 128-bit half's four */
+                __m256i f = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)q)),
+                                              _mm256_set1_epi16(1));
+                f = _mm256_hadd_epi32(f, f);
+                f = _mm256_hadd_epi32(f, f);
+                bs[2 * j] = (int16_t)_mm256_extract_epi32(f, 0);
+                bs[2 * j + 1] = (int16_t)_mm256_extract_epi32(f, 4);
             }
+            for (int j = 0; j < 4; j++) /* |a block's sum| <= 32 x 127: a word */
+                a->bpair[(m * ns + s) * 4 + j] = (int32_t)((uint32_t)(uint16_t)(bs[4 * j] + bs[4 * j + 1]) |
+                                                           (uint32_t)(uint16_t)(bs[4 * j + 2] + bs[4 * j + 3]) << 16);
             a->dx[m * ns + s] = amax / 127.0f;
         }
     }
 }
 
-/* Room for M rows of K values quantised for `fmt`, and the quantisation; 0, or -2 without memory. */
-static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, long M, long K) {
+/* Room for M rows of K values quantised for `fmt` (rows[m] of x, or row m where rows is NULL), and the
+   quantisation; 0, or -2 without memory. */
+static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const long *rows, long M, long K) {
     long nb = K / 32, ns = K / 256;
     size_t q = ((size_t)(M * K) + 63) & ~(size_t)63;
-    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32) : (size_t)(M * nb) * 8 * 12;
+    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * 8 * 12;
     a->K = K;
     a->mem = malloc(q + per + 64);
     if (!a->mem) return -2;
@@ -269,12 +278,13 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, long M
     if (is_k(fmt)) {
         a->dx = (float *)p;
         a->bsum = (int16_t *)(p + 4 * M * ns);
-        q8k_rows(x, ldx, x_bf16, M, K, fmt != Q6_K, a);
+        a->bpair = (int32_t *)(p + 36 * M * ns);
+        q8k_rows(x, ldx, x_bf16, rows, M, K, fmt != Q6_K, a);
     } else {
         a->dx = (float *)p;
         a->So = (int32_t *)(p + 32 * M * nb);
         a->Sf = (float *)(p + 64 * M * nb);
-        q8_rows(x, ldx, x_bf16, M, K, offset_of(fmt), a);
+        q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), a);
     }
     return 0;
 }
@@ -1012,18 +1022,25 @@ static void product_tiles(const product *p, long n0, long n1) {
    to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every eight rows before the next
    tokens (as product_tiles). AVX2 puts them back as Q4_K rows in a buffer once (a unit's rows: tens of
    KB) and runs the Q4_K kernels there. Either way the results are Q4_K's bits. */
+/* Rows [n0, n1) (whole eights) and tokens [t0, t1) of a Q4_K_X8 product on AVX-512 VNNI. */
+static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
+    for (long m0 = t0; m0 < t1; m0 += CHUNK_TOKENS) {
+        long m1 = min_l(m0 + CHUNK_TOKENS, t1);
+        for (long n = n0; n < n1; n += X8)
+            for (long m = m0; m < m1; m += GROUP) {
+                long idx[GROUP];
+                int R = (int)min_l(m1 - m, GROUP);
+                for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
+                dotk_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+            }
+    }
+}
+
+static int amx_x8(const product *p, long n0, long n1);
+
 static void product_x8(const product *p, long n0, long n1) {
     if (p->x8 == PATH_AVX512) {
-        for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
-            long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
-            for (long n = n0; n < n1; n += X8)
-                for (long m = m0; m < m1; m += GROUP) {
-                    long idx[GROUP];
-                    int R = (int)min_l(m1 - m, GROUP);
-                    for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
-                    dotk_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
-                }
-        }
+        if (!amx_x8(p, n0, n1)) x8_vnni(p, n0, n1, 0, p->M);
         return;
     }
     const long ns = p->a->K / 256, ldq = ns * 144;
@@ -1035,6 +1052,187 @@ static void product_x8(const product *p, long n0, long n1) {
     q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.x8 = 0;
     product_tiles(&q, 0, n1 - n0);
     free(buf);
+}
+
+/* ---- Q4_K rows in eights against many tokens on AMX-INT8 tiles ---------------------------------------
+
+   Where the CPU has AMX-INT8 (and Linux grants the tiles' state: native/quant.py), a product of
+   Q4_K_X8 weights with 16 or more consecutive token rows (a dense linear's prefill) computes each
+   super-block's two integers (K_FMA's isum and csum) on tiles and in vpdpwssd, 16 weight rows by 16
+   or 32 tokens at a time, then the same float operations as dotk_x8_512_t: the same bits.
+
+   The weights of 16 rows are first laid out as B tiles, per super-block two planes of 64 k-rows x 16
+   rows x 4 bytes (k-row k: positions 4k..4k+3 of the super-block in the activations' paired order):
+   the low byte of scale x q and its high bits (scale x q <= 63 x 15 < 1024). With A the tokens' int8
+   bytes as quantised (16 tokens x 64 positions, rows K bytes apart), tile dot products (signed x
+   unsigned bytes) give C_lo + 256 C_hi = isum exactly; csum is the rows' minimums of blocks 2j, 2j + 1
+   as word pairs against the tokens' block sums (acts' bpair) in four vpdpwssd. Each B tile serves
+   two tiles of tokens where there are two. Rows past the last whole 16, tokens past the last whole
+   16, and tokens picked out of a larger set (an expert's, `mi`) take the VNNI path. */
+#define AMX8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define AMX_ROWS 16
+#define AMX_TOKENS 16
+#define AMX_PLANE (64 * 64) /* a plane's bytes per super-block: 64 k-rows x 16 rows x 4 */
+#define AMX_SB (2 * AMX_PLANE + 4 * 64 + 2 * 64) /* a super-block's panel: 2 planes, minimums, d, -dmin */
+static int amx8_on;
+
+/* Whether products on rows in eights take the tiles (only once Linux granted them: native/quant.py). */
+void hm_set_amx8(int on) { amx8_on = on; }
+
+/* Whether a product of weights in `fmt` with M tokens takes the tiles where its tokens are consecutive
+   rows (a routed expert's tokens are then quantised as its own rows: experts_run). Fewer than 32 tokens
+   measured no faster on them (the panel's layout is made per 16 rows whatever the tokens). */
+#define AMX_MIN_TOKENS 32
+static int tiles_take(int fmt, int isa, long M) { return amx8_on && fmt == Q4_K_X8 && isa == PATH_AVX512 && M >= AMX_MIN_TOKENS; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_cfg;
+
+static const int32_t EVEN_D[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const int32_t ODD_D[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+/* Bytes q (u8) times per-row scales: the low bytes of the products and their high bits, each in q's
+   byte places. S: words 4r + i = row r's scale (the pairs (s, 0) of WSEL), for the even bytes. */
+AMX8 ALWAYS_INLINE void scaled_bytes(__m512i q, __m512i S, __m512i *lo, __m512i *hi) {
+    const __m512i even = _mm512_maddubs_epi16(q, S), odd = _mm512_maddubs_epi16(q, _mm512_slli_epi16(S, 8));
+    const __m512i m00ff = _mm512_set1_epi16(0x00FF), mff00 = _mm512_set1_epi16((short)0xFF00);
+    *lo = _mm512_or_si512(_mm512_and_si512(even, m00ff), _mm512_slli_epi16(odd, 8));
+    *hi = _mm512_or_si512(_mm512_srli_epi16(even, 8), _mm512_and_si512(odd, mff00));
+}
+
+/* Rows in eights G[0], G[1] (16 rows, ns super-blocks) as `panel`, AMX_SB bytes a super-block: the two B
+   tile planes, then the minimums' word pairs (4 x 16 dwords: row r's minimums of blocks 2j, 2j + 1), then
+   d and -dmin as fp32 (16 each). */
+AMX8 static void amx_panel(const uint8_t *const G[2], long ns, uint8_t *panel) {
+    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const __m512i m4 = _mm512_set1_epi8(0x0F), even = _mm512_loadu_si512((const void *)EVEN_D),
+                  odd = _mm512_loadu_si512((const void *)ODD_D), midx = _mm512_loadu_si512((const void *)MIDX_W);
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *p[2] = {G[0] + s * X8_BYTES, G[1] + s * X8_BYTES};
+        uint8_t *lo_plane = panel + s * AMX_SB, *hi_plane = lo_plane + AMX_PLANE, *mins = hi_plane + AMX_PLANE;
+        float *d = (float *)(mins + 4 * 64);
+        __m512i sw[2][2];
+        __m256i mn[2][2];
+        __m512i mp[2][2]; /* an eight's minimum word pairs, dword lane 8j + r (x8's mp) */
+        for (int e = 0; e < 2; e++) {
+            x8_scales(p[e], sw[e], mn[e]);
+            mp[e][0] = _mm512_permutexvar_epi16(midx, _mm512_cvtepu8_epi16(mn[e][0]));
+            mp[e][1] = _mm512_permutexvar_epi16(midx, _mm512_cvtepu8_epi16(mn[e][1]));
+            _mm256_storeu_ps(d + 8 * e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p[e])));
+            _mm256_storeu_ps(d + 16 + 8 * e, _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[e] + 16))),
+                                                            _mm256_set1_ps(-0.0f)));
+        }
+        for (int j = 0; j < 4; j++) { /* blocks 2j, 2j + 1: lanes 8 (j % 2) + r of mp[.][j / 2], 16 rows */
+            const __m512i lanes = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                                                   _mm512_set1_epi32(8 * (j % 2)));
+            _mm512_storeu_si512((void *)(mins + 64 * j), _mm512_permutex2var_epi32(mp[0][j / 2], lanes, mp[1][j / 2]));
+        }
+        for (int b = 0; b < 8; b++) { /* natural block b: group b / 2, low (even b) or high nibbles */
+            const long k0 = 8 * pos[b]; /* its k-rows k0 .. k0 + 7 */
+            const int g = b / 2;
+            __m512i S[2];
+            for (int e = 0; e < 2; e++) S[e] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[b % 4]), sw[e][b / 4]);
+            for (int c = 0; c < 4; c++) {
+                __m512i lo[2], hi[2];
+                for (int e = 0; e < 2; e++) {
+                    __m512i w = _mm512_loadu_si512((const void *)(p[e] + 128 + 64 * (4 * g + c)));
+                    w = b & 1 ? _mm512_and_si512(_mm512_srli_epi16(w, 4), m4) : _mm512_and_si512(w, m4);
+                    scaled_bytes(w, S[e], &lo[e], &hi[e]);
+                }
+                /* dwords 2r, 2r + 1 of an eight's register: row r's positions 8c .. 8c + 3, 8c + 4 .. 8c + 7 */
+                const long k = k0 + 2 * c;
+                _mm512_storeu_si512((void *)(lo_plane + 64 * k), _mm512_permutex2var_epi32(lo[0], even, lo[1]));
+                _mm512_storeu_si512((void *)(lo_plane + 64 * (k + 1)), _mm512_permutex2var_epi32(lo[0], odd, lo[1]));
+                _mm512_storeu_si512((void *)(hi_plane + 64 * k), _mm512_permutex2var_epi32(hi[0], even, hi[1]));
+                _mm512_storeu_si512((void *)(hi_plane + 64 * (k + 1)), _mm512_permutex2var_epi32(hi[0], odd, hi[1]));
+            }
+        }
+    }
+}
+
+/* TT tiles of 16 tokens from m (consecutive rows of `a`) against a panel of 16 rows: Y[t * ldy + 0..16).
+   Tiles: C lo / hi of token tile i at 2i, 2i + 1; A of tile i at 4 + 3i; the B planes at 5, 6. */
+AMX8 ALWAYS_INLINE void amx_tokens(const int TT, const uint8_t *panel, long ns, const acts *a, long m, float *Y,
+                                   long ldy) {
+    int32_t C[4][AMX_TOKENS * AMX_ROWS];
+    float F[2 * AMX_TOKENS][AMX_ROWS], Fm[2 * AMX_TOKENS][AMX_ROWS];
+    memset(F, 0, sizeof(float) * TT * AMX_TOKENS * AMX_ROWS);
+    memset(Fm, 0, sizeof(float) * TT * AMX_TOKENS * AMX_ROWS);
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *P = panel + s * AMX_SB;
+        const __m512i *mins = (const __m512i *)(P + 2 * AMX_PLANE);
+        const float *dd = (const float *)(P + 2 * AMX_PLANE + 4 * 64);
+        const int8_t *A = a->qs + m * a->K + s * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (TT == 2) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int j = 0; j < 4; j++) { /* positions 64j .. 64j + 63: k-rows 16j .. 16j + 15 */
+            _tile_loadd(5, P + 1024 * j, 64);
+            _tile_loadd(6, P + AMX_PLANE + 1024 * j, 64);
+            _tile_loadd(4, A + 64 * j, a->K);
+            _tile_dpbsud(0, 4, 5);
+            _tile_dpbsud(1, 4, 6);
+            if (TT == 2) {
+                _tile_loadd(7, A + AMX_TOKENS * a->K + 64 * j, a->K);
+                _tile_dpbsud(2, 7, 5);
+                _tile_dpbsud(3, 7, 6);
+            }
+        }
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        if (TT == 2) {
+            _tile_stored(2, C[2], 64);
+            _tile_stored(3, C[3], 64);
+        }
+        const __m512 d = _mm512_loadu_ps(dd), dm = _mm512_loadu_ps(dd + 16);
+        for (int t = 0; t < TT * AMX_TOKENS; t++) {
+            const int32_t *lo = C[2 * (t / AMX_TOKENS)] + 16 * (t % AMX_TOKENS), *hi = lo + AMX_TOKENS * AMX_ROWS;
+            const __m512i isum = _mm512_add_epi32(_mm512_loadu_si512((const void *)lo),
+                                                  _mm512_slli_epi32(_mm512_loadu_si512((const void *)hi), 8));
+            const int32_t *bp = a->bpair + ((m + t) * ns + s) * 4;
+            __m512i csum = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) csum = _mm512_dpwssd_epi32(csum, mins[j], _mm512_set1_epi32(bp[j]));
+            const __m512 dx = _mm512_set1_ps(a->dx[(m + t) * ns + s]);
+            _mm512_storeu_ps(F[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), _mm512_loadu_ps(F[t])));
+            _mm512_storeu_ps(Fm[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(csum), _mm512_mul_ps(dm, dx), _mm512_loadu_ps(Fm[t])));
+        }
+    }
+    for (int t = 0; t < TT * AMX_TOKENS; t++)
+        _mm512_storeu_ps(Y + t * ldy, _mm512_add_ps(_mm512_loadu_ps(F[t]), _mm512_loadu_ps(Fm[t])));
+}
+
+/* Rows [n0, n1) of a Q4_K_X8 product on the tiles where they apply, the rest on the VNNI path; 0 where
+   the tiles do not apply at all (the caller then runs it all on the VNNI path). */
+AMX8 static int amx_x8(const product *p, long n0, long n1) {
+    const long rows = (n1 - n0) / AMX_ROWS * AMX_ROWS, tokens = p->M / AMX_TOKENS * AMX_TOKENS;
+    const long ns = p->a->K / 256;
+    if (!tiles_take(Q4_K_X8, p->x8, p->M) || p->mi || !rows) return 0;
+    uint8_t *panel = aligned_alloc(64, (size_t)(ns * AMX_SB));
+    if (!panel) return 0;
+    tile_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16; /* every tile 16 x 64 bytes */
+    _tile_loadconfig(&cfg);
+    for (long n = n0; n < n0 + rows; n += AMX_ROWS) {
+        const uint8_t *G[2] = {p->W + n * p->ldw, p->W + (n + X8) * p->ldw};
+        amx_panel(G, ns, panel);
+        long m = 0;
+        for (; m + 2 * AMX_TOKENS <= tokens; m += 2 * AMX_TOKENS)
+            amx_tokens(2, panel, ns, p->a, m, p->Y + m * p->ldy + n, p->ldy);
+        if (m < tokens) amx_tokens(1, panel, ns, p->a, m, p->Y + m * p->ldy + n, p->ldy);
+    }
+    _tile_release();
+    free(panel);
+    if (tokens < p->M) x8_vnni(p, n0, n0 + rows, tokens, p->M);
+    if (n0 + rows < n1) x8_vnni(p, n0 + rows, n1, 0, p->M);
+    return 1;
 }
 
 /* ---- panels: many tokens (prefill) on AVX-512 ------------------------------------------------------- */
@@ -1211,7 +1409,7 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
                float *Y, long ldy, int threads, int isa) {
     if (check_shape(fmt, ldw, K) || (fmt == Q4_K_X8 && N % X8)) return -1;
     acts a;
-    if (acts_of(&a, fmt, x, ldx, x_bf16, M, K)) return -2;
+    if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K)) return -2;
     linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K), x8_path(fmt, isa)}, N,
                      unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
@@ -1273,7 +1471,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
         owner[i] = i;
         for (long j = 0; j < i && owner[i] == i; j++)
             if (acts_key((int)p[j].fmt) == acts_key((int)p[i].fmt)) owner[i] = j;
-        if (owner[i] == i && !status) status = acts_of(&a[i], (int)p[i].fmt, x, ldx, x_bf16, M, K);
+        if (owner[i] == i && !status) status = acts_of(&a[i], (int)p[i].fmt, x, ldx, x_bf16, NULL, M, K);
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
         pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
@@ -1309,6 +1507,7 @@ typedef struct {
     long xrows;      /* rows of x that the experts' `rows` index (all of them are quantised once) */
     int x_bf16, isa;
     long *owner;     /* per expert: the first expert with the same tokens (their activations are shared) */
+    char *own;       /* per expert: 1 where its tokens are quantised as its own rows (tiles_take) */
     acts *ax, *ah;   /* per expert: its tokens quantised for gate/up; h = silu(gate) * up quantised for down */
     float **gu;      /* per expert: [M, 2I] fp32, gate then up; h overwrites gate */
     long *first1, *first3;  /* per expert: its first unit in stages 1 and 3 (n + 1 entries) */
@@ -1321,7 +1520,8 @@ typedef struct {
 static void gate_up_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long per = (c->I + c->rows1[i] - 1) / c->rows1[i], up = u >= per, n0 = (u % per) * c->rows1[i];
-    product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]], e->rows,
+    product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]],
+                 c->own[i] ? NULL : e->rows,
                  e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H),
                  x8_path((int)e->fmt_gu, c->isa)};
     product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
@@ -1343,7 +1543,7 @@ AVX2 static void swiglu_unit(experts_call *c, long i) {
         float *g = c->gu[i] + m * 2 * I, *u = g + I;
         for (long k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
     }
-    if (acts_of(&c->ah[i], (int)e->fmt_d, c->gu[i], 2 * I, 0, e->M, I)) atomic_store(&c->status, -2);
+    if (acts_of(&c->ah[i], (int)e->fmt_d, c->gu[i], 2 * I, 0, NULL, e->M, I)) atomic_store(&c->status, -2);
 }
 
 /* Four stages, each starting when every unit of the one before is done (stage_wait): a thread the OS
@@ -1355,7 +1555,8 @@ static void experts_region(void *arg, int t, int T) {
     long u;
     while ((u = next_unit(&c->next[0], c->n)) >= 0) {  /* quantise each distinct token set once */
         const expert_job *e = &c->e[u];
-        if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, e->rows ? c->xrows : e->M, c->H))
+        if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, c->own[u] ? e->rows : NULL,
+                                        e->rows && !c->own[u] ? c->xrows : e->M, c->H))
             atomic_store(&c->status, -2);
         atomic_fetch_add(&c->done[0], 1);
     }
@@ -1390,7 +1591,7 @@ static int experts_run(const expert_job *e, long n, long H, long I, int x_bf16, 
             return -1;
     experts_call c = {.e = e, .n = n, .H = H, .I = I, .xrows = xrows, .x_bf16 = x_bf16, .isa = isa};
     size_t words = (size_t)n * 6 + 2;
-    char *mem = calloc(1, words * sizeof(long) + (size_t)n * (2 * sizeof(acts) + sizeof(float *)));
+    char *mem = calloc(1, words * sizeof(long) + (size_t)n * (2 * sizeof(acts) + sizeof(float *) + 1));
     long tokens = 0;
     for (long i = 0; i < n; i++) tokens += e[i].M;
     float *gu = malloc(sizeof(float) * (size_t)(tokens * 2 * I) + 1);
@@ -1401,11 +1602,12 @@ static int experts_run(const expert_job *e, long n, long H, long I, int x_bf16, 
     }
     long *w = (long *)mem;
     c.owner = w, c.rows1 = w + n, c.rows3 = w + 2 * n, c.first1 = w + 3 * n, c.first3 = w + 4 * n + 1;
-    c.ax = (acts *)(w + words), c.ah = c.ax + n, c.gu = (float **)(c.ah + n);
+    c.ax = (acts *)(w + words), c.ah = c.ax + n, c.gu = (float **)(c.ah + n), c.own = (char *)(c.gu + n);
     for (long i = 0, at = 0; i < n; i++) {
         c.owner[i] = i;
-        for (long j = 0; j < i && c.owner[i] == i; j++)
-            if (e[j].x == e[i].x && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu && !e[j].rows == !e[i].rows &&
+        c.own[i] = e[i].rows && tiles_take((int)e[i].fmt_gu, isa, e[i].M);
+        for (long j = 0; j < i && c.owner[i] == i && !c.own[i]; j++)
+            if (!c.own[j] && e[j].x == e[i].x && e[j].ldx == e[i].ldx && e[j].fmt_gu == e[i].fmt_gu && !e[j].rows == !e[i].rows &&
                 (e[i].rows || e[j].M == e[i].M))
                 c.owner[i] = j;
         c.rows1[i] = unit_rows((int)e[i].fmt_gu, e[i].ld_gu, e[i].M);

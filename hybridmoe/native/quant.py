@@ -52,6 +52,8 @@ SIGNATURES = {
     #                    long K, const void *x, int x_bf16, long H, long I, int threads, int isa,
     #                    void *out)
     "hm_qmoe_tokens": ([P, N, P, P, N, N, P, INT, N, N, INT, INT, P], INT),
+    # void hm_set_amx8(int on): Q4_K rows in eights against many tokens on AMX-INT8 tiles
+    "hm_set_amx8": ([INT], None),
     # void hm_pool_parallel(region_fn fn, void *arg, int T): the pool every library's regions
     # share (pool.h); not called from Python, its address handed to the others
     "hm_pool_parallel": ([P, P, INT], None),
@@ -96,6 +98,38 @@ def _bind(lib) -> None:
             ctypes.cast(lib.hm_qlinear_many, ctypes.c_void_p).value,
         )
         other.hm_share_pool(ctypes.cast(lib.hm_pool_parallel, ctypes.c_void_p).value)
+    _TILES_ON[0] = bool(env.amx_enabled() and _tiles_permitted())
+    lib.hm_set_amx8(int(_TILES_ON[0]))
+
+
+_TILES_ON = [False]  # what quant.c's hm_set_amx8 was last told
+
+
+def _tiles_permitted() -> bool:
+    """Whether the CPU has AMX-INT8 tiles and Linux granted this process their state (asked
+    through the bf16 library, which every AMX CPU runs: native/bf16.py)."""
+    from hybridmoe.native import bf16
+
+    other = bf16.library()
+    return "amx_int8" in cpu_flags() and other is not None and bf16._amx_permitted(other)
+
+
+def use_tiles(on: bool) -> bool:
+    """Put many-token products of Q4_K rows in eights on the AMX-INT8 tiles or off them (quant.c
+    amx_x8: the same bits as the VNNI path, faster); on only where the CPU has them and the process
+    was granted them (HYBRIDMOE_AMX=0 starts with them off). Returns whether they are on now."""
+    lib = library()
+    on = bool(on and lib is not None and _tiles_permitted())
+    if lib is not None:
+        lib.hm_set_amx8(int(on))
+        _TILES_ON[0] = on
+    return on
+
+
+def tiles_active() -> bool:
+    """Whether many-token Q4_K products run on the AMX-INT8 tiles now."""
+    library()
+    return _TILES_ON[0]
 
 
 def available() -> bool:
