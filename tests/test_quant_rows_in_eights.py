@@ -1,9 +1,10 @@
 """Q4_K rows in eights (q4_k_x8, quant/interleave.py): the layout native/quant.c states, byte for
 byte; every product on it (one token on AVX-512 reads it as it lies, everything else puts rows back)
 gives the bits of the same Q4_K rows in GGUF's layout, on both paths, so test_quant.py's bound
-against gguf's dequantiser holds for it unchanged (checked here too); and every other reader of
-the bytes (the torch fallback, a GPU's dequantiser through the accelerator, the trainer's
-transposed product, row lookups) takes the layout."""
+against gguf's dequantiser holds for it unchanged (checked here too); products of 32 or more
+tokens on AMX-INT8 tiles (where the CPU has them) give the bits of the VNNI path; and every other
+reader of the bytes (the torch fallback, a GPU's dequantiser through the accelerator, the
+trainer's transposed product, row lookups) takes the layout."""
 
 from __future__ import annotations
 
@@ -76,6 +77,47 @@ def test_products_on_rows_in_eights_keep_q4_ks_bits(n, k):
                     want = kernels.linear(x, Q4_K.ggml, plain, k, path, workers)
                     got = kernels.linear(x, Q4_K_X8.ggml, x8, k, path, workers)
                     assert torch.equal(got, want), (m, dtype, path, workers)
+
+
+@pytest.fixture
+def tiles_back_on():
+    yield
+    kernels.use_tiles(True)
+
+
+def test_many_tokens_on_the_tiles_keep_the_vnni_paths_bits(tiles_back_on):
+    """Products of 32+ consecutive tokens, and routed experts' tokens (quantised as their own rows
+    for the tiles), with the AMX-INT8 tiles on and off: the same bits. Shapes with rows past the
+    last whole 16 and tokens past the last whole 16 (those go to the VNNI path) and one token
+    tile or several. Where the CPU has no AMX-INT8 both runs take the VNNI path."""
+    for n, k, m in ((16, 256, 32), (40, 768, 48), (768, 2048, 70), (48, 512, 129)):
+        x8 = interleave(q4k(n, k, n + m))
+        x = torch.randn(m, k).to(torch.bfloat16)
+        ys = []
+        for on in (True, False):
+            kernels.use_tiles(on)
+            ys.append([kernels.linear(x, Q4_K_X8.ggml, x8, k, None, w) for w in (1, 2)])
+        assert all(torch.equal(a, b) for a, b in zip(*ys)), (n, k, m)
+        assert torch.equal(*ys[0]), "a thread count changed a bit"
+    hidden, inter, count, top = 512, 256, 6, 3
+    experts = [
+        (
+            QTensor(interleave(q4k(2 * inter, hidden, 30 + e)), Q4_K_X8, hidden),
+            QTensor(interleave(q4k(hidden, inter, 40 + e)), Q4_K_X8, inter),
+        )
+        for e in range(count)
+    ]
+    table = kernels.expert_table(experts)
+    tokens = 96  # ~48 tokens an expert: past AMX_MIN_TOKENS
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(count, generator=gen)[:top] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top, generator=gen), -1)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    mixes = []
+    for on in (True, False):
+        kernels.use_tiles(on)
+        mixes.append(kernels.moe_tokens(table, ids, weights, x, inter, 2))
+    assert torch.equal(*mixes)
 
 
 def test_rows_in_eights_match_gguf_within_the_activation_bound():
