@@ -18,6 +18,7 @@ BENCHMARKS = {
     "finetune": "hybridmoe.bench.finetune",
     "determinism": "hybridmoe.bench.determinism",
     "first-run": "hybridmoe.bench.first_run",
+    "products": "hybridmoe.bench.products",
 }
 
 

@@ -1,0 +1,129 @@
+"""`hybridmoe bench products`: the integer kernels' products of many tokens against dequantising
+the weights and calling oneDNN (issue 12's bar for prefill).
+
+For each format and shape (the Qwen3-30B-A3B shapes by default: an expert's gate/up and down, the
+attention's q and o), random N(0, 0.02) weights quantised by hybridmoe's quantiser and laid out as
+the loader leaves them (Q4_K in rows of eights where the AVX-512 path runs), and each token count:
+ours (`native/quant.py linear`: AVX512-VNNI, or AMX-INT8 tiles for Q4_K from 32 tokens where the CPU
+has them) against the fastest dequantise + multiply we have (`native/quant.py rows`, quant.c's
+dequantiser, to bf16, then `F.linear`: oneDNN, on AMX where the CPU has it), alternating, medians.
+The largest difference between the two results, relative to the largest output, is reported too
+(the activations' int8 rounding and the bf16 weights: about 1%).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from hybridmoe.errors import UserError
+
+SHAPES = "768x2048,2048x768,4096x2048,2048x4096"  # N x K: gate/up, down, q, o of Qwen3-30B-A3B
+FORMATS = ("q4_k", "q8_0", "q6_k")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "products",
+        help="many-token products on GGUF blocks against dequantise + oneDNN",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--formats", default=",".join(FORMATS), help="block formats, comma-separated")
+    p.add_argument("--shapes", default=SHAPES, help="N x K weight shapes, comma-separated")
+    p.add_argument("--tokens", default="64,512", help="token counts, comma-separated")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=7, help="timed runs of each, after one warm-up")
+    p.add_argument("--json", action="store_true", help="one JSON object per product")
+    p.set_defaults(func=run)
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            n, k = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise UserError(f"--shapes: {item!r} is not N x K (e.g. 768x2048)") from None
+        if n <= 0 or k <= 0 or k % 256:
+            raise UserError(f"--shapes: {item}: N > 0, and K a multiple of 256 (one super-block)")
+        out.append((n, k))
+    return out
+
+
+def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -> dict:
+    """Ours and dequantise + oneDNN on one product: medians in ms, the ratio, the difference."""
+    import torch
+    import torch.nn.functional as F
+
+    from hybridmoe.native import quant as kernels
+    from hybridmoe.quant.tensor import QTensor, for_kernels
+
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    plain = QTensor.quantize(torch.randn(n, k, generator=gen) * 0.02, fmt)
+    ours_w = for_kernels(QTensor(plain.data.clone(), plain.fmt, k))  # as the loader leaves it
+    rows = torch.arange(n)
+    x = torch.randn(tokens, k, generator=gen).to(torch.bfloat16)
+
+    def ours():
+        return kernels.linear(x, ours_w.fmt.ggml, ours_w.data, k, workers=threads)
+
+    def dequantised():
+        return F.linear(x, kernels.rows(plain.data, plain.fmt.ggml, k, rows, torch.bfloat16))
+
+    times: dict[str, list[float]] = {"ours": [], "onednn": []}
+    for i in range(repeats + 1):
+        for name, f in (("ours", ours), ("onednn", dequantised)):
+            t0 = time.perf_counter()
+            f()
+            if i:  # the first of each is a warm-up
+                times[name].append(time.perf_counter() - t0)
+    a, b = ours(), dequantised().float()
+    ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
+    return {
+        "format": fmt,
+        "layout": ours_w.fmt.name,
+        "shape": f"{n}x{k}",
+        "tokens": tokens,
+        "threads": threads,
+        "ours_ms": ms["ours"],
+        "onednn_ms": ms["onednn"],
+        "ratio": ms["onednn"] / ms["ours"],  # > 1: ours is faster
+        "tiles": fmt == "q4_k" and kernels.tiles_active() and tokens >= 32,
+        "max_rel_diff": float((a - b).abs().max() / b.abs().max()),
+    }
+
+
+def run(args) -> int:
+    import torch
+
+    from hybridmoe.native import quant as kernels
+
+    formats = [f.strip() for f in args.formats.split(",")]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise UserError(f"--formats: {', '.join(bad)} not among {', '.join(FORMATS)}")
+    shapes = _shapes(args.shapes)
+    try:
+        counts = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        raise UserError(f"--tokens: {args.tokens!r} is not a list of token counts") from None
+    if min(counts) <= 0 or args.threads <= 0 or args.repeats <= 0:
+        raise UserError("--tokens, --threads and --repeats must be positive")
+    if not kernels.available():
+        raise UserError("the integer kernels do not run here (no AVX2, or HYBRIDMOE_NATIVE=0)")
+    torch.set_num_threads(args.threads)
+    for fmt in formats:
+        for n, k in shapes:
+            for tokens in counts:
+                r = measure(fmt, n, k, tokens, args.threads, args.repeats)
+                if args.json:
+                    print(json.dumps(r), flush=True)
+                else:
+                    print(
+                        f"{fmt:5} {r['shape']:>10} x {tokens:4} tokens: ours {r['ours_ms']:8.2f} ms"
+                        f"{' (tiles)' if r['tiles'] else '        '}  dequantise + oneDNN "
+                        f"{r['onednn_ms']:8.2f} ms  ratio {r['ratio']:.2f}x",
+                        flush=True,
+                    )
+    return 0

@@ -1,0 +1,42 @@
+"""`hybridmoe bench products`: each format, shape and token count measured, both results of each
+product agree within the activations' and bf16's rounding, and bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.console import hybridmoe
+
+
+def test_every_product_is_measured_and_both_ways_agree():
+    out = hybridmoe(
+        "bench", "products", "--shapes", "48x512,16x256", "--tokens", "8,40", "--repeats", "2",
+        "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {(r["format"], r["shape"], r["tokens"]) for r in rows} == {
+        (f, s, t) for f in ("q4_k", "q8_0", "q6_k") for s in ("48x512", "16x256") for t in (8, 40)
+    }
+    for r in rows:
+        assert r["ours_ms"] > 0 and r["onednn_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["onednn_ms"] / r["ours_ms"])
+        # int8 activations (a step of max|x| / 127 a super-block) against bf16 weights and rows
+        assert r["max_rel_diff"] < 0.03, r
+
+
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        (("--formats", "q5_k"), "--formats"),
+        (("--shapes", "12x100"), "--shapes"),
+        (("--shapes", "wide"), "--shapes"),
+        (("--tokens", "0"), "--tokens"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, names):
+    out = hybridmoe("bench", "products", *args)
+    assert out.returncode == 2 and names in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
