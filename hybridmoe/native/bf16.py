@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, F, N, P, cpu_flags, cpu_vendor, load
+from hybridmoe.native.build import INT, F, N, P, cpu_flags, cpu_vendor, load, switch
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
@@ -156,11 +156,7 @@ def use_amx(on: bool) -> bool:
     only where the CPU has them and the process was granted them (HYBRIDMOE_AMX=0 starts with
     them off). Returns whether they are on now."""
     lib = library()
-    on = bool(on and lib is not None and _amx_permitted(lib))
-    if lib is not None:
-        lib.hm_set_amx(int(on))
-        _AMX_ON[0] = on
-    return on
+    return switch(lib, "hm_set_amx", _AMX_ON, on, lambda: _amx_permitted(lib))
 
 
 def amx_active() -> bool:

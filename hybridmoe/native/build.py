@@ -96,3 +96,14 @@ def load(
     # only the typed functions: ctypes would call an undeclared one with every argument as a C int,
     # cutting pointers to 32 bits
     return types.SimpleNamespace(**typed)
+
+
+def switch(lib, setter: str, state: list[bool], on: bool, permitted) -> bool:
+    """Tell a library's on/off flag (its C function `setter`) `on`, but on only where the library
+    runs and `permitted()` (say, Linux granted the AMX tiles); state[0] keeps what it was told.
+    Returns whether it is on now."""
+    on = bool(on and lib is not None and permitted())
+    if lib is not None:
+        getattr(lib, setter)(int(on))
+        state[0] = on
+    return on

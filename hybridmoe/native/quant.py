@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, N, P, cpu_flags, load
+from hybridmoe.native.build import INT, N, P, cpu_flags, load, switch
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -118,12 +118,7 @@ def use_tiles(on: bool) -> bool:
     """Put many-token products of Q4_K rows in eights on the AMX-INT8 tiles or off them (quant.c
     amx_x8: the same bits as the VNNI path, faster); on only where the CPU has them and the process
     was granted them (HYBRIDMOE_AMX=0 starts with them off). Returns whether they are on now."""
-    lib = library()
-    on = bool(on and lib is not None and _tiles_permitted())
-    if lib is not None:
-        lib.hm_set_amx8(int(on))
-        _TILES_ON[0] = on
-    return on
+    return switch(library(), "hm_set_amx8", _TILES_ON, on, _tiles_permitted)
 
 
 def tiles_active() -> bool:
