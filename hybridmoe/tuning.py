@@ -33,6 +33,14 @@ FEW_ROWS = 32
 # threads: oneDNN splits the work over its threads and overtakes it from about 16 rows.
 THREADED_NATIVE_ROWS = 8
 
+# Rows from which a product of bf16 rows with weights in blocks (not Q4_K in rows of eights, which
+# the AMX-INT8 tiles take) dequantises the weight to bf16 and calls oneDNN instead of the integer
+# kernels, where rows need not be computed as if alone (--deterministic off) and the CPU multiplies
+# bf16 in hardware. `bench products`, 1 thread, Intel Xeon VM with AMX (2026-12-07): dequantise +
+# oneDNN against ours at 96 / 128 / 256 tokens, Q8_0 0.85-0.95x / 0.60-0.74x / 0.38-0.40x of our
+# time, Q6_K 1.50-1.54x / 1.11-1.24x / 0.59-0.65x (docs/benchmarks.md, "Prefill products").
+DEQUANTISE_FROM_ROWS = 160
+
 # Rows of an expert a training step's forward and backward compute at a time (a full tile), and the
 # granule the rest is rounded up to and split in powers of two: every bf16 matmul of the expert
 # backward then has one of six row counts, so oneDNN builds and keeps six kernels per shape rather

@@ -252,6 +252,37 @@ def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k"])
+def test_many_rows_not_alone_dequantise_and_call_onednn(name):
+    """From DEQUANTISE_FROM_ROWS bf16 rows, with rows not computed as if alone (--deterministic
+    off), a product is F.linear on the weight dequantised to bf16, bit for bit; as if alone, or
+    with fewer rows, it stays on the integer kernels (a row's bits then never depend on the
+    others). Q4_K in rows of eights stays on the integer kernels (their tiles)."""
+    from hybridmoe import invariance
+    from hybridmoe.native import bf16 as bf16_kernels
+    from hybridmoe.quant.tensor import for_kernels
+    from hybridmoe.tuning import DEQUANTISE_FROM_ROWS
+
+    fmt = FORMATS[name]
+    w = QTensor(torch.from_numpy(random_blocks(fmt, 48, 512, np.random.default_rng(11))), fmt, 512)
+    many = torch.randn(DEQUANTISE_FROM_ROWS + 3, 512).to(torch.bfloat16)
+    dequantised = F.linear(many, w.dequantize(torch.bfloat16))
+    integer = kernels.linear(many, fmt.ggml, w.data, 512).to(torch.bfloat16)
+    assert not torch.equal(dequantised, integer)  # the two paths are told apart
+    with invariance.rows_alone(False):
+        got = linears(many, [w], [None])[0]
+        assert torch.equal(got, linear(many, w))
+        assert torch.equal(got, dequantised if bf16_kernels.cpu_has_native_bf16() else integer)
+        few = many[: DEQUANTISE_FROM_ROWS - 1]
+        assert torch.equal(linear(few, w), integer[: DEQUANTISE_FROM_ROWS - 1])
+        eights = for_kernels(QTensor(w.data.clone(), fmt, 512))  # rearranged in place
+        if eights.fmt.name == "q4_k_x8":
+            assert torch.equal(linear(many, eights), integer)
+    with invariance.rows_alone(True):
+        assert torch.equal(linear(many, w), integer)
+        assert torch.equal(linears(many, [w], [None])[0], integer)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "q6_k"])
 def test_the_gradient_through_blocks_is_the_dequantised_matrixs(name):
     """x W^T with W in blocks (two parts, more rows than one dequantised tile) is differentiable in
     x: its gradient g W equals autograd's through the dequantised matrix."""

@@ -5,19 +5,22 @@
 matrix is put together without copying (an expert's gate and up rows, two places of the model
 file). Parts are often views of the model file's memory map (loader/gguf_file.py). `matmul(x, w)`
 multiplies by it on the native integer kernels (native/quant.py) where they run, else by
-dequantising and using torch."""
+dequantising and using torch; many bf16 rows that need not be computed as if alone
+(--deterministic off) dequantise the weight to bf16 and use oneDNN (`dequantised_applies`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from hybridmoe import native
+from hybridmoe import invariance, native
+from hybridmoe.native import bf16 as bf16_kernels
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.dequant import dequantize
 from hybridmoe.quant.formats import FORMATS, Q4_K_X8, Format
 from hybridmoe.quant.interleave import ROWS, deinterleave
 from hybridmoe.quant.transposed import times
+from hybridmoe.tuning import DEQUANTISE_FROM_ROWS
 
 
 class QTensor:
@@ -186,9 +189,34 @@ class _Product(torch.autograd.Function):
         return times(g, ctx.w).reshape(*grad.shape[:-1], ctx.w.cols), None
 
 
+def dequantised_applies(rows: torch.Tensor, w: QTensor) -> bool:
+    """Whether the product of these rows with w dequantises w to bf16 and calls oneDNN: many bf16
+    rows (DEQUANTISE_FROM_ROWS), each not computed as if alone (invariance off), weights in blocks
+    the C dequantiser reads (not rows in eights: the tiles take those), a CPU that multiplies bf16
+    in hardware (where oneDNN outruns the integer kernels on many rows)."""
+    return (
+        rows.shape[0] >= DEQUANTISE_FROM_ROWS
+        and rows.dtype == torch.bfloat16
+        and not invariance.active()
+        and w.fmt.name != Q4_K_X8.name
+        and bf16_kernels.cpu_has_native_bf16()
+    )
+
+
+def _dequantised(rows: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """rows [M, K] bf16 times w^T, w dequantised to bf16 one part at a time -> [M, N] fp32."""
+    ys = []
+    for p in w.parts:
+        dense = kernels.rows(p, w.fmt.ggml, w.cols, torch.arange(p.shape[0]), torch.bfloat16)
+        ys.append(F.linear(rows, dense).float())  # [M, N_i]
+    return torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+
+
 def _product(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if native_applies(rows, w):
+        if dequantised_applies(rows, w):
+            return _joined([_dequantised(rows, w)], x, w)
         return _joined([kernels.linear(rows, w.fmt.ggml, p, w.cols) for p in w.parts], x, w)
     return _joined([F.linear(rows.float(), w.dequantize(torch.float32))], x, w)
 
@@ -220,6 +248,7 @@ def linears(x: torch.Tensor, weights: list[QTensor], biases: list) -> list[torch
         or len(parts) > 8
         or any(w.cols != rows.shape[1] for w in weights)
         or not native_applies(rows, *weights)
+        or any(dequantised_applies(rows, w) for w in weights)
     ):
         return [linear(x, w, b) for w, b in zip(weights, biases)]
     ys = iter(kernels.linears(rows, parts, rows.shape[1]))  # [M, N_i] fp32 each
