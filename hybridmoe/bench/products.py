@@ -89,7 +89,7 @@ def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -
         "ours_ms": ms["ours"],
         "onednn_ms": ms["onednn"],
         "ratio": ms["onednn"] / ms["ours"],  # > 1: ours is faster
-        "tiles": fmt == "q4_k" and kernels.tiles_active() and tokens >= 32,
+        "tiles": fmt == "q4_k" and kernels.tiles_active() and tokens >= kernels.TILES_FROM_TOKENS,
         "max_rel_diff": float((a - b).abs().max() / b.abs().max()),
     }
 

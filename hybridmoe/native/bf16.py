@@ -129,7 +129,7 @@ def cpu_has_native_bf16() -> bool:
 def library():
     """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
     lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
-    if lib is not None and env.amx_enabled() and _amx_permitted(lib):
+    if lib is not None and env.amx_enabled() and amx_permitted(lib):
         lib.hm_set_amx(1)
         _AMX_ON[0] = True
     return lib
@@ -144,7 +144,7 @@ _AMX_GRANTED: list[bool] = []  # once asked
 _AMX_ON = [False]  # what bf16.c's hm_set_amx was last told
 
 
-def _amx_permitted(lib) -> bool:
+def amx_permitted(lib) -> bool:
     """Whether this process may use the tiles: Linux grants their state on request (5.16 on)."""
     if not _AMX_GRANTED:
         _AMX_GRANTED.append(cpu_has_amx() and bool(lib.hm_amx_permit()))
@@ -156,7 +156,7 @@ def use_amx(on: bool) -> bool:
     only where the CPU has them and the process was granted them (HYBRIDMOE_AMX=0 starts with
     them off). Returns whether they are on now."""
     lib = library()
-    return switch(lib, "hm_set_amx", _AMX_ON, on, lambda: _amx_permitted(lib))
+    return switch(lib, "hm_set_amx", _AMX_ON, on, lambda: amx_permitted(lib))
 
 
 def amx_active() -> bool:

@@ -819,22 +819,14 @@ static const int16_t WSEL[4][32] = {{W32(0)}, {W32(1)}, {W32(2)}, {W32(3)}};
 #undef W32
 /* The minimums' term as word pairs, for vpdpwssd: MIDX puts word 8 (2j + t) + r of the widened minimum
    bytes (block 2j + t, row r: x8_scales' mn) at word 2 (8j + r) + t, so that dword lane 8j + r holds row
-   r's minimums of blocks 2j and 2j + 1; BIDX[h] puts the activation's 32-value sums of those blocks
-   (4h + 2j + t, held one per dword: word 2b) beside them. */
+   r's minimums of blocks 2j and 2j + 1, against the activations' block sums of those blocks (acts'
+   bpair, dword j: the same two words). */
 #define MI(l, t) (8 * (2 * ((l) / 8) + (t)) + (l) % 8)
 #define MI2(l) MI(l, 0), MI(l, 1)
 static const int16_t MIDX_W[32] = {MI2(0), MI2(1), MI2(2),  MI2(3),  MI2(4),  MI2(5),  MI2(6),  MI2(7),
                                    MI2(8), MI2(9), MI2(10), MI2(11), MI2(12), MI2(13), MI2(14), MI2(15)};
-#define BI(h, l, t) (2 * (4 * (h) + 2 * ((l) / 8) + (t)))
-#define BI2(h, l) BI(h, l, 0), BI(h, l, 1)
-#define BI16(h) BI2(h, 0), BI2(h, 1), BI2(h, 2), BI2(h, 3), BI2(h, 4), BI2(h, 5), BI2(h, 6), BI2(h, 7), \
-    BI2(h, 8), BI2(h, 9), BI2(h, 10), BI2(h, 11), BI2(h, 12), BI2(h, 13), BI2(h, 14), BI2(h, 15)
-static const int16_t BIDX_W[2][32] = {{BI16(0)}, {BI16(1)}};
 #undef MI
 #undef MI2
-#undef BI
-#undef BI2
-#undef BI16
 
 /* Super-block p's 6-bit scales of eight rows as words (sw[0]: blocks 0..3, word 8b + r; sw[1]: 4..7) and
    its minimums as bytes (mn[0]: blocks 0..3, byte 8b + r; mn[1]: 4..7), as unpack_scales_k4 splits them. */
@@ -862,7 +854,9 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
     static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     const __m512i m4 = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8((char)0xF0);
     const __m512i MIDX = _mm512_loadu_si512((const void *)MIDX_W);
-    const __m512i bidx[2] = {_mm512_loadu_si512((const void *)BIDX_W[0]), _mm512_loadu_si512((const void *)BIDX_W[1])};
+    /* bpair dwords 0, 1 (2, 3) beside mp[0]'s (mp[1]'s) lanes 0..7 and 8..15 */
+    const __m512i pairs[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                              _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
     __m256 F[GROUP], Mn[GROUP]; /* acc and accm of the eight rows */
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
@@ -904,11 +898,9 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
             }
         }
         for (int r = 0; r < R; r++) {
-            const int16_t *bs = a->bsum + (mi[r] * ns + s) * 16;
-            /* B_b = the block's 32-value sum, in dword lane b (word 2b; 0 above) */
-            __m512i B = _mm512_castsi256_si512(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), _mm256_set1_epi16(1)));
-            __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi16(bidx[0], B));
-            C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi16(bidx[1], B));
+            const __m512i bp = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->bpair + (mi[r] * ns + s) * 4)));
+            __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi32(pairs[0], bp));
+            C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi32(pairs[1], bp));
             __m256i csum = _mm256_add_epi32(_mm512_castsi512_si256(C), _mm512_extracti64x4_epi64(C, 1));
             __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(Z[r], _mm512_srli_epi64(Z[r], 32)));
             const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]);

@@ -30,6 +30,7 @@ AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
 TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_tokens' table
+TILES_FROM_TOKENS = 32  # quant.c AMX_MIN_TOKENS: Q4_K products on the AMX-INT8 tiles from here
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
 SIGNATURES = {
@@ -111,7 +112,7 @@ def _tiles_permitted() -> bool:
     from hybridmoe.native import bf16
 
     other = bf16.library()
-    return "amx_int8" in cpu_flags() and other is not None and bf16._amx_permitted(other)
+    return "amx_int8" in cpu_flags() and other is not None and bf16.amx_permitted(other)
 
 
 def use_tiles(on: bool) -> bool:
