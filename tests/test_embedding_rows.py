@@ -99,7 +99,7 @@ def test_a_row_id_out_of_range_is_an_index_error(bad):
 
 def test_rows_in_eights_are_refused_natively_and_looked_up_in_torch():
     w = table("q4_k", "quantised", np.random.default_rng(5))
-    x8 = QTensor(interleave(w.data), Q4_K_X8, COLS)
+    x8 = QTensor(interleave(w.data, "q4_k"), Q4_K_X8, COLS)
     with pytest.raises(ValueError, match="does not suit"):
         kernels.rows(x8.data, Q4_K_X8.ggml, COLS, torch.tensor([0]), torch.float32)
     ids = torch.tensor([9, 0, 9, 39])

@@ -27,7 +27,7 @@ HIDDEN, INTER, EXPERTS, TOP = 512, 256, 12, 4
 
 def in_eights(w):
     """An expert's Q4_K matrices as load leaves them where AVX-512 runs (rows in eights)."""
-    return tuple(QTensor(interleave(m.data), Q4_K_X8, m.shape[1]) for m in w)
+    return tuple(QTensor(interleave(m.data, "q4_k"), Q4_K_X8, m.shape[1]) for m in w)
 
 
 def layer(formats: tuple[str, str], seed: int):

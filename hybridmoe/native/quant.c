@@ -12,11 +12,11 @@
    Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
    instructions made them; after that every lane goes through the same float operations in the same order.
    Blocks of 32: block b adds fma(L_b, w_b * dx_b) (and, for Q4_1, fma(S_b * dx_b, m_b)) into accumulator
-   b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one register); Q5_K, Q6_K: super-block s
+   b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one register); Q5_K: super-block s
    adds fma(A_s, d * dx_s) and fma(B_s, d * dx_s) (its 8 halves of 32 values alternately) and
-   fma(C_s, dmin * dx_s) (the minimums, or Q6_K's offset of 32, against the 16-value sums); a row's result
-   is those accumulators summed by one fixed tree (reduce). Q4_K: a super-block's lanes are summed in
-   integers, exactly, to one scaled dot and one minimums' term per row, each added by one fma (K_FMA). A
+   fma(C_s, dmin * dx_s) (the minimums against the 16-value sums); a row's result is those accumulators
+   summed by one fixed tree (reduce). Q4_K, Q6_K: a super-block's lanes are summed in integers, exactly,
+   to one scaled dot and one minimums' (Q6_K: offset's) term per row, each added by one fma (K_FMA). A
    row's result depends on nothing but the row: not on how many rows came with it, nor on which thread
    computed it.
 
@@ -42,9 +42,9 @@
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* Not a ggml type: Q4_K blocks whose rows are interleaved eight at a time (the layout at "Q4_K rows in
-   eights" below; hybridmoe/quant/formats.py's q4_k_x8). */
-enum { Q4_K_X8 = 268 };
+/* Not ggml types: Q4_K and Q6_K blocks whose rows are interleaved eight at a time (the layouts at "rows
+   in eights" below; hybridmoe/quant/formats.py's q4_k_x8, q6_k_x8). */
+enum { Q4_K_X8 = 268, Q6_K_X8 = 270 };
 enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 /* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
@@ -86,12 +86,21 @@ static long block_bytes(int fmt) {
     case Q4_K:
     case Q4_K_X8: return 144;
     case Q5_K: return 176;
-    case Q6_K: return 210;
+    case Q6_K:
+    case Q6_K_X8: return 210;
     }
     return 0;
 }
 
-static int is_k(int fmt) { return fmt == Q4_K || fmt == Q4_K_X8 || fmt == Q5_K || fmt == Q6_K; }
+static int is_x8(int fmt) { return fmt == Q4_K_X8 || fmt == Q6_K_X8; }
+
+/* The ggml type whose blocks a format holds (rows in eights: their rows' format). */
+static int rows_fmt(int fmt) { return fmt == Q4_K_X8 ? Q4_K : fmt == Q6_K_X8 ? Q6_K : fmt; }
+
+static int is_k(int fmt) {
+    fmt = rows_fmt(fmt);
+    return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K;
+}
 
 static long block_elems(int fmt) { return is_k(fmt) ? 256 : 32; }
 
@@ -133,23 +142,25 @@ static float reduce(const float *a, const float *b) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-/* Q5_K, Q6_K: reduce(A, B) + reduce(C, 0). */
+/* Q5_K: reduce(A, B) + reduce(C, 0). */
 static float k_result(const float *a, const float *b, const float *c) {
     static const float zero[8];
     return reduce(a, b) + reduce(c, zero);
 }
 
-/* Q4_K, every path: a super-block of a row against a token gives two exact integers, its scaled dot
-   (the sum over its sub-blocks of scale x the integer dot, `isum`) and its minimums' term (`csum`: the
-   sum of minimum x the activations' 16-value sums). The row's two fp32 sums take one fused multiply-add
-   each per super-block, in the order of the super-blocks: acc = fma(isum, d dx, acc), accm = fma(csum,
-   -dmin dx, accm) (d dx, -dmin dx: fp32 products; both in one register); the result is acc + accm. Where the integers' lanes
-   are summed does not change them, so each path sums its lanes wherever it is cheapest: Q4_K rows in
-   eights sum a sub-block's four 8-byte chunks before its scale, one vpdpwssd where there were four
-   (dotk_x8_512_t). |isum| <= 256 x 15 x 127 x 63 < 2^31; it converts to fp32 rounded to nearest, as
-   (float) does. (Q5_K and Q6_K keep their lanes in fp32 to the end, k_result: summing them in integers
-   measured 10% slower on Q6_K's one-row products, which have no rows in eights; notes:
-   docs/notes/2026-12-07-q4k-sums-in-integers.md.) */
+/* Q4_K and Q6_K, every path: a super-block of a row against a token gives two exact integers, its scaled
+   dot (the sum over its sub-blocks of scale x the integer dot, `isum`) and its minimums' term (`csum`: the
+   sum of minimum x the activations' 16-value sums; Q6_K: of scale x those sums, for its offset of 32). The
+   row's two fp32 sums take one fused multiply-add each per super-block, in the order of the super-blocks:
+   acc = fma(isum, d dx, acc), accm = fma(csum, dm dx, accm) (dm: Q4_K's -dmin, Q6_K's -32 d; d dx, dm dx:
+   fp32 products; both in one register); the result is acc + accm. Where the integers' lanes are summed
+   does not change them, so each path sums its lanes wherever it is cheapest: Q4_K rows in eights sum a
+   sub-block's four 8-byte chunks before its scale, one vpdpwssd where there were four (dotk_x8_512_t).
+   Q4_K: |isum| <= 256 x 15 x 127 x 63 < 2^31; Q6_K: |isum| <= 256 x 63 x 128 x 128 < 2^29, |csum| <= 16 x
+   128 x 2048 < 2^23; they convert to fp32 rounded to nearest, as (float) does. (Q5_K keeps its lanes in
+   fp32 to the end, k_result. Q6_K's one-row products lost 10% to the integer sums, but its rows in eights,
+   which the AVX-512 path reads, need them: notes docs/notes/2026-12-07-q4k-sums-in-integers.md and
+   2026-12-07-q6k-rows-in-eights.md.) */
 #define K_FMA(am, u, d, dm, dx) /* am = [acc, accm, 0, 0], u = [isum, csum, ...] */ \
     (am) = _mm_fmadd_ps(_mm_cvtepi32_ps(u), _mm_mul_ps(_mm_setr_ps(d, dm, 0.0f, 0.0f), _mm_set1_ps(dx)), am)
 #define K_RESULT(am) (_mm_cvtss_f32(am) + _mm_cvtss_f32(_mm_movehdup_ps(am)))
@@ -279,7 +290,7 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
         a->dx = (float *)p;
         a->bsum = (int16_t *)(p + 4 * M * ns);
         a->bpair = (int32_t *)(p + 36 * M * ns);
-        q8k_rows(x, ldx, x_bf16, rows, M, K, fmt != Q6_K, a);
+        q8k_rows(x, ldx, x_bf16, rows, M, K, rows_fmt(fmt) != Q6_K, a);
     } else {
         a->dx = (float *)p;
         a->So = (int32_t *)(p + 32 * M * nb);
@@ -543,8 +554,8 @@ AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W
     const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = W + n * ldw;
-        __m128 am[GROUP];      /* Q4_K (K_FMA) */
-        __m256 lane[GROUP][3]; /* Q5_K, Q6_K (k_result) */
+        __m128 am[GROUP];      /* Q4_K, Q6_K (K_FMA) */
+        __m256 lane[GROUP][3]; /* Q5_K (k_result) */
         for (int r = 0; r < R; r++) {
             am[r] = _mm_setzero_ps();
             lane[r][0] = lane[r][1] = lane[r][2] = _mm256_setzero_ps();
@@ -565,7 +576,7 @@ AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W
                     if (i & 1) B = _mm256_add_epi32(B, p32); else A = _mm256_add_epi32(A, p32);
                 }
                 __m256i C = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16)));
-                if (fmt == Q4_K) {
+                if (fmt != Q5_K) {
                     K_FMA(am[r], sums2(_mm256_add_epi32(A, B), C), k.d, k.dm, a->dx[sb]);
                     continue;
                 }
@@ -577,7 +588,7 @@ AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W
         }
         float fa[8], fb[8], fc[8];
         for (int r = 0; r < R; r++) {
-            if (fmt == Q4_K) {
+            if (fmt != Q5_K) {
                 Y[r * ldy + n] = K_RESULT(am[r]);
                 continue;
             }
@@ -646,7 +657,7 @@ AVX512 ALWAYS_INLINE float reduce512(__m256 a, __m256 b) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-/* A row's accumulators for one token: Q4_K's two sums (K_FMA), or Q5_K's and Q6_K's lanes (k_result). */
+/* A row's accumulators for one token: Q4_K's and Q6_K's two sums (K_FMA), or Q5_K's lanes (k_result). */
 typedef struct {
     __m128 am;
     __m512 lanes;
@@ -660,7 +671,7 @@ AVX512 ALWAYS_INLINE void kacc_zero(kacc512 *c) {
 }
 
 AVX512 ALWAYS_INLINE float kacc_result(const int fmt, const kacc512 *c) {
-    if (fmt == Q4_K) return K_RESULT(c->am);
+    if (fmt != Q5_K) return K_RESULT(c->am);
     return reduce512(_mm512_castps512_ps256(c->lanes), _mm512_extractf32x8_ps(c->lanes, 1)) +
            reduce512(c->lanesm, _mm256_setzero_ps());
 }
@@ -687,7 +698,7 @@ AVX512 ALWAYS_INLINE void k_token512(const int fmt, const kblock512 *b, const __
     __m512i A = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->q[i], x[i]), b->sc[i]);
     __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
-    if (fmt == Q4_K) {
+    if (fmt != Q5_K) {
         K_FMA(c->am, sums2(_mm256_add_epi32(_mm512_castsi512_si256(A), _mm512_extracti64x4_epi64(A, 1)), C), b->k.d,
               b->k.dm, dx);
         return;
@@ -753,58 +764,63 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
     }
 }
 
-/* ---- Q4_K rows in eights (Q4_K_X8) ------------------------------------------------------------------ */
+/* ---- rows in eights (Q4_K_X8, Q6_K_X8) ------------------------------------------------------------- */
 
-/* The layout, made at load where the AVX-512 path runs (hm_q4k_to_x8, called by quant/tensor.py
-   for_kernels; quant/interleave.py turns it back in torch ops): a matrix of Q4_K rows, their number a
-   multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes, rows of exactly
-   K / 256 * 144 bytes) hold their super-blocks s side by side, 1152 bytes each, at s * 1152:
-     [0, 16)      the eight rows' d (fp16), row r's at 2r
-     [16, 32)     their dmin
-     [32, 128)    their 12 scale bytes, byte j of row r at 32 + 8j + r
-     [128, 1152)  their nibbles: bytes 32q + 8c .. 32q + 8c + 7 of row r's qs (group q, chunk c) at
-                  128 + 64 (4q + c) + 8r
-   One 64-byte load of nibbles then holds the same 8 bytes of eight rows, whose low (high) nibbles share
-   one sub-block scale per row: a sub-block's scale register serves four registers of eight rows, and the
-   scales of eight rows unpack in a few vector operations, where Q4_K's layout unpacks them row by row in
-   scalar code (llama.cpp repacks its CPU weights likewise, block_q4_Kx8). Each row's integers per
-   super-block and its float operations are those of K_FMA, as on Q4_K rows, so the results keep their
-   bits (docs/notes/2026-11-25-q4k-rows-in-eights.md). */
+/* The layouts, made at load where the AVX-512 path runs (hm_to_x8, called by quant/tensor.py
+   for_kernels; quant/interleave.py turns them back in torch ops): a matrix of Q4_K or Q6_K rows, their
+   number a multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes, rows of
+   exactly K / 256 blocks) hold their super-blocks s side by side at s * 8 * (block bytes). Each piece of
+   a row's block (X8_PIECES: `len` bytes at `at`, in units of `unit` bytes) lies with that piece of the
+   other seven rows, unit i of row r at unit 8i + r, the pieces one after another:
+     Q4_K (1152 bytes): [0, 16) the rows' d (fp16), [16, 32) their dmin, [32, 128) their 12 scale bytes
+       (byte j of row r at 32 + 8j + r), [128, 1152) their nibbles (bytes 8c .. 8c + 7 of row r's qs at
+       128 + 64c + 8r);
+     Q6_K (1680 bytes): [0, 1024) their ql (bytes 8c .. 8c + 7 of row r's at 64c + 8r), [1024, 1536) their
+       qh (likewise), [1536, 1664) their int8 scales (scale j of row r at 1536 + 8j + r), [1664, 1680) d.
+   One 64-byte load of quants then holds the same 8 bytes of eight rows, which share one sub-block scale
+   per row: a sub-block's scale register serves several registers of eight rows, and the scales of eight
+   rows unpack in a few vector operations, where the GGUF layout unpacks them row by row in scalar code
+   (llama.cpp repacks its CPU weights likewise, block_q4_Kx8). Each row's integers per super-block and
+   its float operations are those of K_FMA, as on the rows in GGUF's layout, so the results keep their
+   bits (docs/notes/2026-11-25-q4k-rows-in-eights.md, 2026-12-07-q6k-rows-in-eights.md). */
 #define X8 8
 #define X8_BYTES (X8 * 144)
+#define X8_6_BYTES (X8 * 210)
 
-/* Super-block s of eight interleaved rows (p) back to the Q4_K blocks of rows out + r * ldo. */
-static void x8_to_q4k(const uint8_t *p, uint8_t *out, long ldo) {
-    for (int r = 0; r < X8; r++) {
-        uint8_t *o = out + r * ldo;
-        memcpy(o, p + 2 * r, 2);
-        memcpy(o + 2, p + 16 + 2 * r, 2);
-        for (int j = 0; j < 12; j++) o[4 + j] = p[32 + 8 * j + r];
-        for (int k = 0; k < 16; k++) memcpy(o + 16 + 8 * k, p + 128 + 64 * k + 8 * r, 8);
+typedef struct {
+    int at, unit, len;
+} x8_piece;
+static const x8_piece X8_PIECES[2][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
+                                         {{0, 8, 128}, {128, 8, 64}, {192, 1, 16}, {208, 2, 2}}};
+
+/* Super-block s of eight interleaved rows in `fmt` (p) to or from the blocks of rows q + r * ldq. */
+static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
+    const x8_piece *piece = X8_PIECES[rows_fmt(fmt) == Q6_K];
+    long off = 0;
+    for (int k = 0; k < 4; k++) {
+        const int u = piece[k].unit;
+        for (int r = 0; r < X8; r++)
+            for (int i = 0; i < piece[k].len / u; i++) {
+                uint8_t *x8 = p + off + (long)(X8 * i + r) * u, *row = q + r * ldq + piece[k].at + i * u;
+                if (to_x8) memcpy(x8, row, (size_t)u);
+                else memcpy(row, x8, (size_t)u);
+            }
+        off += X8 * piece[k].len;
     }
 }
 
-/* N rows of Q4_K blocks (N a multiple of 8, rows of exactly K / 256 * 144 bytes) rearranged in place into
-   Q4_K_X8 (made at load: quant/tensor.py for_kernels). Returns 0, -1 for a shape it does not take, -2
-   without memory. */
-int hm_q4k_to_x8(uint8_t *W, long N, long K) {
-    if (N % X8 || K <= 0 || K % 256) return -1;
-    const long ns = K / 256, ldw = ns * 144;
+/* N rows of Q4_K or Q6_K blocks (`fmt`; N a multiple of 8, rows of exactly K / 256 blocks) rearranged in
+   place into rows in eights (made at load: quant/tensor.py for_kernels). Returns 0, -1 for a format or
+   shape it does not take, -2 without memory. */
+int hm_to_x8(int fmt, uint8_t *W, long N, long K) {
+    if ((fmt != Q4_K && fmt != Q6_K) || N % X8 || K <= 0 || K % 256) return -1;
+    const long bb = block_bytes(fmt), ns = K / 256, ldw = ns * bb;
     uint8_t *rows = malloc((size_t)(X8 * ldw));
     if (!rows) return -2;
     for (long n = 0; n < N; n += X8) {
         uint8_t *G = W + n * ldw;
         memcpy(rows, G, (size_t)(X8 * ldw));
-        for (long s = 0; s < ns; s++) {
-            uint8_t *p = G + s * X8_BYTES;
-            for (int r = 0; r < X8; r++) {
-                const uint8_t *o = rows + r * ldw + s * 144;
-                memcpy(p + 2 * r, o, 2);
-                memcpy(p + 16 + 2 * r, o + 2, 2);
-                for (int j = 0; j < 12; j++) p[32 + 8 * j + r] = o[4 + j];
-                for (int k = 0; k < 16; k++) memcpy(p + 128 + 64 * k + 8 * r, o + 16 + 8 * k, 8);
-            }
-        }
+        for (long s = 0; s < ns; s++) x8_move(fmt, G + s * X8 * bb, rows + s * bb, ldw, 1);
     }
     free(rows);
     return 0;
@@ -926,6 +942,96 @@ AVX512 static void dotk_x8_512(const uint8_t *W, long ldw, long n0, long n1, con
     }
 }
 
+/* Q6_K rows in eights: the scale words of sub-block j of eight rows, for vpdpwssd (row r's in the low
+   words of dword lanes 2r, 2r + 1), from the widened scales sw[j / 4] (word 8 (j % 4) + r). */
+AVX512 ALWAYS_INLINE __m512i x8_scale6(const __m512i sw[4], int j) {
+    return _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_loadu_si512((const void *)WSEL[j % 4]), sw[j / 4]);
+}
+
+/* Q6_K value register t (0..3) of a 64-byte load of ql (w) and its qh bits (qh): t = 0, 1 the low
+   nibbles with qh bits 0,1 and 2,3; t = 2, 3 the high nibbles with bits 4,5 and 6,7 (values 32t + l of
+   the half, l the chunk's byte places). */
+AVX512 ALWAYS_INLINE __m512i x8_q6(__m512i w, __m512i qh, int t) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i low = t < 2 ? _mm512_and_si512(w, m4) : _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+    const __m512i high = t == 0 ? _mm512_slli_epi16(qh, 4) : t == 1 ? _mm512_slli_epi16(qh, 2)
+                       : t == 2 ? qh : _mm512_srli_epi16(qh, 2);
+    return _mm512_ternarylogic_epi32(low, high, m30, 0xF8); /* low | (high & 0x30) */
+}
+
+/* Eight interleaved Q6_K rows at G (ns super-blocks) against the R tokens mi[0..R): Y[r * ldy + 0..8),
+   lane k row k. A 64-byte load of ql (chunk c of half h: its bytes 8c .. 8c + 7, c < 4 the values 8c..
+   of parts 0 and 2, c >= 4 of parts 1 and 3, a part being 32 values of the half) with its qh bits gives
+   two registers of 8 values of eight rows, dword lane 2k + i four of row k's. vpdpbusd sums each
+   lane's four products (|lane| <= 4 x 63 x 128: a word), vpdpwssd multiplies it by the row's scale of the
+   sub-block and adds; lanes 2k and 2k + 1 then give row k's isum, the scales' word pairs against the
+   activations' 16-value sums its csum (K_FMA, dm = -32 d). */
+AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
+                                         float *Y, long ldy) {
+    const __m512i MIDX = _mm512_loadu_si512((const void *)MIDX_W);
+    __m256 F[GROUP], Mn[GROUP]; /* acc and accm of the eight rows */
+    for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *p = G + s * X8_6_BYTES;
+        if (R == 1) prefetch_near_far(p, X8_6_BYTES);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 1664)));
+        const __m256 dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
+        __m512i sw[4], Z[GROUP];
+        const int8_t *x[GROUP];
+        for (int q = 0; q < 4; q++) sw[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p + 1536 + 32 * q)));
+        for (int r = 0; r < R; r++) {
+            x[r] = a->qs + mi[r] * a->K + s * 256;
+            Z[r] = _mm512_setzero_si512();
+        }
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 8; c++) { /* ql chunk 8h + c; qh chunk 4h + c % 4 */
+                const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (8 * h + c)));
+                const __m512i qh = _mm512_loadu_si512((const void *)(p + 1024 + 64 * (4 * h + c % 4)));
+                for (int t = c / 4; t < 4; t += 2) { /* part t: values 128h + 32t + 8 (c % 4) .. + 7 */
+                    const int v = 128 * h + 32 * t + 8 * (c % 4);
+                    const __m512i q = x8_q6(w, qh, t), S = x8_scale6(sw, v / 16);
+                    for (int r = 0; r < R; r++) {
+                        int64_t xv;
+                        memcpy(&xv, x[r] + v, 8);
+                        Z[r] = _mm512_dpwssd_epi32(Z[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_set1_epi64(xv)), S);
+                    }
+                }
+            }
+        __m512i mp[4]; /* dword lane 8i + r: row r's scales 4q + 2i, 4q + 2i + 1 */
+        for (int q = 0; q < 4; q++) mp[q] = _mm512_permutexvar_epi16(MIDX, sw[q]);
+        for (int r = 0; r < R; r++) {
+            const __m512i bs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a->bsum + (mi[r] * ns + s) * 16)));
+            __m512i C = _mm512_setzero_si512();
+            for (int q = 0; q < 4; q++) {
+                const __m512i pair = _mm512_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1,
+                                                       2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1);
+                C = _mm512_dpwssd_epi32(C, mp[q], _mm512_permutexvar_epi32(pair, bs));
+            }
+            __m256i csum = _mm256_add_epi32(_mm512_castsi512_si256(C), _mm512_extracti64x4_epi64(C, 1));
+            __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(Z[r], _mm512_srli_epi64(Z[r], 32)));
+            const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]);
+            F[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F[r]);
+            Mn[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(csum), _mm256_mul_ps(dm, dx), Mn[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
+}
+
+/* Rows [n0, n1) (whole eights) of Q6_K_X8 weights against tokens mi[0..R) (R <= GROUP). */
+AVX512 static void dotk6_x8_512(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
+                                float *Y, long ldy) {
+    const long ns = a->K / 256;
+    for (long n = n0; n < n1; n += X8) {
+        const uint8_t *G = W + n * ldw;
+        switch (R) {
+        case 1: dotk6_x8_512_t(1, G, ns, a, mi, Y + n, ldy); break;
+        case 2: dotk6_x8_512_t(2, G, ns, a, mi, Y + n, ldy); break;
+        case 3: dotk6_x8_512_t(3, G, ns, a, mi, Y + n, ldy); break;
+        default: dotk6_x8_512_t(GROUP, G, ns, a, mi, Y + n, ldy); break;
+        }
+    }
+}
+
 /* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
 
 typedef void (*dot_fn)(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
@@ -962,6 +1068,7 @@ static dot_fn dot_for(int fmt, int isa) {
     case Q4_1: return wide ? dot_512_Q4_1 : dot_avx2_Q4_1;
     case Q4_K:
     case Q4_K_X8: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;  /* on rows put back as Q4_K (product_x8) */
+    case Q6_K_X8: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
     case Q5_K: return wide ? dot_512_Q5_K : dot_avx2_Q5_K;
     case Q6_K: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
     }
@@ -985,7 +1092,8 @@ struct product {
     float *Y;
     long ldy;
     panel_fn panel; /* the many-token path, or NULL */
-    int x8;         /* Q4_K_X8 weights: the path (isa) that reads them, else 0 */
+    int x8;         /* rows in eights (Q4_K_X8, Q6_K_X8): the path (isa) that reads them, else 0 */
+    int fmt;        /* the weights' format */
 };
 
 static void product_x8(const product *p, long n0, long n1);
@@ -1010,11 +1118,11 @@ static void product_tiles(const product *p, long n0, long n1) {
     }
 }
 
-/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights. AVX-512 reads them as they lie, eight rows against up
+/* Rows [n0, n1) (whole eights) of rows in eights. AVX-512 reads them as they lie, eight rows against up
    to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every eight rows before the next
-   tokens (as product_tiles). AVX2 puts them back as Q4_K rows in a buffer once (a unit's rows: tens of
-   KB) and runs the Q4_K kernels there. Either way the results are Q4_K's bits. */
-/* Rows [n0, n1) (whole eights) and tokens [t0, t1) of a Q4_K_X8 product on AVX-512 VNNI. */
+   tokens (as product_tiles). AVX2 puts them back as GGUF rows in a buffer once (a unit's rows: tens of
+   KB) and runs those rows' kernels there. Either way the results are the GGUF rows' bits. */
+/* Rows [n0, n1) (whole eights) and tokens [t0, t1) of a product of rows in eights on AVX-512 VNNI. */
 static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
     for (long m0 = t0; m0 < t1; m0 += CHUNK_TOKENS) {
         long m1 = min_l(m0 + CHUNK_TOKENS, t1);
@@ -1023,7 +1131,8 @@ static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
                 long idx[GROUP];
                 int R = (int)min_l(m1 - m, GROUP);
                 for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
-                dotk_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+                if (p->fmt == Q6_K_X8) dotk6_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+                else dotk_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
             }
     }
 }
@@ -1035,13 +1144,14 @@ static void product_x8(const product *p, long n0, long n1) {
         if (!amx_x8(p, n0, n1)) x8_vnni(p, n0, n1, 0, p->M);
         return;
     }
-    const long ns = p->a->K / 256, ldq = ns * 144;
+    const long bb = block_bytes(p->fmt), ns = p->a->K / 256, ldq = ns * bb;
     uint8_t *buf = malloc((size_t)((n1 - n0) * ldq));
     if (!buf) abort(); /* a unit's rows: tens of KB */
     for (long n = n0; n < n1; n += X8)
-        for (long s = 0; s < ns; s++) x8_to_q4k(p->W + n * p->ldw + s * X8_BYTES, buf + (n - n0) * ldq + s * 144, ldq);
+        for (long s = 0; s < ns; s++)
+            x8_move(p->fmt, (uint8_t *)p->W + n * p->ldw + s * X8 * bb, buf + (n - n0) * ldq + s * bb, ldq, 0);
     product q = *p;
-    q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.x8 = 0;
+    q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.x8 = 0, q.fmt = rows_fmt(p->fmt);
     product_tiles(&q, 0, n1 - n0);
     free(buf);
 }
@@ -1065,7 +1175,10 @@ static void product_x8(const product *p, long n0, long n1) {
 #define AMX_ROWS 16
 #define AMX_TOKENS 16
 #define AMX_PLANE (64 * 64) /* a plane's bytes per super-block: 64 k-rows x 16 rows x 4 */
-#define AMX_SB (2 * AMX_PLANE + 4 * 64 + 2 * 64) /* a super-block's panel: 2 planes, minimums, d, -dmin */
+/* A super-block's panel: 2 planes, the minimums' (Q6_K: scales') word pairs against the activations' sums
+   (4 or 8 registers), d and dm. */
+#define AMX_PAIRS(fmt) ((fmt) == Q6_K_X8 ? 8 : 4)
+#define AMX_SB(fmt) (2 * AMX_PLANE + AMX_PAIRS(fmt) * 64 + 2 * 64)
 static int amx8_on;
 
 /* Whether products on rows in eights take the tiles (only once Linux granted them: native/quant.py). */
@@ -1075,7 +1188,7 @@ void hm_set_amx8(int on) { amx8_on = on; }
    rows (a routed expert's tokens are then quantised as its own rows: experts_run). Fewer than 32 tokens
    measured no faster on them (the panel's layout is made per 16 rows whatever the tokens). */
 #define AMX_MIN_TOKENS 32
-static int tiles_take(int fmt, int isa, long M) { return amx8_on && fmt == Q4_K_X8 && isa == PATH_AVX512 && M >= AMX_MIN_TOKENS; }
+static int tiles_take(int fmt, int isa, long M) { return amx8_on && is_x8(fmt) && isa == PATH_AVX512 && M >= AMX_MIN_TOKENS; }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1104,7 +1217,7 @@ AMX8 static void amx_panel(const uint8_t *const G[2], long ns, uint8_t *panel) {
                   odd = _mm512_loadu_si512((const void *)ODD_D), midx = _mm512_loadu_si512((const void *)MIDX_W);
     for (long s = 0; s < ns; s++) {
         const uint8_t *p[2] = {G[0] + s * X8_BYTES, G[1] + s * X8_BYTES};
-        uint8_t *lo_plane = panel + s * AMX_SB, *hi_plane = lo_plane + AMX_PLANE, *mins = hi_plane + AMX_PLANE;
+        uint8_t *lo_plane = panel + s * AMX_SB(Q4_K_X8), *hi_plane = lo_plane + AMX_PLANE, *mins = hi_plane + AMX_PLANE;
         float *d = (float *)(mins + 4 * 64);
         __m512i sw[2][2];
         __m256i mn[2][2];
@@ -1145,18 +1258,66 @@ AMX8 static void amx_panel(const uint8_t *const G[2], long ns, uint8_t *panel) {
     }
 }
 
-/* TT tiles of 16 tokens from m (consecutive rows of `a`) against a panel of 16 rows: Y[t * ldy + 0..16).
-   Tiles: C lo / hi of token tile i at 2i, 2i + 1; A of tile i at 4 + 3i; the B planes at 5, 6. */
-AMX8 ALWAYS_INLINE void amx_tokens(const int TT, const uint8_t *panel, long ns, const acts *a, long m, float *Y,
-                                   long ldy) {
+/* Q6_K rows in eights G[0], G[1] (16 rows, ns super-blocks) as `panel`, AMX_SB(Q6_K_X8) bytes a
+   super-block: the two B tile planes of scale x q (signed: its low byte and the byte above, -32 .. 31),
+   k-rows in the activations' natural order; then the scales' word pairs (8 x 16 dwords: row r's scales
+   2i, 2i + 1), then d and -32 d as fp32 (16 each). */
+AMX8 static void amx_panel6(const uint8_t *const G[2], long ns, uint8_t *panel) {
+    const __m512i even = _mm512_loadu_si512((const void *)EVEN_D), odd = _mm512_loadu_si512((const void *)ODD_D),
+                  midx = _mm512_loadu_si512((const void *)MIDX_W), low = _mm512_set1_epi16(0x00FF);
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *p[2] = {G[0] + s * X8_6_BYTES, G[1] + s * X8_6_BYTES};
+        uint8_t *lo_plane = panel + s * AMX_SB(Q6_K_X8), *hi_plane = lo_plane + AMX_PLANE, *pairs = hi_plane + AMX_PLANE;
+        float *d = (float *)(pairs + 8 * 64);
+        __m512i sw[2][4];
+        for (int e = 0; e < 2; e++) {
+            for (int q = 0; q < 4; q++)
+                sw[e][q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p[e] + 1536 + 32 * q)));
+            const __m256 de = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[e] + 1664)));
+            _mm256_storeu_ps(d + 8 * e, de);
+            _mm256_storeu_ps(d + 16 + 8 * e, _mm256_mul_ps(de, _mm256_set1_ps(-32.0f)));
+        }
+        for (int i = 0; i < 8; i++) { /* scales 2i, 2i + 1: lanes 8 (i % 2) + r of the pairs of sw[.][i / 2], 16 rows */
+            const __m512i lanes = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                                                   _mm512_set1_epi32(8 * (i % 2)));
+            const __m512i m0 = _mm512_permutexvar_epi16(midx, sw[0][i / 2]), m1 = _mm512_permutexvar_epi16(midx, sw[1][i / 2]);
+            _mm512_storeu_si512((void *)(pairs + 64 * i), _mm512_permutex2var_epi32(m0, lanes, m1));
+        }
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 8; c++)
+                for (int t = c / 4; t < 4; t += 2) { /* values v .. v + 7: k-rows v / 4, v / 4 + 1 */
+                    const int v = 128 * h + 32 * t + 8 * (c % 4), j = v / 16;
+                    __m512i lo[2], hi[2];
+                    for (int e = 0; e < 2; e++) {
+                        const __m512i w = _mm512_loadu_si512((const void *)(p[e] + 64 * (8 * h + c)));
+                        const __m512i qh = _mm512_loadu_si512((const void *)(p[e] + 1024 + 64 * (4 * h + c % 4)));
+                        const __m512i S = _mm512_and_si512(
+                            _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)WSEL[j % 4]), sw[e][j / 4]), low);
+                        scaled_bytes(x8_q6(w, qh, t), S, &lo[e], &hi[e]);
+                    }
+                    const long k = v / 4;
+                    _mm512_storeu_si512((void *)(lo_plane + 64 * k), _mm512_permutex2var_epi32(lo[0], even, lo[1]));
+                    _mm512_storeu_si512((void *)(lo_plane + 64 * (k + 1)), _mm512_permutex2var_epi32(lo[0], odd, lo[1]));
+                    _mm512_storeu_si512((void *)(hi_plane + 64 * k), _mm512_permutex2var_epi32(hi[0], even, hi[1]));
+                    _mm512_storeu_si512((void *)(hi_plane + 64 * (k + 1)), _mm512_permutex2var_epi32(hi[0], odd, hi[1]));
+                }
+    }
+}
+
+/* TT tiles of 16 tokens from m (consecutive rows of `a`) against a panel of 16 rows in `fmt` (Q4_K_X8,
+   Q6_K_X8): Y[t * ldy + 0..16). Tiles: C lo / hi of token tile i at 2i, 2i + 1; A of tile i at 4 + 3i;
+   the B planes at 5, 6. The high plane is signed (Q6_K's scales are; Q4_K's high bits, 0..3, read the
+   same either way). */
+AMX8 ALWAYS_INLINE void amx_tokens(const int fmt, const int TT, const uint8_t *panel, long ns, const acts *a, long m,
+                                   float *Y, long ldy) {
     int32_t C[4][AMX_TOKENS * AMX_ROWS];
     float F[2 * AMX_TOKENS][AMX_ROWS], Fm[2 * AMX_TOKENS][AMX_ROWS];
     memset(F, 0, sizeof(float) * TT * AMX_TOKENS * AMX_ROWS);
     memset(Fm, 0, sizeof(float) * TT * AMX_TOKENS * AMX_ROWS);
     for (long s = 0; s < ns; s++) {
-        const uint8_t *P = panel + s * AMX_SB;
+        const uint8_t *P = panel + s * AMX_SB(fmt);
         const __m512i *mins = (const __m512i *)(P + 2 * AMX_PLANE);
-        const float *dd = (const float *)(P + 2 * AMX_PLANE + 4 * 64);
+        const float *dd = (const float *)(P + 2 * AMX_PLANE + AMX_PAIRS(fmt) * 64);
         const int8_t *A = a->qs + m * a->K + s * 256;
         _tile_zero(0);
         _tile_zero(1);
@@ -1169,11 +1330,11 @@ AMX8 ALWAYS_INLINE void amx_tokens(const int TT, const uint8_t *panel, long ns, 
             _tile_loadd(6, P + AMX_PLANE + 1024 * j, 64);
             _tile_loadd(4, A + 64 * j, a->K);
             _tile_dpbsud(0, 4, 5);
-            _tile_dpbsud(1, 4, 6);
+            _tile_dpbssd(1, 4, 6);
             if (TT == 2) {
                 _tile_loadd(7, A + AMX_TOKENS * a->K + 64 * j, a->K);
                 _tile_dpbsud(2, 7, 5);
-                _tile_dpbsud(3, 7, 6);
+                _tile_dpbssd(3, 7, 6);
             }
         }
         _tile_stored(0, C[0], 64);
@@ -1187,9 +1348,11 @@ AMX8 ALWAYS_INLINE void amx_tokens(const int TT, const uint8_t *panel, long ns, 
             const int32_t *lo = C[2 * (t / AMX_TOKENS)] + 16 * (t % AMX_TOKENS), *hi = lo + AMX_TOKENS * AMX_ROWS;
             const __m512i isum = _mm512_add_epi32(_mm512_loadu_si512((const void *)lo),
                                                   _mm512_slli_epi32(_mm512_loadu_si512((const void *)hi), 8));
-            const int32_t *bp = a->bpair + ((m + t) * ns + s) * 4;
+            /* the activations' sums as dwords of word pairs: Q4_K's block pairs, Q6_K's 16-value sums */
+            const int32_t *bp = fmt == Q6_K_X8 ? (const int32_t *)(a->bsum + ((m + t) * ns + s) * 16)
+                                               : a->bpair + ((m + t) * ns + s) * 4;
             __m512i csum = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++) csum = _mm512_dpwssd_epi32(csum, mins[j], _mm512_set1_epi32(bp[j]));
+            for (int j = 0; j < AMX_PAIRS(fmt); j++) csum = _mm512_dpwssd_epi32(csum, mins[j], _mm512_set1_epi32(bp[j]));
             const __m512 dx = _mm512_set1_ps(a->dx[(m + t) * ns + s]);
             _mm512_storeu_ps(F[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), _mm512_loadu_ps(F[t])));
             _mm512_storeu_ps(Fm[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(csum), _mm512_mul_ps(dm, dx), _mm512_loadu_ps(Fm[t])));
@@ -1199,13 +1362,14 @@ AMX8 ALWAYS_INLINE void amx_tokens(const int TT, const uint8_t *panel, long ns, 
         _mm512_storeu_ps(Y + t * ldy, _mm512_add_ps(_mm512_loadu_ps(F[t]), _mm512_loadu_ps(Fm[t])));
 }
 
-/* Rows [n0, n1) of a Q4_K_X8 product on the tiles where they apply, the rest on the VNNI path; 0 where
-   the tiles do not apply at all (the caller then runs it all on the VNNI path). */
+/* Rows [n0, n1) of a product of rows in eights on the tiles where they apply, the rest on the VNNI path; 0
+   where the tiles do not apply at all (the caller then runs it all on the VNNI path). */
 AMX8 static int amx_x8(const product *p, long n0, long n1) {
     const long rows = (n1 - n0) / AMX_ROWS * AMX_ROWS, tokens = p->M / AMX_TOKENS * AMX_TOKENS;
     const long ns = p->a->K / 256;
-    if (!tiles_take(Q4_K_X8, p->x8, p->M) || p->mi || !rows) return 0;
-    uint8_t *panel = aligned_alloc(64, (size_t)(ns * AMX_SB));
+    const int six = p->fmt == Q6_K_X8;
+    if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || !rows) return 0;
+    uint8_t *panel = aligned_alloc(64, (size_t)(ns * AMX_SB(p->fmt)));
     if (!panel) return 0;
     tile_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -1214,11 +1378,19 @@ AMX8 static int amx_x8(const product *p, long n0, long n1) {
     _tile_loadconfig(&cfg);
     for (long n = n0; n < n0 + rows; n += AMX_ROWS) {
         const uint8_t *G[2] = {p->W + n * p->ldw, p->W + (n + X8) * p->ldw};
-        amx_panel(G, ns, panel);
+        if (six) amx_panel6(G, ns, panel);
+        else amx_panel(G, ns, panel);
         long m = 0;
-        for (; m + 2 * AMX_TOKENS <= tokens; m += 2 * AMX_TOKENS)
-            amx_tokens(2, panel, ns, p->a, m, p->Y + m * p->ldy + n, p->ldy);
-        if (m < tokens) amx_tokens(1, panel, ns, p->a, m, p->Y + m * p->ldy + n, p->ldy);
+        for (; m + 2 * AMX_TOKENS <= tokens; m += 2 * AMX_TOKENS) {
+            float *Y = p->Y + m * p->ldy + n;
+            if (six) amx_tokens(Q6_K_X8, 2, panel, ns, p->a, m, Y, p->ldy);
+            else amx_tokens(Q4_K_X8, 2, panel, ns, p->a, m, Y, p->ldy);
+        }
+        if (m < tokens) {
+            float *Y = p->Y + m * p->ldy + n;
+            if (six) amx_tokens(Q6_K_X8, 1, panel, ns, p->a, m, Y, p->ldy);
+            else amx_tokens(Q4_K_X8, 1, panel, ns, p->a, m, Y, p->ldy);
+        }
     }
     _tile_release();
     free(panel);
@@ -1363,11 +1535,11 @@ static void product_rows(const product *p, long n0, long n1) {
 static long unit_rows(int fmt, long ldw, long M) {
     long rows = UNIT_BYTES / (ldw * (M < GROUP ? 1 : M / GROUP));
     rows = rows > MIN_UNIT_ROWS ? rows : MIN_UNIT_ROWS;
-    return fmt == Q4_K_X8 ? (rows + X8 - 1) / X8 * X8 : rows; /* whole eights */
+    return is_x8(fmt) ? (rows + X8 - 1) / X8 * X8 : rows; /* whole eights */
 }
 
-/* Which path reads Q4_K_X8 weights in a product (product_x8), 0 for other formats. */
-static int x8_path(int fmt, int isa) { return fmt == Q4_K_X8 ? isa : 0; }
+/* Which path reads rows in eights in a product (product_x8), 0 for other formats. */
+static int x8_path(int fmt, int isa) { return is_x8(fmt) ? isa : 0; }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
 
@@ -1376,7 +1548,7 @@ static int x8_path(int fmt, int isa) { return fmt == Q4_K_X8 ? isa : 0; }
 
 static int check_shape(int fmt, long ldw, long K) {
     if (!block_bytes(fmt) || K <= 0 || K % block_elems(fmt)) return -1;
-    if (fmt == Q4_K_X8) return ldw == K / 256 * 144 ? 0 : -1; /* eights of whole rows, no padding */
+    if (is_x8(fmt)) return ldw == K / 256 * block_bytes(fmt) ? 0 : -1; /* eights of whole rows, no padding */
     return ldw >= K / block_elems(fmt) * block_bytes(fmt) ? 0 : -1;
 }
 
@@ -1399,10 +1571,10 @@ static void linear_region(void *arg, int t, int T) {
    on up to `threads` threads. */
 int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16, long M,
                float *Y, long ldy, int threads, int isa) {
-    if (check_shape(fmt, ldw, K) || (fmt == Q4_K_X8 && N % X8)) return -1;
+    if (check_shape(fmt, ldw, K) || (is_x8(fmt) && N % X8)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K)) return -2;
-    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K), x8_path(fmt, isa)}, N,
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K), x8_path(fmt, isa), fmt}, N,
                      unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
     long units = (N + c.rows - 1) / c.rows;
@@ -1424,7 +1596,7 @@ typedef struct {
 /* Which quantised activations a format's kernels read: formats with the same key read the same
    (blocks of 32 differ in the offset folded into So; Q6_K's super-blocks keep their natural block
    order, Q4_K's and Q5_K's the paired one). */
-static int acts_key(int fmt) { return is_k(fmt) ? 1 + (fmt != Q6_K) : 3 + offset_of(fmt); }
+static int acts_key(int fmt) { return is_k(fmt) ? 1 + (rows_fmt(fmt) != Q6_K) : 3 + offset_of(fmt); }
 
 typedef struct {
     const qproduct *p;
@@ -1454,7 +1626,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
                     int isa) {
     if (n > 8) return -1;
     for (long i = 0; i < n; i++)
-        if (check_shape((int)p[i].fmt, p[i].ldw, K) || (p[i].fmt == Q4_K_X8 && p[i].N % X8)) return -1;
+        if (check_shape((int)p[i].fmt, p[i].ldw, K) || (is_x8((int)p[i].fmt) && p[i].N % X8)) return -1;
     acts a[8];
     product pr[8];
     long first[9] = {0}, rows[8], owner[8];
@@ -1467,7 +1639,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
         pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
-                          panel_for(fmt, isa, M, K), x8_path(fmt, isa)};
+                          panel_for(fmt, isa, M, K), x8_path(fmt, isa), fmt};
         rows[i] = unit_rows(fmt, p[i].ldw, M);
         first[i + 1] = first[i] + (p[i].N + rows[i] - 1) / rows[i];
     }
@@ -1515,7 +1687,7 @@ static void gate_up_unit(experts_call *c, long i, long u) {
     product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]],
                  c->own[i] ? NULL : e->rows,
                  e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H),
-                 x8_path((int)e->fmt_gu, c->isa)};
+                 x8_path((int)e->fmt_gu, c->isa), (int)e->fmt_gu};
     product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
@@ -1523,7 +1695,7 @@ static void down_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long n0 = u * c->rows3[i];
     product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H,
-                 panel_for((int)e->fmt_d, c->isa, e->M, c->I), x8_path((int)e->fmt_d, c->isa)};
+                 panel_for((int)e->fmt_d, c->isa, e->M, c->I), x8_path((int)e->fmt_d, c->isa), (int)e->fmt_d};
     product_rows(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
@@ -1579,7 +1751,7 @@ static void experts_region(void *arg, int t, int T) {
 static int experts_run(const expert_job *e, long n, long H, long I, int x_bf16, long xrows, int threads, int isa) {
     for (long i = 0; i < n; i++)
         if (check_shape((int)e[i].fmt_gu, e[i].ld_gu, H) || check_shape((int)e[i].fmt_d, e[i].ld_d, I) ||
-            (e[i].fmt_gu == Q4_K_X8 && I % X8) || (e[i].fmt_d == Q4_K_X8 && H % X8))
+            (is_x8((int)e[i].fmt_gu) && I % X8) || (is_x8((int)e[i].fmt_d) && H % X8))
             return -1;
     experts_call c = {.e = e, .n = n, .H = H, .I = I, .xrows = xrows, .x_bf16 = x_bf16, .isa = isa};
     size_t words = (size_t)n * 6 + 2;
@@ -1952,11 +2124,11 @@ static void values_of(int fmt, const uint8_t *b, float *y) {
 /* Rows ids[0..n) of W [N, K] (`fmt` blocks, rows ldw bytes apart) as values, into out [n, K]: fp32, or bf16
    when out_bf16 (rounded to nearest even by rows.h's bf16, as torch's .to(torch.bfloat16) rounds; a NaN, which
    no valid block holds, stays a NaN, though not with torch's bits: it writes every NaN as 0xffff). Returns 0,
-   -1 for a format or width it does not take (Q4_K_X8 among them: quant/tensor.py looks those rows up in
+   -1 for a format or width it does not take (rows in eights among them: quant/tensor.py looks those rows up in
    torch), -3 for an id outside 0 .. N-1 (nothing written). */
 int hm_qrows(int fmt, const uint8_t *W, long ldw, long N, long K, const int64_t *ids, long n, void *out,
              int out_bf16) {
-    if (fmt == Q4_K_X8 || check_shape(fmt, ldw, K)) return -1;
+    if (is_x8(fmt) || check_shape(fmt, ldw, K)) return -1;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -3;
     const long elems = block_elems(fmt), bytes = block_bytes(fmt);

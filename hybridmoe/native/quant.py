@@ -44,8 +44,8 @@ SIGNATURES = {
     "hm_qexperts": ([P, N, N, N, INT, INT, INT], INT),
     # int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out)
     "hm_quantize": ([INT, P, N, N, P], INT),
-    # int hm_q4k_to_x8(uint8_t *W, long N, long K)
-    "hm_q4k_to_x8": ([P, N, N], INT),
+    # int hm_to_x8(int fmt, uint8_t *W, long N, long K)
+    "hm_to_x8": ([INT, P, N, N], INT),
     # int hm_qrows(int fmt, const uint8_t *W, long ldw, long N, long K, const int64_t *ids, long n,
     #              void *out, int out_bf16)
     "hm_qrows": ([INT, P, N, N, N, P, N, P, INT], INT),
@@ -338,17 +338,18 @@ def quantize(x: torch.Tensor, fmt: int, row_bytes: int) -> torch.Tensor:
     return out
 
 
-def to_rows_in_eights(data: torch.Tensor, cols: int) -> None:
-    """Q4_K rows [N, row bytes] (N a multiple of 8, contiguous) rearranged in place into
-    q4_k_x8 (quant/interleave.py's layout; quant.c's hm_q4k_to_x8 says it byte by byte)."""
-    _check(library().hm_q4k_to_x8(data.data_ptr(), data.shape[0], cols), "rows in eights")
+def to_rows_in_eights(data: torch.Tensor, fmt: int, cols: int) -> None:
+    """Q4_K or Q6_K rows (ggml type `fmt`) [N, row bytes] (N a multiple of 8, contiguous)
+    rearranged in place into rows in eights (quant/interleave.py's layouts; quant.c's hm_to_x8
+    says them byte by byte)."""
+    _check(library().hm_to_x8(fmt, data.data_ptr(), data.shape[0], cols), "rows in eights")
 
 
 def rows(
     data: torch.Tensor, fmt: int, cols: int, ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Rows `ids` [n] (integers, 0 .. N-1) of the matrix in blocks `data` [N, row bytes] of ggml
-    type `fmt` (not q4_k_x8) -> their values [n, cols] in `dtype` (fp32 or bf16): the bits of
+    type `fmt` (not rows in eights) -> their values [n, cols] in `dtype` (fp32 or bf16): the bits of
     quant/dequant.py's, in one call."""
     data = data if data.stride(-1) == 1 else data.contiguous()
     ids = ids.reshape(-1).to(torch.int64).contiguous()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.quant.formats import Q4_K_X8, Format
+from hybridmoe.quant.formats import LAYOUTS, Format
 from hybridmoe.quant.interleave import deinterleave
 
 
@@ -89,7 +89,7 @@ _DEQUANT = {
 def dequantize(data: torch.Tensor, fmt: Format, cols: int) -> torch.Tensor:
     """uint8 [rows, row bytes] of `fmt` blocks -> float32 [rows, cols]."""
     rows = data.shape[0]
-    if fmt == Q4_K_X8:
-        data = deinterleave(data)
+    if fmt.name in LAYOUTS:
+        data = deinterleave(data, fmt.family)
     blocks = data.reshape(rows, cols // fmt.block, fmt.nbytes)
     return _DEQUANT[fmt.blocks_of](blocks).reshape(rows, cols)

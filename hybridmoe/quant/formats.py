@@ -16,9 +16,10 @@ Each row of a matrix [rows, cols] is cols / block blocks of `nbytes` bytes, one 
 | q6_k | 256   | 210   | ql[128], qh[64]: low 4 and high 2 bits; int8        | d sc_t (q - 32)   |
 |      |       |       | scales[16] (one per 16 values); d                   |                   |
 
-One layout is not GGUF's: q4_k_x8 holds q4_k blocks with rows interleaved eight at a time, the same
-bytes rearranged for the AVX-512 one-token product (quant/interleave.py; made at load, never
-written to a file). Its `family` is q4_k: its values, its cost, its bytes on the bus.
+Two layouts are not GGUF's: q4_k_x8 and q6_k_x8 hold q4_k and q6_k blocks with rows interleaved
+eight at a time, the same bytes rearranged for the AVX-512 products (quant/interleave.py; made at
+load, never written to a file). Their `family` is q4_k or q6_k: their values, their cost, their
+bytes on the bus.
 """
 
 from __future__ import annotations
@@ -59,10 +60,13 @@ FORMATS = {
         Format("q6_k", 14, 256, 210),
     )
 }
-# Layouts of those blocks that only the engine makes (no file holds them); 268 is no ggml type but
-# native/quant.c's Q4_K_X8.
+# Layouts of those blocks that only the engine makes (no file holds them); 268 and 270 are no ggml
+# types but native/quant.c's Q4_K_X8 and Q6_K_X8.
 Q4_K_X8 = Format("q4_k_x8", 268, 256, 144, family="q4_k")
-LAYOUTS = {Q4_K_X8.name: Q4_K_X8}
+Q6_K_X8 = Format("q6_k_x8", 270, 256, 210, family="q6_k")
+LAYOUTS = {f.name: f for f in (Q4_K_X8, Q6_K_X8)}
+# a GGUF format -> its rows in eights
+IN_EIGHTS = {f.family: f for f in LAYOUTS.values()}
 BY_GGML = {f.ggml: f for f in FORMATS.values()}
 # The formats `--quant` quantises to at load (and GGUF writers write): the others are read only.
 QUANTIZE_TO = ("q8_0", "q4_k", "q4_0", "q6_k")

@@ -17,7 +17,7 @@ from hybridmoe import invariance, native
 from hybridmoe.native import bf16 as bf16_kernels
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.dequant import dequantize
-from hybridmoe.quant.formats import FORMATS, Q4_K_X8, Format
+from hybridmoe.quant.formats import FORMATS, IN_EIGHTS, LAYOUTS, Format
 from hybridmoe.quant.interleave import ROWS, deinterleave
 from hybridmoe.quant.transposed import times
 from hybridmoe.tuning import DEQUANTISE_FROM_ROWS
@@ -79,10 +79,11 @@ class QTensor:
 
     def rows(self, index) -> QTensor:
         """The rows `index` selects (a slice, a list or a tensor of row numbers); rows in eights
-        come out as the q4_k rows they are (a copy of the whole matrix first: for loading, not
-        for a step)."""
-        if self.fmt == Q4_K_X8:
-            return QTensor(deinterleave(self.data)[index], FORMATS["q4_k"], self.cols)
+        come out as the q4_k or q6_k rows they are (a copy of the whole matrix first: for loading,
+        not for a step)."""
+        if self.fmt.name in LAYOUTS:
+            rows = deinterleave(self.data, self.fmt.family)[index]
+            return QTensor(rows, FORMATS[self.fmt.family], self.cols)
         return QTensor(self.data[index], self.fmt, self.cols)
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -130,14 +131,15 @@ class QTensor:
 
 
 def for_kernels(m: QTensor) -> QTensor:
-    """m in the layout the CPU kernels read fastest: Q4_K rows in eights (quant/interleave.py) where
-    the AVX-512 path runs and every part's rows are whole eights of unpadded rows; else m. The
+    """m in the layout the CPU kernels read fastest: Q4_K and Q6_K rows in eights
+    (quant/interleave.py) where the AVX-512 path runs and every part's rows are whole eights of
+    unpadded rows; else m. The
     bytes are rearranged in place: a part viewing a model file's copy-on-write map turns its pages
     into the process's own, in the place of the file's, so resident memory does not grow; but
     those pages can no longer be dropped, so the loader marks a file's blocks `keep_layout` where
     its Q4_K bytes would not fit in the free memory (loader/gguf_file.py)."""
     if (
-        m.fmt.name != "q4_k"
+        m.fmt.name not in IN_EIGHTS
         or m.keep_layout
         or m.device.type != "cpu"
         or not kernels.available()
@@ -147,8 +149,8 @@ def for_kernels(m: QTensor) -> QTensor:
     if not all(p.shape[0] % ROWS == 0 and p.is_contiguous() for p in m.parts):
         return m
     for part in m.parts:
-        kernels.to_rows_in_eights(part, m.cols)
-    return QTensor(m.parts, Q4_K_X8, m.cols)
+        kernels.to_rows_in_eights(part, m.fmt.ggml, m.cols)
+    return QTensor(m.parts, IN_EIGHTS[m.fmt.name], m.cols)
 
 
 def dense(m, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -198,7 +200,7 @@ def dequantised_applies(rows: torch.Tensor, w: QTensor) -> bool:
         rows.shape[0] >= DEQUANTISE_FROM_ROWS
         and rows.dtype == torch.bfloat16
         and not invariance.active()
-        and w.fmt.name != Q4_K_X8.name
+        and w.fmt.name not in LAYOUTS
         and bf16_kernels.cpu_has_native_bf16()
     )
 
