@@ -124,6 +124,13 @@ def test_many_tokens_on_the_tiles_keep_the_vnni_paths_bits(fmt, tiles_back_on):
             ys.append([kernels.linear(x, IN_EIGHTS[fmt].ggml, x8, k, None, w) for w in (1, 2)])
         assert all(torch.equal(a, b) for a, b in zip(*ys)), (n, k, m)
         assert torch.equal(*ys[0]), "a thread count changed a bit"
+        # several products of one quantisation (q, k and v), the first in GGUF's layout
+        plain = blocks("q4_k", n, k, 7)
+        weights = [(FORMATS["q4_k"].ggml, plain), (IN_EIGHTS[fmt].ggml, x8)]
+        kernels.use_tiles(True)
+        both = kernels.linears(x, weights, k)
+        assert torch.equal(both[1], ys[1][0])
+        assert torch.equal(both[0], kernels.linear(x, FORMATS["q4_k"].ggml, plain, k))
     hidden, inter, count, top = 512, 256, 6, 3
     experts = [
         (

@@ -176,6 +176,7 @@ typedef struct {
     float *Sf;      /* blocks of 32: [M, K/32, 8], dx * the lane's byte sum */
     int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
     int32_t *bpair; /* K-quants: [M, K/256, 4], dword j: the sums of natural blocks 2j, 2j + 1 as words */
+    int8_t *qt;     /* NULL, or qs's first M / 16 * 16 rows for AMX tiles (acts_of's `tiles`) */
     void *mem;
 } acts;
 
@@ -275,17 +276,26 @@ AVX2 static void q8k_rows(const void *x, long ldx, int x_bf16, const long *rows,
 }
 
 /* Room for M rows of K values quantised for `fmt` (rows[m] of x, or row m where rows is NULL), and the
-   quantisation; 0, or -2 without memory. */
-static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const long *rows, long M, long K) {
+   quantisation; 0, or -2 without memory. With `tiles` (products that take the AMX tiles), also the bytes
+   of each 16 rows in the order their A tiles read them, `qt`: per 16 rows and 64 columns, 16 x 64 bytes
+   in a row. Read in place, 16 rows K bytes apart (K = 2048: 16 lines in 2 sets of the L1 cache), the
+   tiles' loads took more time than their products (1 MB copied at 512 tokens: ~50 us). */
+static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const long *rows, long M, long K,
+                   int tiles) {
     long nb = K / 32, ns = K / 256;
     size_t q = ((size_t)(M * K) + 63) & ~(size_t)63;
     size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * 8 * 12;
+    size_t qt = tiles ? (size_t)(M / 16 * 16 * K) : 0;
     a->K = K;
-    a->mem = malloc(q + per + 64);
+    a->mem = malloc(q + per + qt + 128);
     if (!a->mem) return -2;
     char *p = a->mem;
     a->qs = (int8_t *)p;
+    a->qt = NULL;
     p += q;
+    if (tiles) {
+        a->qt = (int8_t *)(((uintptr_t)(p + per) + 63) & ~(uintptr_t)63);
+    }
     if (is_k(fmt)) {
         a->dx = (float *)p;
         a->bsum = (int16_t *)(p + 4 * M * ns);
@@ -297,6 +307,10 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
         a->Sf = (float *)(p + 64 * M * nb);
         q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), a);
     }
+    for (long T = 0; a->qt && T < M / 16; T++)
+        for (long c = 0; c < K / 64; c++)
+            for (int i = 0; i < 16; i++)
+                memcpy(a->qt + ((T * (K / 64) + c) * 16 + i) * 64, a->qs + (16 * T + i) * K + 64 * c, 64);
     return 0;
 }
 
@@ -1330,7 +1344,10 @@ AMX8 ALWAYS_INLINE void amx_tokens(const int fmt, const int TT, const uint8_t *p
         const uint8_t *P = panel + s * AMX_SB(fmt);
         const __m512i *mins = (const __m512i *)(P + 2 * AMX_PLANE);
         const float *dd = (const float *)(P + 2 * AMX_PLANE + AMX_PAIRS(fmt) * 64);
-        const int8_t *A = a->qs + m * a->K + s * 256;
+        /* token tile i's 64 columns j: in qt (16 x 64 bytes in a row), else in place (rows K apart); the
+           next token tile 16 K bytes on either way */
+        const long lda = a->qt ? 64 : a->K, step = a->qt ? 1024 : 64, next = AMX_TOKENS * a->K;
+        const int8_t *A = a->qt ? a->qt + (m / AMX_TOKENS * (a->K / 64) + 4 * s) * 1024 : a->qs + m * a->K + s * 256;
         _tile_zero(0);
         _tile_zero(1);
         if (TT == 2) {
@@ -1340,11 +1357,11 @@ AMX8 ALWAYS_INLINE void amx_tokens(const int fmt, const int TT, const uint8_t *p
         for (int j = 0; j < 4; j++) { /* positions 64j .. 64j + 63: k-rows 16j .. 16j + 15 */
             _tile_loadd(5, P + 1024 * j, 64);
             _tile_loadd(6, P + AMX_PLANE + 1024 * j, 64);
-            _tile_loadd(4, A + 64 * j, a->K);
+            _tile_loadd(4, A + step * j, lda);
             _tile_dpbsud(0, 4, 5);
             _tile_dpbssd(1, 4, 6);
             if (TT == 2) {
-                _tile_loadd(7, A + AMX_TOKENS * a->K + 64 * j, a->K);
+                _tile_loadd(7, A + next + step * j, lda);
                 _tile_dpbsud(2, 7, 5);
                 _tile_dpbssd(3, 7, 6);
             }
@@ -1585,7 +1602,7 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
                float *Y, long ldy, int threads, int isa) {
     if (check_shape(fmt, ldw, K) || (is_x8(fmt) && N % X8)) return -1;
     acts a;
-    if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K)) return -2;
+    if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K, tiles_take(fmt, isa, M))) return -2;
     linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K), x8_path(fmt, isa), fmt}, N,
                      unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
@@ -1647,7 +1664,8 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
         owner[i] = i;
         for (long j = 0; j < i && owner[i] == i; j++)
             if (acts_key((int)p[j].fmt) == acts_key((int)p[i].fmt)) owner[i] = j;
-        if (owner[i] == i && !status) status = acts_of(&a[i], (int)p[i].fmt, x, ldx, x_bf16, NULL, M, K);
+        if (owner[i] == i && !status)
+            status = acts_of(&a[i], (int)p[i].fmt, x, ldx, x_bf16, NULL, M, K, tiles_take((int)p[i].fmt, isa, M));
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
         pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
@@ -1719,7 +1737,8 @@ AVX2 static void swiglu_unit(experts_call *c, long i) {
         float *g = c->gu[i] + m * 2 * I, *u = g + I;
         for (long k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
     }
-    if (acts_of(&c->ah[i], (int)e->fmt_d, c->gu[i], 2 * I, 0, NULL, e->M, I)) atomic_store(&c->status, -2);
+    if (acts_of(&c->ah[i], (int)e->fmt_d, c->gu[i], 2 * I, 0, NULL, e->M, I, tiles_take((int)e->fmt_d, c->isa, e->M)))
+        atomic_store(&c->status, -2);
 }
 
 /* Four stages, each starting when every unit of the one before is done (stage_wait): a thread the OS
@@ -1732,7 +1751,8 @@ static void experts_region(void *arg, int t, int T) {
     while ((u = next_unit(&c->next[0], c->n)) >= 0) {  /* quantise each distinct token set once */
         const expert_job *e = &c->e[u];
         if (c->owner[u] == u && acts_of(&c->ax[u], (int)e->fmt_gu, e->x, e->ldx, c->x_bf16, c->own[u] ? e->rows : NULL,
-                                        e->rows && !c->own[u] ? c->xrows : e->M, c->H))
+                                        e->rows && !c->own[u] ? c->xrows : e->M, c->H,
+                                        (c->own[u] || !e->rows) && tiles_take((int)e->fmt_gu, c->isa, e->M)))
             atomic_store(&c->status, -2);
         atomic_fetch_add(&c->done[0], 1);
     }
