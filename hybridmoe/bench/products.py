@@ -57,6 +57,7 @@ def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -
     import torch.nn.functional as F
 
     from hybridmoe.native import quant as kernels
+    from hybridmoe.quant.formats import LAYOUTS
     from hybridmoe.quant.tensor import QTensor, for_kernels
 
     gen = torch.Generator().manual_seed(n * 7 + k)
@@ -89,7 +90,9 @@ def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -
         "ours_ms": ms["ours"],
         "onednn_ms": ms["onednn"],
         "ratio": ms["onednn"] / ms["ours"],  # > 1: ours is faster
-        "tiles": fmt == "q4_k" and kernels.tiles_active() and tokens >= kernels.TILES_FROM_TOKENS,
+        "tiles": ours_w.fmt.name in LAYOUTS
+        and kernels.tiles_active()
+        and tokens >= kernels.TILES_FROM_TOKENS,
         "max_rel_diff": float((a - b).abs().max() / b.abs().max()),
     }
 

@@ -1182,21 +1182,25 @@ static void product_x8(const product *p, long n0, long n1) {
     free(buf);
 }
 
-/* ---- Q4_K rows in eights against many tokens on AMX-INT8 tiles ---------------------------------------
+/* ---- Q4_K and Q6_K rows in eights against many tokens on AMX-INT8 tiles ----------------------------
 
-   Where the CPU has AMX-INT8 (and Linux grants the tiles' state: native/quant.py), a product of
-   Q4_K_X8 weights with 16 or more consecutive token rows (a dense linear's prefill) computes each
-   super-block's two integers (K_FMA's isum and csum) on tiles and in vpdpwssd, 16 weight rows by 16
-   or 32 tokens at a time, then the same float operations as dotk_x8_512_t: the same bits.
+   Where the CPU has AMX-INT8 (and Linux grants the tiles' state: native/quant.py), a product of rows
+   in eights with 32 or more consecutive token rows (a dense linear's prefill, a routed expert's tokens
+   quantised as its own rows) computes each super-block's two integers (K_FMA's isum and csum) on tiles
+   and in vpdpwssd, 16 weight rows by 16 or 32 tokens at a time, then the same float operations as
+   dotk_x8_512_t / dotk6_x8_512_t: the same bits.
 
    The weights of 16 rows are first laid out as B tiles, per super-block two planes of 64 k-rows x 16
-   rows x 4 bytes (k-row k: positions 4k..4k+3 of the super-block in the activations' paired order):
-   the low byte of scale x q and its high bits (scale x q <= 63 x 15 < 1024). With A the tokens' int8
-   bytes as quantised (16 tokens x 64 positions, rows K bytes apart), tile dot products (signed x
-   unsigned bytes) give C_lo + 256 C_hi = isum exactly; csum is the rows' minimums of blocks 2j, 2j + 1
-   as word pairs against the tokens' block sums (acts' bpair) in four vpdpwssd. Each B tile serves
-   two tiles of tokens where there are two. Rows past the last whole 16, tokens past the last whole
-   16, and tokens picked out of a larger set (an expert's, `mi`) take the VNNI path. */
+   rows x 4 bytes (k-row k: positions 4k..4k+3 of the super-block in the activations' order, paired for
+   Q4_K, natural for Q6_K): the low byte of scale x q and the byte above it (Q4_K: scale x q <= 63 x 15
+   < 1024, high bits 0..3; Q6_K: int8 scale x q in -8128..8001, high byte -32..31, signed). With A the
+   tokens' int8 bytes as quantised (16 tokens x 64 positions; acts' qt holds them 16 x 64 bytes in a
+   row), tile dot products (signed x unsigned bytes for the low plane, signed x signed for the high)
+   give C_lo + 256 C_hi = isum exactly; csum is the rows' minimums of blocks 2j, 2j + 1 (Q6_K: scales
+   of sub-blocks 2j, 2j + 1) as word pairs against the tokens' sums of those (acts' bpair; Q6_K: bsum)
+   in four (eight) vpdpwssd. Each B tile serves two tiles of tokens where there are two. Rows past the
+   last whole 16, tokens past the last whole 16, and tokens picked out of a larger set (an expert's,
+   `mi`) take the VNNI path. */
 #define AMX8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define AMX_ROWS 16
 #define AMX_TOKENS 16

@@ -30,7 +30,7 @@ AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
 TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_tokens' table
-TILES_FROM_TOKENS = 32  # quant.c AMX_MIN_TOKENS: Q4_K products on the AMX-INT8 tiles from here
+TILES_FROM_TOKENS = 32  # quant.c AMX_MIN_TOKENS: products of rows in eights on AMX-INT8 tiles from here
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
 SIGNATURES = {
@@ -53,7 +53,7 @@ SIGNATURES = {
     #                    long K, const void *x, int x_bf16, long H, long I, int threads, int isa,
     #                    void *out)
     "hm_qmoe_tokens": ([P, N, P, P, N, N, P, INT, N, N, INT, INT, P], INT),
-    # void hm_set_amx8(int on): Q4_K rows in eights against many tokens on AMX-INT8 tiles
+    # void hm_set_amx8(int on): Q4_K and Q6_K rows in eights against many tokens on AMX-INT8 tiles
     "hm_set_amx8": ([INT], None),
     # void hm_pool_parallel(region_fn fn, void *arg, int T): the pool every library's regions
     # share (pool.h); not called from Python, its address handed to the others
@@ -116,14 +116,14 @@ def _tiles_permitted() -> bool:
 
 
 def use_tiles(on: bool) -> bool:
-    """Put many-token products of Q4_K rows in eights on the AMX-INT8 tiles or off them (quant.c
+    """Put many-token products of Q4_K and Q6_K rows in eights on the AMX-INT8 tiles or off them (quant.c
     amx_x8: the same bits as the VNNI path, faster); on only where the CPU has them and the process
     was granted them (HYBRIDMOE_AMX=0 starts with them off). Returns whether they are on now."""
     return switch(library(), "hm_set_amx8", _TILES_ON, on, _tiles_permitted)
 
 
 def tiles_active() -> bool:
-    """Whether many-token Q4_K products run on the AMX-INT8 tiles now."""
+    """Whether many-token products of Q4_K and Q6_K rows in eights run on the AMX-INT8 tiles now."""
     library()
     return _TILES_ON[0]
 
