@@ -30,7 +30,8 @@ AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
 TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_tokens' table
-TILES_FROM_TOKENS = 32  # quant.c AMX_MIN_TOKENS: products of rows in eights on AMX-INT8 tiles from here
+# quant.c AMX_MIN_TOKENS: products of rows in eights on AMX-INT8 tiles from here
+TILES_FROM_TOKENS = 32
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
 SIGNATURES = {
@@ -116,9 +117,10 @@ def _tiles_permitted() -> bool:
 
 
 def use_tiles(on: bool) -> bool:
-    """Put many-token products of Q4_K and Q6_K rows in eights on the AMX-INT8 tiles or off them (quant.c
-    amx_x8: the same bits as the VNNI path, faster); on only where the CPU has them and the process
-    was granted them (HYBRIDMOE_AMX=0 starts with them off). Returns whether they are on now."""
+    """Put many-token products of Q4_K and Q6_K rows in eights on the AMX-INT8 tiles or off them
+    (quant.c amx_x8: the same bits as the VNNI path, faster); on only where the CPU has them and the
+    process was granted them (HYBRIDMOE_AMX=0 starts with them off). Returns whether they are on
+    now."""
     return switch(library(), "hm_set_amx8", _TILES_ON, on, _tiles_permitted)
 
 
