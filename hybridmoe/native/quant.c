@@ -807,18 +807,29 @@ typedef struct {
 static const x8_piece X8_PIECES[2][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
                                          {{0, 8, 128}, {128, 8, 64}, {192, 1, 16}, {208, 2, 2}}};
 
+/* The units of one piece of eight rows: unit i of row r between x8 + (8i + r) u and row r's at + i u
+   (a constant `u` per call, so that each copy is one move: with `u` a variable each was a call to
+   memcpy, and a load rearranged 1.1 GB/s instead of 6.4). */
+ALWAYS_INLINE void x8_units(const int u, uint8_t *x8, uint8_t *rows, long ldq, int len, int to_x8) {
+    for (int r = 0; r < X8; r++)
+        for (int i = 0; i < len / u; i++) {
+            uint8_t *a = x8 + (long)(X8 * i + r) * u, *b = rows + r * ldq + i * u;
+            if (to_x8) memcpy(a, b, (size_t)u);
+            else memcpy(b, a, (size_t)u);
+        }
+}
+
 /* Super-block s of eight interleaved rows in `fmt` (p) to or from the blocks of rows q + r * ldq. */
 static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
     const x8_piece *piece = X8_PIECES[rows_fmt(fmt) == Q6_K];
     long off = 0;
     for (int k = 0; k < 4; k++) {
-        const int u = piece[k].unit;
-        for (int r = 0; r < X8; r++)
-            for (int i = 0; i < piece[k].len / u; i++) {
-                uint8_t *x8 = p + off + (long)(X8 * i + r) * u, *row = q + r * ldq + piece[k].at + i * u;
-                if (to_x8) memcpy(x8, row, (size_t)u);
-                else memcpy(row, x8, (size_t)u);
-            }
+        uint8_t *x8 = p + off, *rows = q + piece[k].at;
+        switch (piece[k].unit) {
+        case 1: x8_units(1, x8, rows, ldq, piece[k].len, to_x8); break;
+        case 2: x8_units(2, x8, rows, ldq, piece[k].len, to_x8); break;
+        default: x8_units(8, x8, rows, ldq, piece[k].len, to_x8); break;
+        }
         off += X8 * piece[k].len;
     }
 }
