@@ -3,10 +3,11 @@ the weights and calling oneDNN (issue 12's bar for prefill).
 
 For each format and shape (the Qwen3-30B-A3B shapes by default: an expert's gate/up and down, the
 attention's q and o), random N(0, 0.02) weights quantised by hybridmoe's quantiser and laid out as
-the loader leaves them (Q4_K in rows of eights where the AVX-512 path runs), and each token count:
-ours (`native/quant.py linear`: AVX512-VNNI, or AMX-INT8 tiles for Q4_K from 32 tokens where the CPU
-has them) against the fastest dequantise + multiply we have (`native/quant.py rows`, quant.c's
-dequantiser, to bf16, then `F.linear`: oneDNN, on AMX where the CPU has it), alternating, medians.
+the loader leaves them (Q4_K and Q6_K in rows of eights where the AVX-512 path runs), and each
+token count: ours (`native/quant.py linear`: AVX512-VNNI, or AMX-INT8 tiles for Q4_K and Q6_K from
+16 tokens where the CPU has them) against the fastest dequantise + multiply we have
+(`native/quant.py rows`, quant.c's dequantiser, to bf16, then `F.linear`: oneDNN, on AMX where the
+CPU has it), alternating, medians.
 The largest difference between the two results, relative to the largest output, is reported too
 (the activations' int8 rounding and the bf16 weights: about 1%).
 """

@@ -1196,7 +1196,7 @@ static void product_x8(const product *p, long n0, long n1) {
 /* ---- Q4_K and Q6_K rows in eights against many tokens on AMX-INT8 tiles ----------------------------
 
    Where the CPU has AMX-INT8 (and Linux grants the tiles' state: native/quant.py), a product of rows
-   in eights with 32 or more consecutive token rows (a dense linear's prefill, a routed expert's tokens
+   in eights with 16 or more consecutive token rows (a dense linear's prefill, a routed expert's tokens
    quantised as its own rows) computes each super-block's two integers (K_FMA's isum and csum) on tiles
    and in vpdpwssd, 16 weight rows by 16 or 32 tokens at a time, then the same float operations as
    dotk_x8_512_t / dotk6_x8_512_t: the same bits.
@@ -1226,9 +1226,11 @@ static int amx8_on;
 void hm_set_amx8(int on) { amx8_on = on; }
 
 /* Whether a product of weights in `fmt` with M tokens takes the tiles where its tokens are consecutive
-   rows (a routed expert's tokens are then quantised as its own rows: experts_run). Fewer than 32 tokens
-   measured no faster on them (the panel's layout is made per 16 rows whatever the tokens). */
-#define AMX_MIN_TOKENS 32
+   rows (a routed expert's tokens are then quantised as its own rows: experts_run). One tile of 16
+   tokens already gains since the tiles read the tokens in tile order (hot, 1 thread: Q4_K 768x2048 /
+   2048x768 at 16 tokens 0.18 -> 0.16 / 0.19 -> 0.12 ms, Q6_K 0.27 -> 0.21 / 0.29 -> 0.20; before that
+   copy, fewer than 32 tokens measured no faster; docs/notes/2026-12-07-q6k-rows-in-eights.md). */
+#define AMX_MIN_TOKENS 16
 static int tiles_take(int fmt, int isa, long M) { return amx8_on && is_x8(fmt) && isa == PATH_AVX512 && M >= AMX_MIN_TOKENS; }
 
 typedef struct {
@@ -1353,8 +1355,6 @@ AMX8 ALWAYS_INLINE void amx_tokens(const int fmt, const int TT, const uint8_t *p
                                    float *Y, long ldy) {
     int32_t C[4][AMX_TOKENS * AMX_ROWS];
     float F[2 * AMX_TOKENS][AMX_ROWS], Fm[2 * AMX_TOKENS][AMX_ROWS];
-    memset(F, 0, sizeof(float) * TT * AMX_TOKENS * AMX_ROWS);
-    memset(Fm, 0, sizeof(float) * TT * AMX_TOKENS * AMX_ROWS);
     for (long s = 0; s < ns; s++) {
         const uint8_t *P = panel + s * AMX_SB(fmt);
         const __m512i *mins = (const __m512i *)(P + 2 * AMX_PLANE);
@@ -1398,8 +1398,10 @@ AMX8 ALWAYS_INLINE void amx_tokens(const int fmt, const int TT, const uint8_t *p
             __m512i csum = _mm512_setzero_si512();
             for (int j = 0; j < AMX_PAIRS(fmt); j++) csum = _mm512_dpwssd_epi32(csum, mins[j], _mm512_set1_epi32(bp[j]));
             const __m512 dx = _mm512_set1_ps(a->dx[(m + t) * ns + s]);
-            _mm512_storeu_ps(F[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), _mm512_loadu_ps(F[t])));
-            _mm512_storeu_ps(Fm[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(csum), _mm512_mul_ps(dm, dx), _mm512_loadu_ps(Fm[t])));
+            /* the sums start at 0 (the VNNI path's fma onto a zeroed register), not read from memory */
+            const __m512 f0 = s ? _mm512_loadu_ps(F[t]) : _mm512_setzero_ps(), fm0 = s ? _mm512_loadu_ps(Fm[t]) : _mm512_setzero_ps();
+            _mm512_storeu_ps(F[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f0));
+            _mm512_storeu_ps(Fm[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(csum), _mm512_mul_ps(dm, dx), fm0));
         }
     }
     for (int t = 0; t < TT * AMX_TOKENS; t++)
