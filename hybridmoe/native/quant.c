@@ -158,9 +158,9 @@ static float k_result(const float *a, const float *b, const float *c) {
    sub-block's four 8-byte chunks before its scale, one vpdpwssd where there were four (dotk_x8_512_t).
    Q4_K: |isum| <= 256 x 15 x 127 x 63 < 2^31; Q6_K: |isum| <= 256 x 63 x 128 x 128 < 2^29, |csum| <= 16 x
    128 x 2048 < 2^23; they convert to fp32 rounded to nearest, as (float) does. (Q5_K keeps its lanes in
-   fp32 to the end, k_result. Q6_K's one-row products lost 10% to the integer sums, but its rows in eights,
-   which the AVX-512 path reads, need them: notes docs/notes/2026-12-07-q4k-sums-in-integers.md and
-   2026-12-07-q6k-rows-in-eights.md.) */
+   fp32 to the end, k_result. Q6_K's GGUF rows, summed in integers, read from RAM level on AVX2 and 4%
+   slower row by row on AVX-512, whose products now read Q6_K in rows of eights, which need the integer
+   sums for the tiles: docs/notes/2026-12-07-q4k-sums-in-integers.md, 2026-12-07-q6k-rows-in-eights.md.) */
 #define K_FMA(am, u, d, dm, dx) /* am = [acc, accm, 0, 0], u = [isum, csum, ...] */ \
     (am) = _mm_fmadd_ps(_mm_cvtepi32_ps(u), _mm_mul_ps(_mm_setr_ps(d, dm, 0.0f, 0.0f), _mm_set1_ps(dx)), am)
 #define K_RESULT(am) (_mm_cvtss_f32(am) + _mm_cvtss_f32(_mm_movehdup_ps(am)))
@@ -293,9 +293,7 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
     a->qs = (int8_t *)p;
     a->qt = NULL;
     p += q;
-    if (tiles) {
-        a->qt = (int8_t *)(((uintptr_t)(p + per) + 63) & ~(uintptr_t)63);
-    }
+    if (tiles) a->qt = (int8_t *)(((uintptr_t)(p + per) + 63) & ~(uintptr_t)63);
     if (is_k(fmt)) {
         a->dx = (float *)p;
         a->bsum = (int16_t *)(p + 4 * M * ns);
@@ -1013,7 +1011,7 @@ AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const uint8_t *G, long ns,
             for (int z = 0; z < nz; z++) Z[r][z] = _mm512_setzero_si512();
         }
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) { /* h, half, tq: i = 8h + 4 half + 2 tq + ... (unrolled: constant indices) */
+        for (int i = 0; i < 16; i++) { /* i = 8h + 4 half + 2 tq + cc (unrolled: constant indices) */
             const int h = i / 8, half = (i / 4) % 2, tq = (i / 2) % 2, cc = i % 2;
             /* parts tq (low nibbles) and tq + 2 (high), values 16 half .. of each: sub-blocks 8h + 2t + half */
             const __m512i S[2] = {x8_scale6(sw, 8 * h + 2 * tq + half), x8_scale6(sw, 8 * h + 2 * (tq + 2) + half)};
