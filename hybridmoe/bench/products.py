@@ -19,9 +19,10 @@ import statistics
 import time
 
 from hybridmoe.errors import UserError
+from hybridmoe.quant.formats import QUANTIZE_TO
 
 SHAPES = "768x2048,2048x768,4096x2048,2048x4096"  # N x K: gate/up, down, q, o of Qwen3-30B-A3B
-FORMATS = ("q4_k", "q8_0", "q6_k")
+FORMATS = ("q4_k", "q8_0", "q6_k")  # the default; any format hybridmoe quantises to is taken
 
 
 def add_parser(sub) -> None:
@@ -104,9 +105,9 @@ def run(args) -> int:
     from hybridmoe.native import quant as kernels
 
     formats = [f.strip() for f in args.formats.split(",")]
-    bad = [f for f in formats if f not in FORMATS]
+    bad = [f for f in formats if f not in QUANTIZE_TO]
     if bad:
-        raise UserError(f"--formats: {', '.join(bad)} not among {', '.join(FORMATS)}")
+        raise UserError(f"--formats: {', '.join(bad)} not among {', '.join(QUANTIZE_TO)}")
     shapes = _shapes(args.shapes)
     try:
         counts = [int(t) for t in args.tokens.split(",")]
