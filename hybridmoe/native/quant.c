@@ -881,6 +881,16 @@ AVX512 ALWAYS_INLINE void x8_scales(const uint8_t *p, __m512i sw[2], __m256i mn[
                             _mm256_and_si256(_mm256_srli_epi16(u1, 2), m30));
 }
 
+/* Eight rows' K_FMA for one token and super-block: isum from Z's lane pairs (lanes 2k, 2k + 1: row k),
+   csum from C's halves (lanes k, 8 + k). */
+AVX512 ALWAYS_INLINE void x8_fma(__m512i Z, __m512i C, __m256 d, __m256 dm, float dx, __m256 *F, __m256 *Mn) {
+    const __m256i csum = _mm256_add_epi32(_mm512_castsi512_si256(C), _mm512_extracti64x4_epi64(C, 1));
+    const __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(Z, _mm512_srli_epi64(Z, 32)));
+    const __m256 x = _mm256_set1_ps(dx);
+    *F = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, x), *F);
+    *Mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(csum), _mm256_mul_ps(dm, x), *Mn);
+}
+
 /* Eight interleaved rows at G (ns super-blocks) against the R tokens mi[0..R) of `a`: Y[r * ldy + 0..8),
    lane k row k. A 64-byte load of nibbles holds 8 bytes of each row (chunk c of group g: low nibbles
    of block 2g, high of 2g + 1), dword lane 2k + i four of row k's. vpdpbusd sums the four chunks of a
@@ -940,29 +950,10 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
             const __m512i bp = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->bpair + (mi[r] * ns + s) * 4)));
             __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi32(pairs[0], bp));
             C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi32(pairs[1], bp));
-            __m256i csum = _mm256_add_epi32(_mm512_castsi512_si256(C), _mm512_extracti64x4_epi64(C, 1));
-            __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(Z[r], _mm512_srli_epi64(Z[r], 32)));
-            const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]);
-            F[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F[r]);
-            Mn[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(csum), _mm256_mul_ps(dm, dx), Mn[r]);
+            x8_fma(Z[r], C, d, dm, a->dx[mi[r] * ns + s], &F[r], &Mn[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
-}
-
-/* Rows [n0, n1) (whole eights) of Q4_K_X8 weights against tokens mi[0..R) (R <= GROUP). */
-AVX512 static void dotk_x8_512(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
-                               float *Y, long ldy) {
-    const long ns = a->K / 256;
-    for (long n = n0; n < n1; n += X8) {
-        const uint8_t *G = W + n * ldw;
-        switch (R) {
-        case 1: dotk_x8_512_t(1, G, ns, a, mi, Y + n, ldy); break;
-        case 2: dotk_x8_512_t(2, G, ns, a, mi, Y + n, ldy); break;
-        case 3: dotk_x8_512_t(3, G, ns, a, mi, Y + n, ldy); break;
-        default: dotk_x8_512_t(GROUP, G, ns, a, mi, Y + n, ldy); break;
-        }
-    }
 }
 
 /* Q6_K rows in eights: the scale words of sub-block j of eight rows, for vpdpwssd (row r's in the low
@@ -1042,30 +1033,32 @@ AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const uint8_t *G, long ns,
             }
             __m512i Zr = Z[r][0];
             for (int k = 1; k < nz; k++) Zr = _mm512_add_epi32(Zr, Z[r][k]);
-            __m256i csum = _mm256_add_epi32(_mm512_castsi512_si256(C), _mm512_extracti64x4_epi64(C, 1));
-            __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(Zr, _mm512_srli_epi64(Zr, 32)));
-            const __m256 dx = _mm256_set1_ps(a->dx[mi[r] * ns + s]);
-            F[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F[r]);
-            Mn[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(csum), _mm256_mul_ps(dm, dx), Mn[r]);
+            x8_fma(Zr, C, d, dm, a->dx[mi[r] * ns + s], &F[r], &Mn[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
 
-/* Rows [n0, n1) (whole eights) of Q6_K_X8 weights against tokens mi[0..R) (R <= GROUP). */
-AVX512 static void dotk6_x8_512(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
-                                float *Y, long ldy) {
-    const long ns = a->K / 256;
-    for (long n = n0; n < n1; n += X8) {
-        const uint8_t *G = W + n * ldw;
-        switch (R) {
-        case 1: dotk6_x8_512_t(1, G, ns, a, mi, Y + n, ldy); break;
-        case 2: dotk6_x8_512_t(2, G, ns, a, mi, Y + n, ldy); break;
-        case 3: dotk6_x8_512_t(3, G, ns, a, mi, Y + n, ldy); break;
-        default: dotk6_x8_512_t(GROUP, G, ns, a, mi, Y + n, ldy); break;
-        }
+/* Rows [n0, n1) (whole eights) of Q4_K_X8 (dotk_x8_512) or Q6_K_X8 (dotk6_x8_512) weights against tokens
+   mi[0..R) (R <= GROUP), the token count a constant in each case; one function per format (the two
+   kernels inlined into one ran Q6_K's one-token product 6% slower). */
+#define X8_DOT(NAME, T)                                                                                     \
+    AVX512 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
+                            float *Y, long ldy) {                                                           \
+        const long ns = a->K / 256;                                                                         \
+        for (long n = n0; n < n1; n += X8) {                                                                \
+            const uint8_t *G = W + n * ldw;                                                                 \
+            switch (R) {                                                                                    \
+            case 1: T(1, G, ns, a, mi, Y + n, ldy); break;                                                  \
+            case 2: T(2, G, ns, a, mi, Y + n, ldy); break;                                                  \
+            case 3: T(3, G, ns, a, mi, Y + n, ldy); break;                                                  \
+            default: T(GROUP, G, ns, a, mi, Y + n, ldy); break;                                             \
+            }                                                                                               \
+        }                                                                                                   \
     }
-}
+X8_DOT(dotk_x8_512, dotk_x8_512_t)
+X8_DOT(dotk6_x8_512, dotk6_x8_512_t)
+#undef X8_DOT
 
 /* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
 
@@ -1166,8 +1159,8 @@ static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
                 long idx[GROUP];
                 int R = (int)min_l(m1 - m, GROUP);
                 for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
-                if (p->fmt == Q6_K_X8) dotk6_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
-                else dotk_x8_512(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+                (p->fmt == Q6_K_X8 ? dotk6_x8_512 : dotk_x8_512)(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy,
+                                                                 p->ldy);
             }
     }
 }
