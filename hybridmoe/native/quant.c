@@ -42,9 +42,10 @@
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* Not ggml types: Q4_K and Q6_K blocks whose rows are interleaved eight at a time (the layouts at "rows
-   in eights" below; hybridmoe/quant/formats.py's q4_k_x8, q6_k_x8). */
-enum { Q4_K_X8 = 268, Q6_K_X8 = 270 };
+/* Not ggml types: Q4_K and Q6_K blocks whose rows are interleaved eight at a time, Q8_0 and Q4_0 blocks
+   whose rows are interleaved sixteen at a time (the layouts at "rows in eights" and "rows in sixteens"
+   below; hybridmoe/quant/formats.py's q4_k_x8, q6_k_x8, q8_0_x16, q4_0_x16). */
+enum { Q4_K_X8 = 268, Q6_K_X8 = 270, Q8_0_X16 = 264, Q4_0_X16 = 258 };
 enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 /* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
@@ -80,8 +81,10 @@ enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 /* Bytes per block of `fmt` and its elements, 0 for an unknown format. */
 static long block_bytes(int fmt) {
     switch (fmt) {
-    case Q8_0: return 34;
-    case Q4_0: return 18;
+    case Q8_0:
+    case Q8_0_X16: return 34;
+    case Q4_0:
+    case Q4_0_X16: return 18;
     case Q4_1: return 20;
     case Q4_K:
     case Q4_K_X8: return 144;
@@ -93,9 +96,20 @@ static long block_bytes(int fmt) {
 }
 
 static int is_x8(int fmt) { return fmt == Q4_K_X8 || fmt == Q6_K_X8; }
+static int is_x16(int fmt) { return fmt == Q8_0_X16 || fmt == Q4_0_X16; }
+/* Rows interleaved by a layout: 8, 16, or 1 for GGUF's rows. */
+static int group_rows(int fmt) { return is_x8(fmt) ? 8 : is_x16(fmt) ? 16 : 1; }
 
-/* The ggml type whose blocks a format holds (rows in eights: their rows' format). */
-static int rows_fmt(int fmt) { return fmt == Q4_K_X8 ? Q4_K : fmt == Q6_K_X8 ? Q6_K : fmt; }
+/* The ggml type whose blocks a format holds (an interleaved layout: its rows' format). */
+static int rows_fmt(int fmt) {
+    switch (fmt) {
+    case Q4_K_X8: return Q4_K;
+    case Q6_K_X8: return Q6_K;
+    case Q8_0_X16: return Q8_0;
+    case Q4_0_X16: return Q4_0;
+    }
+    return fmt;
+}
 
 static int is_k(int fmt) {
     fmt = rows_fmt(fmt);
@@ -106,7 +120,7 @@ static long block_elems(int fmt) { return is_k(fmt) ? 256 : 32; }
 
 /* What the AVX-512 path subtracts per activation byte: Q8_0's weights are flipped to unsigned (+128),
    Q4_0's nibbles carry an offset of 8. */
-static int offset_of(int fmt) { return fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0; }
+static int offset_of(int fmt) { return rows_fmt(fmt) == Q8_0 ? 128 : rows_fmt(fmt) == Q4_0 ? 8 : 0; }
 
 /* Ask for `bytes` from p + FAR on into L2. */
 ALWAYS_INLINE void prefetch_far(const uint8_t *p, long bytes) {
@@ -174,6 +188,8 @@ typedef struct {
     float *dx;      /* blocks of 32: [M, K/32, 8], the block's scale per lane; K-quants: [M, K/256] */
     int32_t *So;    /* blocks of 32: [M, K/32, 8], offset_of(fmt) * the lane's byte sum */
     float *Sf;      /* blocks of 32: [M, K/32, 8], dx * the lane's byte sum */
+    float *db;      /* blocks of 32: [M, K/32], the block's scale (block sums) */
+    int32_t *ob;    /* blocks of 32: [M, K/32], offset_of(fmt) * the block's byte sum */
     int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
     int32_t *bpair; /* K-quants: [M, K/256, 4], dword j: the sums of natural blocks 2j, 2j + 1 as words */
     int8_t *qt;     /* NULL, or qs's first M / 16 * 16 rows for AMX tiles (acts_of's `tiles`) */
@@ -214,7 +230,7 @@ AVX2 ALWAYS_INLINE void round32(const __m256 v[4], float id, int8_t *q) {
 }
 
 /* Blocks of 32: M rows of K values (rows[m] of x, or row m where rows is NULL) -> qs, and per block and
-   lane dx, So, Sf. */
+   lane dx, So, Sf, per block db, ob. */
 AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, long M, long K, int offset, acts *a) {
     long nb = K / 32;
     for (long m = 0; m < M; m++) {
@@ -226,12 +242,16 @@ AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, 
             int8_t *q = a->qs + m * K + b * 32;
             round32(v, id, q);
             long l = (m * nb + b) * 8;
+            int sum = 0;
             for (int k = 0; k < 8; k++) {
                 int s = q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3];
                 a->dx[l + k] = d;
                 a->So[l + k] = offset * s;
                 a->Sf[l + k] = (float)s * d;
+                sum += s;
             }
+            a->db[m * nb + b] = d;
+            a->ob[m * nb + b] = offset * sum;
         }
     }
 }
@@ -284,7 +304,7 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
                    int tiles) {
     long nb = K / 32, ns = K / 256;
     size_t q = ((size_t)(M * K) + 63) & ~(size_t)63;
-    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * 8 * 12;
+    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * (8 * 12 + 8);
     size_t qt = tiles ? (size_t)(M / 16 * 16 * K) : 0;
     a->K = K;
     a->mem = malloc(q + per + qt + 128);
@@ -303,6 +323,8 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
         a->dx = (float *)p;
         a->So = (int32_t *)(p + 32 * M * nb);
         a->Sf = (float *)(p + 64 * M * nb);
+        a->db = (float *)(p + 96 * M * nb);
+        a->ob = (int32_t *)(p + 100 * M * nb);
         q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), a);
     }
     for (long T = 0; a->qt && T < M / 16; T++)
@@ -369,6 +391,63 @@ AVX2 ALWAYS_INLINE void dot32_avx2_t(const int fmt, const int R, const uint8_t *
             _mm256_storeu_ps(even, acc[r][0]);
             _mm256_storeu_ps(odd, acc[r][1]);
             Y[r * ldy + n] = reduce(even, odd);
+        }
+    }
+}
+
+/* ---- blocks of 32 in block sums (Q8_0, Q4_0) ------------------------------------------------------
+
+   Every path: block b of a row against a token gives one exact integer I_b = sum of its 32 (q - offset)
+   x (|I_b| <= 32 x 128 x 127 < 2^24, so exact in fp32 too), and the row's one fp32 sum takes
+   acc = fma(I_b, w_b dx_b, acc) for b = 0, 1, ... from acc = 0 (w_b dx_b an fp32 product). Where a
+   block's lanes are summed does not change I_b, so an AMX tile's block product (a 16 x 16 tile of
+   them at once) and a VNNI register holding sixteen rows' I_b in its lanes (rows in sixteens) give the
+   same bits as GGUF's rows summed here eight rows at a time. (Blocks of 32 had kept eight lanes per block
+   in fp32: a tile product would have had to stop at every 4 bytes. docs/notes/2026-12-07-q8-0-tiles.md.) */
+
+/* Lane r: the sum of v[r]'s eight lanes. */
+AVX2 ALWAYS_INLINE __m256i sum8(const __m256i v[8]) {
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67); /* rows 0..3 | 4..7 per half */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Rows n0..n1 of GGUF's Q8_0 or Q4_0 rows against the R tokens mi[0..R), eight rows at a time (the last
+   eight repeats its last row where fewer are left), lane r row n + r: the one kernel on those rows for
+   both paths (on AVX-512 the rows mostly come in sixteens instead, dot32_x16_512_t). */
+AVX2 ALWAYS_INLINE void dot32s_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
+                                 const acts *a, const long *mi, float *Y, long ldy) {
+    const long bb = block_bytes(fmt), K = a->K, nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (long n = n0; n < n1; n += 8) {
+        const int c = n1 - n < 8 ? (int)(n1 - n) : 8;
+        const uint8_t *row[8];
+        for (int i = 0; i < 8; i++) row[i] = W + (n + (i < c ? i : c - 1)) * ldw;
+        __m256 acc[GROUP];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (long b = 0; b < nb; b++) {
+            __m256i q[8];
+            for (int i = 0; i < 8; i++) q[i] = unpack32(fmt, row[i] + b * bb);
+            const __m256 w = _mm256_cvtph_ps(_mm_setr_epi16(
+                (short)ld16(row[0] + b * bb), (short)ld16(row[1] + b * bb), (short)ld16(row[2] + b * bb), (short)ld16(row[3] + b * bb),
+                (short)ld16(row[4] + b * bb), (short)ld16(row[5] + b * bb), (short)ld16(row[6] + b * bb), (short)ld16(row[7] + b * bb)));
+            for (int r = 0; r < R; r++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->qs + mi[r] * K + b * 32));
+                __m256i L[8];
+                for (int i = 0; i < 8; i++) /* Q8_0: |q| times x with q's sign (u8 x s8 pairs fit int16) */
+                    L[i] = _mm256_madd_epi16(fmt == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(q[i]), _mm256_sign_epi8(x, q[i]))
+                                                         : _mm256_maddubs_epi16(q[i], x),
+                                             ones);
+                __m256i I = sum8(L);
+                if (fmt == Q4_0) I = _mm256_sub_epi32(I, _mm256_set1_epi32(a->ob[mi[r] * nb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(w, _mm256_set1_ps(a->db[mi[r] * nb + b])), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float y[8];
+            _mm256_storeu_ps(y, acc[r]);
+            for (int i = 0; i < c; i++) Y[r * ldy + n + i] = y[i];
         }
     }
 }
@@ -778,7 +857,7 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
 
 /* ---- rows in eights (Q4_K_X8, Q6_K_X8) ------------------------------------------------------------- */
 
-/* The layouts, made at load where the AVX-512 path runs (hm_to_x8, called by quant/tensor.py
+/* The layouts, made at load where the AVX-512 path runs (hm_interleave, called by quant/tensor.py
    for_kernels; quant/interleave.py turns them back in torch ops): a matrix of Q4_K or Q6_K rows, their
    number a multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes, rows of
    exactly K / 256 blocks) hold their super-blocks s side by side at s * 8 * (block bytes). Each piece of
@@ -802,48 +881,74 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
 typedef struct {
     int at, unit, len;
 } x8_piece;
-static const x8_piece X8_PIECES[2][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
-                                         {{0, 8, 128}, {128, 8, 64}, {192, 1, 16}, {208, 2, 2}}};
+/* The pieces of a block in each interleaved layout (Q8_0's and Q4_0's in "rows in sixteens" below). */
+static const x8_piece X8_PIECES[4][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
+                                         {{0, 8, 128}, {128, 8, 64}, {192, 1, 16}, {208, 2, 2}},
+                                         {{0, 2, 2}, {2, 4, 32}},
+                                         {{0, 2, 2}, {2, 4, 16}}};
 
-/* The units of one piece of eight rows: unit i of row r between x8 + (8i + r) u and row r's at + i u
+static const x8_piece *pieces_of(int fmt) {
+    switch (rows_fmt(fmt)) {
+    case Q4_K: return X8_PIECES[0];
+    case Q6_K: return X8_PIECES[1];
+    case Q8_0: return X8_PIECES[2];
+    default: return X8_PIECES[3];
+    }
+}
+
+/* The units of one piece of n rows: unit i of row r between x8 + (n i + r) u and row r's at + i u
    (a constant `u` per call, so that each copy is one move: with `u` a variable each was a call to
    memcpy, and a load rearranged 1.1 GB/s instead of 6.4). */
-ALWAYS_INLINE void x8_units(const int u, uint8_t *x8, uint8_t *rows, long ldq, int len, int to_x8) {
-    for (int r = 0; r < X8; r++)
+ALWAYS_INLINE void x8_units(const int u, int n, uint8_t *x8, uint8_t *rows, long ldq, int len, int to_x8) {
+    for (int r = 0; r < n; r++)
         for (int i = 0; i < len / u; i++) {
-            uint8_t *a = x8 + (long)(X8 * i + r) * u, *b = rows + r * ldq + i * u;
+            uint8_t *a = x8 + (long)(n * i + r) * u, *b = rows + r * ldq + i * u;
             if (to_x8) memcpy(a, b, (size_t)u);
             else memcpy(b, a, (size_t)u);
         }
 }
 
-/* Super-block s of eight interleaved rows in `fmt` (p) to or from the blocks of rows q + r * ldq. */
+/* Block s of a group of interleaved rows in `fmt` (p) to or from the blocks of rows q + r * ldq. */
 static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
-    const x8_piece *piece = X8_PIECES[rows_fmt(fmt) == Q6_K];
+    const x8_piece *piece = pieces_of(fmt);
+    const int n = group_rows(fmt);
     long off = 0;
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 4 && piece[k].len; k++) {
         uint8_t *x8 = p + off, *rows = q + piece[k].at;
         switch (piece[k].unit) {
-        case 1: x8_units(1, x8, rows, ldq, piece[k].len, to_x8); break;
-        case 2: x8_units(2, x8, rows, ldq, piece[k].len, to_x8); break;
-        default: x8_units(8, x8, rows, ldq, piece[k].len, to_x8); break;
+        case 1: x8_units(1, n, x8, rows, ldq, piece[k].len, to_x8); break;
+        case 2: x8_units(2, n, x8, rows, ldq, piece[k].len, to_x8); break;
+        case 4: x8_units(4, n, x8, rows, ldq, piece[k].len, to_x8); break;
+        default: x8_units(8, n, x8, rows, ldq, piece[k].len, to_x8); break;
         }
-        off += X8 * piece[k].len;
+        off += n * piece[k].len;
     }
 }
 
-/* N rows of Q4_K or Q6_K blocks (`fmt`; N a multiple of 8, rows of exactly K / 256 blocks) rearranged in
-   place into rows in eights (made at load: quant/tensor.py for_kernels). Returns 0, -1 for a format or
-   shape it does not take, -2 without memory. */
-int hm_to_x8(int fmt, uint8_t *W, long N, long K) {
-    if ((fmt != Q4_K && fmt != Q6_K) || N % X8 || K <= 0 || K % 256) return -1;
-    const long bb = block_bytes(fmt), ns = K / 256, ldw = ns * bb;
-    uint8_t *rows = malloc((size_t)(X8 * ldw));
+/* The interleaved layout of GGUF's `fmt`, 0 for none. */
+static int layout_of(int fmt) {
+    switch (fmt) {
+    case Q4_K: return Q4_K_X8;
+    case Q6_K: return Q6_K_X8;
+    case Q8_0: return Q8_0_X16;
+    case Q4_0: return Q4_0_X16;
+    }
+    return 0;
+}
+
+/* N rows of Q4_K, Q6_K, Q8_0 or Q4_0 blocks (`fmt`; N a multiple of the layout's 8 or 16 rows, rows of
+   exactly K / block elements blocks) rearranged in place into their interleaved layout (made at load:
+   quant/tensor.py for_kernels). Returns 0, -1 for a format or shape it does not take, -2 without memory. */
+int hm_interleave(int fmt, uint8_t *W, long N, long K) {
+    const int x = layout_of(fmt), g = group_rows(x);
+    if (!x || N % g || K <= 0 || K % block_elems(fmt)) return -1;
+    const long bb = block_bytes(fmt), nb = K / block_elems(fmt), ldw = nb * bb;
+    uint8_t *rows = malloc((size_t)(g * ldw));
     if (!rows) return -2;
-    for (long n = 0; n < N; n += X8) {
+    for (long n = 0; n < N; n += g) {
         uint8_t *G = W + n * ldw;
-        memcpy(rows, G, (size_t)(X8 * ldw));
-        for (long s = 0; s < ns; s++) x8_move(fmt, G + s * X8 * bb, rows + s * bb, ldw, 1);
+        memcpy(rows, G, (size_t)(g * ldw));
+        for (long s = 0; s < nb; s++) x8_move(x, G + s * g * bb, rows + s * bb, ldw, 1);
     }
     free(rows);
     return 0;
@@ -1060,6 +1165,82 @@ X8_DOT(dotk_x8_512, dotk_x8_512_t)
 X8_DOT(dotk6_x8_512, dotk6_x8_512_t)
 #undef X8_DOT
 
+/* ---- rows in sixteens (Q8_0_X16, Q4_0_X16) ----------------------------------------------------------
+
+   The layouts, made at load where the AVX-512 path runs (hm_interleave; quant/interleave.py turns them
+   back): a matrix of Q8_0 or Q4_0 rows, their number a multiple of 16, keeps its bytes, but rows 16g ..
+   16g + 15 hold their blocks b side by side at b * 16 * (block bytes), each block's pieces with the same
+   piece of the other fifteen rows (X8_PIECES, unit i of row r at unit 16i + r):
+     Q8_0 (544 bytes): [0, 32) the rows' d (fp16), [32, 544) their int8 q in units of 4 (bytes 4i ..
+       4i + 3 of row r at 32 + 64i + 4r);
+     Q4_0 (288 bytes): [0, 32) their d, [32, 288) their nibbles in units of 4 (bytes 4i .. 4i + 3 of
+       row r, whose low nibbles are values 4i .. 4i + 3 and high nibbles 16 + 4i .., at 32 + 64i + 4r).
+   A 64-byte load then holds four values of sixteen rows, dword lane r row r's: vpdpbusd against the
+   token's four bytes broadcast sums each row's block in its own lane, with no sum across lanes, and
+   sixteen rows' I_b take one fma (block sums, above). The 16 x 16 bytes of Q8_0's four values also are
+   a tile's 16 columns, so the AMX tiles read Q8_0's blocks as they lie (amx_x16). */
+#define X16 16
+
+/* Sixteen interleaved rows at G (nb blocks) against the R tokens mi[0..R): Y[r * ldy + 0..16), lane k
+   row k. Q8_0's int8 flipped to unsigned (+128: what ob takes back off), Q4_0's nibbles as they are (8:
+   likewise). */
+AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint8_t *G, long nb, const acts *a,
+                                          const long *mi, float *Y, long ldy) {
+    const long gb = X16 * block_bytes(fmt), K = a->K;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[GROUP];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = G + b * gb;
+        if (R == 1) prefetch_far(p, gb);
+        const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        __m512i q[8]; /* q[k]: values 4k .. 4k + 3 of the sixteen rows */
+        if (rows_fmt(fmt) == Q8_0) {
+            for (int k = 0; k < 8; k++) q[k] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 32 + 64 * k)), flip);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(p + 32 + 64 * c));
+                q[c] = _mm512_and_si512(v, m4);
+                q[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = a->qs + mi[r] * K + 32 * b;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2) {
+                int32_t x0, x1;
+                memcpy(&x0, x + 4 * k, 4);
+                memcpy(&x1, x + 4 * k + 4, 4);
+                s0 = _mm512_dpbusd_epi32(s0, q[k], _mm512_set1_epi32(x0));
+                s1 = _mm512_dpbusd_epi32(s1, q[k + 1], _mm512_set1_epi32(x1));
+            }
+            const long l = mi[r] * (K / 32) + b;
+            const __m512i I = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(a->ob[l]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(a->db[l])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + r * ldy, acc[r]);
+}
+
+/* Rows [n0, n1) (whole sixteens) of Q8_0_X16 or Q4_0_X16 weights against tokens mi[0..R). */
+#define X16_DOT(NAME, F)                                                                                    \
+    AVX512 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
+                            float *Y, long ldy) {                                                           \
+        const long nb = a->K / 32;                                                                          \
+        for (long n = n0; n < n1; n += X16) {                                                               \
+            const uint8_t *G = W + n * ldw;                                                                 \
+            switch (R) {                                                                                    \
+            case 1: dot32_x16_512_t(F, 1, G, nb, a, mi, Y + n, ldy); break;                                 \
+            case 2: dot32_x16_512_t(F, 2, G, nb, a, mi, Y + n, ldy); break;                                 \
+            case 3: dot32_x16_512_t(F, 3, G, nb, a, mi, Y + n, ldy); break;                                 \
+            default: dot32_x16_512_t(F, GROUP, G, nb, a, mi, Y + n, ldy); break;                            \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+X16_DOT(dot8_x16_512, Q8_0_X16)
+X16_DOT(dot4_x16_512, Q4_0_X16)
+#undef X16_DOT
+
 /* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
 
 typedef void (*dot_fn)(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
@@ -1081,18 +1262,26 @@ typedef void (*dot_fn)(const uint8_t *W, long ldw, long n0, long n1, const acts 
                                    int R, float *Y, long ldy) {                                            \
         R_CASES(T512, F)                                                                                    \
     }
-PATHS(Q8_0, dot32_avx2_t, dot32_512_t)
-PATHS(Q4_0, dot32_avx2_t, dot32_512_t)
 PATHS(Q4_1, dot32_avx2_t, dot32_512_t)
 PATHS(Q4_K, dotk_avx2_t, dotk_512_t)
 PATHS(Q5_K, dotk_avx2_t, dotk_512_t)
 PATHS(Q6_K, dotk_avx2_t, dotk_512_t)
 
+#define SUMS(F)                                                                                             \
+    AVX2 static void dot_##F(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
+                             float *Y, long ldy) {                                                          \
+        R_CASES(dot32s_t, F)                                                                                \
+    }
+SUMS(Q8_0)
+SUMS(Q4_0)
+
 static dot_fn dot_for(int fmt, int isa) {
     int wide = isa == PATH_AVX512;
     switch (fmt) {
-    case Q8_0: return wide ? dot_512_Q8_0 : dot_avx2_Q8_0;
-    case Q4_0: return wide ? dot_512_Q4_0 : dot_avx2_Q4_0;
+    case Q8_0:
+    case Q8_0_X16: return dot_Q8_0; /* both paths; x16: on rows put back as GGUF's (product_x8) */
+    case Q4_0:
+    case Q4_0_X16: return dot_Q4_0;
     case Q4_1: return wide ? dot_512_Q4_1 : dot_avx2_Q4_1;
     case Q4_K:
     case Q4_K_X8: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;  /* on rows put back as Q4_K (product_x8) */
@@ -1101,6 +1290,16 @@ static dot_fn dot_for(int fmt, int isa) {
     case Q6_K: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
     }
     return NULL;
+}
+
+/* The VNNI kernel of an interleaved layout. */
+static dot_fn grouped_dot(int fmt) {
+    switch (fmt) {
+    case Q4_K_X8: return dotk_x8_512;
+    case Q6_K_X8: return dotk6_x8_512;
+    case Q8_0_X16: return dot8_x16_512;
+    default: return dot4_x16_512;
+    }
 }
 
 /* ---- products: rows of W against all tokens, in tiles ----------------------------------------------- */
@@ -1120,7 +1319,8 @@ struct product {
     float *Y;
     long ldy;
     panel_fn panel; /* the many-token path, or NULL */
-    int x8;         /* rows in eights (Q4_K_X8, Q6_K_X8): the path (isa) that reads them, else 0 */
+    int x8;         /* interleaved rows (Q4_K_X8, Q6_K_X8, Q8_0_X16, Q4_0_X16): the path (isa) that reads them,
+                       else 0 */
     int fmt;        /* the weights' format */
 };
 
@@ -1146,38 +1346,40 @@ static void product_tiles(const product *p, long n0, long n1) {
     }
 }
 
-/* Rows [n0, n1) (whole eights) of rows in eights. AVX-512 reads them as they lie, eight rows against up
-   to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every eight rows before the next
-   tokens (as product_tiles). AVX2 puts them back as GGUF rows in a buffer once (a unit's rows: tens of
-   KB) and runs those rows' kernels there. Either way the results are the GGUF rows' bits. */
-/* Rows [n0, n1) (whole eights) and tokens [t0, t1) of a product of rows in eights on AVX-512 VNNI. */
+/* Rows [n0, n1) (whole groups) of interleaved rows. AVX-512 reads them as they lie, a group of rows
+   against up to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every group before the
+   next tokens (as product_tiles). AVX2 puts them back as GGUF rows in a buffer once (a unit's rows: tens
+   of KB) and runs those rows' kernels there. Either way the results are the GGUF rows' bits. */
+/* Rows [n0, n1) (whole groups) and tokens [t0, t1) of a product of interleaved rows on AVX-512 VNNI. */
 static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
+    const dot_fn dot = grouped_dot(p->fmt);
+    const long g = group_rows(p->fmt);
     for (long m0 = t0; m0 < t1; m0 += CHUNK_TOKENS) {
         long m1 = min_l(m0 + CHUNK_TOKENS, t1);
-        for (long n = n0; n < n1; n += X8)
+        for (long n = n0; n < n1; n += g)
             for (long m = m0; m < m1; m += GROUP) {
                 long idx[GROUP];
                 int R = (int)min_l(m1 - m, GROUP);
                 for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
-                (p->fmt == Q6_K_X8 ? dotk6_x8_512 : dotk_x8_512)(p->W, p->ldw, n, n + X8, p->a, idx, R, p->Y + m * p->ldy,
-                                                                 p->ldy);
+                dot(p->W, p->ldw, n, n + g, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
             }
     }
 }
 
 static int amx_x8(const product *p, long n0, long n1);
+static int amx_x16(const product *p, long n0, long n1);
 
 static void product_x8(const product *p, long n0, long n1) {
     if (p->x8 == PATH_AVX512) {
-        if (!amx_x8(p, n0, n1)) x8_vnni(p, n0, n1, 0, p->M);
+        if (!(is_x16(p->fmt) ? amx_x16(p, n0, n1) : amx_x8(p, n0, n1))) x8_vnni(p, n0, n1, 0, p->M);
         return;
     }
-    const long bb = block_bytes(p->fmt), ns = p->a->K / 256, ldq = ns * bb;
+    const long bb = block_bytes(p->fmt), nb = p->a->K / block_elems(p->fmt), ldq = nb * bb, g = group_rows(p->fmt);
     uint8_t *buf = malloc((size_t)((n1 - n0) * ldq));
     if (!buf) abort(); /* a unit's rows: tens of KB */
-    for (long n = n0; n < n1; n += X8)
-        for (long s = 0; s < ns; s++)
-            x8_move(p->fmt, (uint8_t *)p->W + n * p->ldw + s * X8 * bb, buf + (n - n0) * ldq + s * bb, ldq, 0);
+    for (long n = n0; n < n1; n += g)
+        for (long s = 0; s < nb; s++)
+            x8_move(p->fmt, (uint8_t *)p->W + n * p->ldw + s * g * bb, buf + (n - n0) * ldq + s * bb, ldq, 0);
     product q = *p;
     q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.x8 = 0, q.fmt = rows_fmt(p->fmt);
     product_tiles(&q, 0, n1 - n0);
@@ -1222,7 +1424,9 @@ void hm_set_amx8(int on) { amx8_on = on; }
    2048x768 at 16 tokens 0.18 -> 0.16 / 0.19 -> 0.12 ms, Q6_K 0.27 -> 0.21 / 0.29 -> 0.20; before that
    copy, fewer than 32 tokens measured no faster; docs/notes/2026-12-07-q6k-rows-in-eights.md). */
 #define AMX_MIN_TOKENS 16
-static int tiles_take(int fmt, int isa, long M) { return amx8_on && is_x8(fmt) && isa == PATH_AVX512 && M >= AMX_MIN_TOKENS; }
+static int tiles_take(int fmt, int isa, long M) {
+    return amx8_on && (is_x8(fmt) || is_x16(fmt)) && isa == PATH_AVX512 && M >= AMX_MIN_TOKENS;
+}
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1436,6 +1640,104 @@ AMX8 static int amx_x8(const product *p, long n0, long n1) {
     return 1;
 }
 
+/* ---- Q8_0 and Q4_0 rows in sixteens against many tokens on AMX-INT8 tiles ---------------------------
+
+   Where the tiles are granted (as for rows in eights), a product of rows in sixteens with 16 or more
+   consecutive token rows and K a multiple of 64 takes each block's 16 tokens x 16 rows of I_b from one
+   tile product of K = 32: A the tokens' 32 bytes of the block (acts' qt), B the rows' 32 values as 8
+   k-rows of 16 rows x 4 bytes, which is Q8_0's layout as it lies (signed x signed bytes: I_b with no
+   offset) and Q4_0's nibbles once split into a panel per sixteen rows (signed x unsigned: less ob). Each
+   I_b then takes the fma of block sums, sixteen rows of one token in a register: the VNNI path's bits.
+   Tokens past the last whole 16 and tokens picked out of a larger set take the VNNI path. */
+
+/* Q4_0 rows in sixteens G (nb blocks) as `panel`: per block 8 k-rows of 16 rows x 4 values (0..15). */
+AMX8 static void x16_panel(const uint8_t *G, long nb, uint8_t *panel) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (long b = 0; b < nb; b++)
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(G + b * X16 * 18 + 32 + 64 * c));
+            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * c), _mm512_and_si512(v, m4));
+            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * (4 + c)), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        }
+}
+
+/* Block b's tile of I_b (C: row t token m + t, lane r row r) into the sixteen rows' sums of each token. */
+AMX8 ALWAYS_INLINE void x16_fold(const int q4, const int32_t *C, const uint8_t *d, const acts *a, long m, long b,
+                                 __m512 acc[AMX_TOKENS]) {
+    const long nb = a->K / 32;
+    const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+    for (int t = 0; t < AMX_TOKENS; t++) {
+        const long l = (m + t) * nb + b;
+        __m512i I = _mm512_loadu_si512((const void *)(C + 16 * t));
+        if (q4) I = _mm512_sub_epi32(I, _mm512_set1_epi32(a->ob[l]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(a->db[l])), acc[t]);
+    }
+}
+
+/* 16 tokens from m against sixteen rows G in `fmt` (Q4_0_X16: their panel): Y[t * ldy + 0..16). Blocks
+   in pairs, b on tiles 0 (C), 2 (A), 4 (B), b + 1 on 1, 3, 5. */
+AMX8 ALWAYS_INLINE void amx16_tokens(const int fmt, const uint8_t *G, const uint8_t *panel, const acts *a, long m,
+                                     float *Y, long ldy) {
+    const int q4 = fmt == Q4_0_X16;
+    const long nb = a->K / 32, gb = X16 * block_bytes(fmt);
+    int32_t C[2][AMX_TOKENS * AMX_ROWS];
+    __m512 acc[AMX_TOKENS];
+    for (int t = 0; t < AMX_TOKENS; t++) acc[t] = _mm512_setzero_ps();
+    const int8_t *A = a->qt + m / AMX_TOKENS * (a->K / 64) * 1024; /* 16 x 64 bytes per 64 columns */
+    for (long b = 0; b < nb; b += 2) {
+        _tile_loadd(2, A + b / 2 * 1024, 64);
+        _tile_loadd(3, A + b / 2 * 1024 + 32, 64);
+        _tile_loadd(4, q4 ? panel + 512 * b : G + b * gb + 32, 64);
+        _tile_loadd(5, q4 ? panel + 512 * (b + 1) : G + (b + 1) * gb + 32, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        if (q4) {
+            _tile_dpbsud(0, 2, 4);
+            _tile_dpbsud(1, 3, 5);
+        } else {
+            _tile_dpbssd(0, 2, 4);
+            _tile_dpbssd(1, 3, 5);
+        }
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        x16_fold(q4, C[0], G + b * gb, a, m, b, acc);
+        x16_fold(q4, C[1], G + (b + 1) * gb, a, m, b + 1, acc);
+    }
+    for (int t = 0; t < AMX_TOKENS; t++) _mm512_storeu_ps(Y + t * ldy, acc[t]);
+}
+
+/* Rows [n0, n1) (whole sixteens) of a product of rows in sixteens on the tiles where they apply, the rest
+   on the VNNI path; 0 where the tiles do not apply at all. */
+AMX8 static int amx_x16(const product *p, long n0, long n1) {
+    const long tokens = p->M / AMX_TOKENS * AMX_TOKENS, K = p->a->K, nb = K / 32;
+    const int q4 = p->fmt == Q4_0_X16;
+    if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || K % 64 || !p->a->qt) return 0;
+    uint8_t *panel = q4 ? aligned_alloc(64, (size_t)(nb * 512)) : NULL;
+    if (q4 && !panel) return 0;
+    tile_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 2; i++) {
+        cfg.colsb[i] = 64, cfg.rows[i] = 16;     /* C: 16 tokens x 16 rows */
+        cfg.colsb[2 + i] = 32, cfg.rows[2 + i] = 16; /* A: 16 tokens x 32 bytes */
+        cfg.colsb[4 + i] = 64, cfg.rows[4 + i] = 8;  /* B: 8 k-rows x 16 rows x 4 bytes */
+    }
+    _tile_loadconfig(&cfg);
+    for (long n = n0; n < n1; n += X16) {
+        const uint8_t *G = p->W + n * p->ldw;
+        if (q4) x16_panel(G, nb, panel);
+        for (long m = 0; m < tokens; m += AMX_TOKENS) {
+            float *Y = p->Y + m * p->ldy + n;
+            if (q4) amx16_tokens(Q4_0_X16, G, panel, p->a, m, Y, p->ldy);
+            else amx16_tokens(Q8_0_X16, G, NULL, p->a, m, Y, p->ldy);
+        }
+    }
+    _tile_release();
+    free(panel);
+    if (tokens < p->M) x8_vnni(p, n0, n1, tokens, p->M);
+    return 1;
+}
+
 /* ---- panels: many tokens (prefill) on AVX-512 ------------------------------------------------------- */
 
 /* With many tokens (prefill), blocks of 32: a unit's rows are unpacked once into a panel in cache (Q8_0
@@ -1544,21 +1846,14 @@ AVX512 ALWAYS_INLINE void panel32_rows(const int fmt, const product *p, long n0,
 
 #define PANELS(F) \
     AVX512 static void panel_512_##F(const product *p, long n0, long n1) { panel32_rows(F, p, n0, n1); }
-PANELS(Q8_0)
-PANELS(Q4_0)
 PANELS(Q4_1)
 
 /* The panel path of a product, or NULL where it has none: AVX-512 only, from PANEL_MIN_TOKENS tokens,
    blocks of 32 in whole pairs. (The K-quants have none: their unpacking is already a small share of a
    token's work, and panels of them measured level or slower, docs/notes/2026-11-25-prefill-panels.md.) */
 static panel_fn panel_for(int fmt, int isa, long M, long K) {
-    if (isa != PATH_AVX512 || M < PANEL_MIN_TOKENS || is_k(fmt) || K / 32 % 2) return NULL;
-    switch (fmt) {
-    case Q8_0: return panel_512_Q8_0;
-    case Q4_0: return panel_512_Q4_0;
-    case Q4_1: return panel_512_Q4_1;
-    }
-    return NULL;
+    if (isa != PATH_AVX512 || M < PANEL_MIN_TOKENS || fmt != Q4_1 || K / 32 % 2) return NULL;
+    return panel_512_Q4_1;
 }
 
 static void product_rows(const product *p, long n0, long n1) {
@@ -1572,11 +1867,12 @@ static void product_rows(const product *p, long n0, long n1) {
 static long unit_rows(int fmt, long ldw, long M) {
     long rows = UNIT_BYTES / (ldw * (M < GROUP ? 1 : M / GROUP));
     rows = rows > MIN_UNIT_ROWS ? rows : MIN_UNIT_ROWS;
-    return is_x8(fmt) ? (rows + X8 - 1) / X8 * X8 : rows; /* whole eights */
+    const long g = group_rows(fmt);
+    return (rows + g - 1) / g * g; /* whole groups of interleaved rows */
 }
 
-/* Which path reads rows in eights in a product (product_x8), 0 for other formats. */
-static int x8_path(int fmt, int isa) { return is_x8(fmt) ? isa : 0; }
+/* Which path reads interleaved rows in a product (product_x8), 0 for other formats. */
+static int x8_path(int fmt, int isa) { return group_rows(fmt) > 1 ? isa : 0; }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
 
@@ -1585,7 +1881,7 @@ static int x8_path(int fmt, int isa) { return is_x8(fmt) ? isa : 0; }
 
 static int check_shape(int fmt, long ldw, long K) {
     if (!block_bytes(fmt) || K <= 0 || K % block_elems(fmt)) return -1;
-    if (is_x8(fmt)) return ldw == K / 256 * block_bytes(fmt) ? 0 : -1; /* eights of whole rows, no padding */
+    if (group_rows(fmt) > 1) return ldw == K / block_elems(fmt) * block_bytes(fmt) ? 0 : -1; /* no padding */
     return ldw >= K / block_elems(fmt) * block_bytes(fmt) ? 0 : -1;
 }
 
@@ -1608,7 +1904,7 @@ static void linear_region(void *arg, int t, int T) {
    on up to `threads` threads. */
 int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *x, long ldx, int x_bf16, long M,
                float *Y, long ldy, int threads, int isa) {
-    if (check_shape(fmt, ldw, K) || (is_x8(fmt) && N % X8)) return -1;
+    if (check_shape(fmt, ldw, K) || N % group_rows(fmt)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K, tiles_take(fmt, isa, M))) return -2;
     linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K), x8_path(fmt, isa), fmt}, N,
@@ -1663,7 +1959,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
                     int isa) {
     if (n > 8) return -1;
     for (long i = 0; i < n; i++)
-        if (check_shape((int)p[i].fmt, p[i].ldw, K) || (is_x8((int)p[i].fmt) && p[i].N % X8)) return -1;
+        if (check_shape((int)p[i].fmt, p[i].ldw, K) || p[i].N % group_rows((int)p[i].fmt)) return -1;
     acts a[8];
     product pr[8];
     long first[9] = {0}, rows[8], owner[8];
@@ -1791,7 +2087,7 @@ static void experts_region(void *arg, int t, int T) {
 static int experts_run(const expert_job *e, long n, long H, long I, int x_bf16, long xrows, int threads, int isa) {
     for (long i = 0; i < n; i++)
         if (check_shape((int)e[i].fmt_gu, e[i].ld_gu, H) || check_shape((int)e[i].fmt_d, e[i].ld_d, I) ||
-            (is_x8((int)e[i].fmt_gu) && I % X8) || (is_x8((int)e[i].fmt_d) && H % X8))
+            I % group_rows((int)e[i].fmt_gu) || H % group_rows((int)e[i].fmt_d))
             return -1;
     experts_call c = {.e = e, .n = n, .H = H, .I = I, .xrows = xrows, .x_bf16 = x_bf16, .isa = isa};
     size_t words = (size_t)n * 6 + 2;
@@ -2168,7 +2464,7 @@ static void values_of(int fmt, const uint8_t *b, float *y) {
    torch), -3 for an id outside 0 .. N-1 (nothing written). */
 int hm_qrows(int fmt, const uint8_t *W, long ldw, long N, long K, const int64_t *ids, long n, void *out,
              int out_bf16) {
-    if (is_x8(fmt) || check_shape(fmt, ldw, K)) return -1;
+    if (group_rows(fmt) > 1 || check_shape(fmt, ldw, K)) return -1;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -3;
     const long elems = block_elems(fmt), bytes = block_bytes(fmt);

@@ -45,8 +45,8 @@ SIGNATURES = {
     "hm_qexperts": ([P, N, N, N, INT, INT, INT], INT),
     # int hm_quantize(int fmt, const float *x, long N, long K, uint8_t *out)
     "hm_quantize": ([INT, P, N, N, P], INT),
-    # int hm_to_x8(int fmt, uint8_t *W, long N, long K)
-    "hm_to_x8": ([INT, P, N, N], INT),
+    # int hm_interleave(int fmt, uint8_t *W, long N, long K)
+    "hm_interleave": ([INT, P, N, N], INT),
     # int hm_qrows(int fmt, const uint8_t *W, long ldw, long N, long K, const int64_t *ids, long n,
     #              void *out, int out_bf16)
     "hm_qrows": ([INT, P, N, N, N, P, N, P, INT], INT),
@@ -54,7 +54,7 @@ SIGNATURES = {
     #                    long K, const void *x, int x_bf16, long H, long I, int threads, int isa,
     #                    void *out)
     "hm_qmoe_tokens": ([P, N, P, P, N, N, P, INT, N, N, INT, INT, P], INT),
-    # void hm_set_amx8(int on): Q4_K and Q6_K rows in eights against many tokens on AMX-INT8 tiles
+    # void hm_set_amx8(int on): interleaved rows against many tokens on AMX-INT8 tiles
     "hm_set_amx8": ([INT], None),
     # void hm_pool_parallel(region_fn fn, void *arg, int T): the pool every library's regions
     # share (pool.h); not called from Python, its address handed to the others
@@ -117,15 +117,16 @@ def _tiles_permitted() -> bool:
 
 
 def use_tiles(on: bool) -> bool:
-    """Put many-token products of Q4_K and Q6_K rows in eights on the AMX-INT8 tiles or off them
-    (quant.c amx_x8: the same bits as the VNNI path, faster); on only where the CPU has them and the
+    """Put many-token products of interleaved rows (Q4_K and Q6_K rows in eights, Q8_0 and Q4_0
+    rows in sixteens) on the AMX-INT8 tiles or off them (quant.c amx_x8, amx_x16: the same bits as
+    the VNNI path, faster); on only where the CPU has them and the
     process was granted them (HYBRIDMOE_AMX=0 starts with them off). Returns whether they are on
     now."""
     return switch(library(), "hm_set_amx8", _TILES_ON, on, _tiles_permitted)
 
 
 def tiles_active() -> bool:
-    """Whether many-token products of Q4_K and Q6_K rows in eights run on the AMX-INT8 tiles now."""
+    """Whether many-token products of interleaved rows run on the AMX-INT8 tiles now."""
     library()
     return _TILES_ON[0]
 
@@ -340,11 +341,11 @@ def quantize(x: torch.Tensor, fmt: int, row_bytes: int) -> torch.Tensor:
     return out
 
 
-def to_rows_in_eights(data: torch.Tensor, fmt: int, cols: int) -> None:
-    """Q4_K or Q6_K rows (ggml type `fmt`) [N, row bytes] (N a multiple of 8, contiguous)
-    rearranged in place into rows in eights (quant/interleave.py's layouts; quant.c's hm_to_x8
-    says them byte by byte)."""
-    _check(library().hm_to_x8(fmt, data.data_ptr(), data.shape[0], cols), "rows in eights")
+def interleave_rows(data: torch.Tensor, fmt: int, cols: int) -> None:
+    """Q4_K, Q6_K, Q8_0 or Q4_0 rows (ggml type `fmt`) [N, row bytes] (N a multiple of the
+    layout's 8 or 16 rows, contiguous) rearranged in place into their interleaved layout
+    (quant/interleave.py; quant.c's hm_interleave says them byte by byte)."""
+    _check(library().hm_interleave(fmt, data.data_ptr(), data.shape[0], cols), "interleaving rows")
 
 
 def rows(

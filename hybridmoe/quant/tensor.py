@@ -17,8 +17,8 @@ from hybridmoe import invariance, native
 from hybridmoe.native import bf16 as bf16_kernels
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.dequant import dequantize
-from hybridmoe.quant.formats import FORMATS, IN_EIGHTS, LAYOUTS, Format
-from hybridmoe.quant.interleave import ROWS, deinterleave
+from hybridmoe.quant.formats import FORMATS, INTERLEAVED, LAYOUTS, Format
+from hybridmoe.quant.interleave import deinterleave
 from hybridmoe.quant.transposed import times
 from hybridmoe.tuning import DEQUANTISE_FROM_ROWS
 
@@ -78,8 +78,8 @@ class QTensor:
         return sum(p.numel() for p in self.parts)
 
     def rows(self, index) -> QTensor:
-        """The rows `index` selects (a slice, a list or a tensor of row numbers); rows in eights
-        come out as the q4_k or q6_k rows they are (a copy of the whole matrix first: for loading,
+        """The rows `index` selects (a slice, a list or a tensor of row numbers); interleaved rows
+        come out as the GGUF rows they are (a copy of the whole matrix first: for loading,
         not for a step)."""
         if self.fmt.name in LAYOUTS:
             rows = deinterleave(self.data, self.fmt.family)[index]
@@ -131,26 +131,27 @@ class QTensor:
 
 
 def for_kernels(m: QTensor) -> QTensor:
-    """m in the layout the CPU kernels read fastest: Q4_K and Q6_K rows in eights
-    (quant/interleave.py) where the AVX-512 path runs and every part's rows are whole eights of
-    unpadded rows; else m. The bytes are rearranged in place: a part viewing a model file's
-    copy-on-write map turns its pages into the process's own, in the place of the file's, so
-    resident memory does not grow; but those pages can no longer be dropped, so the loader marks a
-    file's blocks `keep_layout` where they would not fit in the free memory
+    """m in the layout the CPU kernels read fastest: Q4_K and Q6_K rows in eights, Q8_0 and Q4_0
+    rows in sixteens (quant/interleave.py) where the AVX-512 path runs and every part's rows are
+    whole groups of unpadded rows; else m. The bytes are rearranged in place: a part viewing a
+    model file's copy-on-write map turns its pages into the process's own, in the place of the
+    file's, so resident memory does not grow; but those pages can no longer be dropped, so the
+    loader marks a file's blocks `keep_layout` where they would not fit in the free memory
     (loader/gguf_file.py)."""
     if (
-        m.fmt.name not in IN_EIGHTS
+        m.fmt.name not in INTERLEAVED
         or m.keep_layout
         or m.device.type != "cpu"
         or not kernels.available()
         or kernels.isa() != kernels.AVX512
     ):
         return m
-    if not all(p.shape[0] % ROWS == 0 and p.is_contiguous() for p in m.parts):
+    layout = INTERLEAVED[m.fmt.name]
+    if not all(p.shape[0] % layout.rows == 0 and p.is_contiguous() for p in m.parts):
         return m
     for part in m.parts:
-        kernels.to_rows_in_eights(part, m.fmt.ggml, m.cols)
-    return QTensor(m.parts, IN_EIGHTS[m.fmt.name], m.cols)
+        kernels.interleave_rows(part, m.fmt.ggml, m.cols)
+    return QTensor(m.parts, layout, m.cols)
 
 
 def dense(m, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""Q4_K and Q6_K rows in eights (q4_k_x8, q6_k_x8, quant/interleave.py): the layouts native/quant.c
-states, byte for byte; every product on them (AVX-512 reads them as they lie, AVX2 puts rows back)
-gives the bits of the same rows in GGUF's layout, on both paths, so test_quant.py's bound against
-gguf's dequantiser holds for them unchanged (checked here too); products of 16 or more tokens on
-AMX-INT8 tiles (where the CPU has them) give the bits of the VNNI path; and every other reader of
-the bytes (the torch fallback, a GPU's dequantiser through the accelerator, the trainer's
-transposed product, row lookups) takes the layouts."""
+"""Interleaved rows (quant/interleave.py): Q4_K and Q6_K rows in eights (q4_k_x8, q6_k_x8), Q8_0 and
+Q4_0 rows in sixteens (q8_0_x16, q4_0_x16): the layouts native/quant.c states, byte for byte; every
+product on them (AVX-512 reads them as they lie, AVX2 puts rows back) gives the bits of the same
+rows in GGUF's layout, on both paths, so test_quant.py's bound against gguf's dequantiser holds for
+them unchanged (checked here too); products of 16 or more tokens on AMX-INT8 tiles (where the CPU
+has them) give the bits of the VNNI path; and every other reader of the bytes (the torch fallback, a
+GPU's dequantiser through the accelerator, the trainer's transposed product, row lookups) takes the
+layouts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hybridmoe.experts.run.expert_bytes import pack, view
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.loader import load_model
 from hybridmoe.native import quant as kernels
-from hybridmoe.quant.formats import FORMATS, IN_EIGHTS
+from hybridmoe.quant.formats import FORMATS, INTERLEAVED
 from hybridmoe.quant.interleave import deinterleave, interleave
 from hybridmoe.quant.tensor import QTensor, for_kernels, matmul
 from hybridmoe.quant.transposed import times
@@ -29,7 +30,7 @@ from tests.test_quant import PATHS, quantised_activations, random_blocks
 from tests.test_quant_models import GREEDY, PROMPT, wide_mixtral_gguf
 
 Q4_K = FORMATS["q4_k"]
-FAMILIES = ("q4_k", "q6_k")
+FAMILIES = ("q4_k", "q6_k", "q8_0", "q4_0")
 
 
 def blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -41,7 +42,12 @@ def q4k(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def in_eights(fmt: str, plain: torch.Tensor, cols: int) -> QTensor:
-    return QTensor(interleave(plain, fmt), IN_EIGHTS[fmt], cols)
+    return QTensor(interleave(plain, fmt), INTERLEAVED[fmt], cols)
+
+
+def odd_rows(fmt: str) -> int:
+    """Rows past a whole 16 where the layout allows it (rows in eights), else whole sixteens."""
+    return 40 if INTERLEAVED[fmt].rows == 8 else 48
 
 
 def laid_out_by_hand(plain: np.ndarray, fmt: str) -> np.ndarray:
@@ -49,6 +55,17 @@ def laid_out_by_hand(plain: np.ndarray, fmt: str) -> np.ndarray:
     rows, width = plain.shape
     size = FORMATS[fmt].nbytes
     out = np.zeros_like(plain).reshape(-1)
+    if fmt in ("q8_0", "q4_0"):
+        for n in range(rows):
+            g, r = divmod(n, 16)
+            for b in range(width // size):
+                src, at = plain[n, size * b : size * (b + 1)], 16 * g * width + 16 * size * b
+                out[at + 2 * r : at + 2 * r + 2] = src[0:2]  # d
+                for i in range((size - 2) // 4):  # q (nibbles) in units of 4
+                    out[at + 32 + 64 * i + 4 * r : at + 36 + 64 * i + 4 * r] = src[
+                        2 + 4 * i : 6 + 4 * i
+                    ]
+        return out.reshape(rows, width)
     for n in range(rows):
         g, r = divmod(n, 8)
         for s in range(width // size):
@@ -76,20 +93,21 @@ def laid_out_by_hand(plain: np.ndarray, fmt: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
-def test_rows_in_eights_are_the_stated_layout_and_come_back(fmt):
-    plain = blocks(fmt, 24, 512, 1)
+def test_interleaved_rows_are_the_stated_layout_and_come_back(fmt):
+    plain = blocks(fmt, 3 * INTERLEAVED[fmt].rows, 512, 1)
     x8 = interleave(plain, fmt)
     assert np.array_equal(x8.numpy(), laid_out_by_hand(plain.numpy(), fmt))
     assert torch.equal(deinterleave(x8, fmt), plain)
     if kernels.available():  # the load's rearrangement in place (quant.c) makes the same bytes
         in_place = plain.clone()
-        kernels.to_rows_in_eights(in_place, FORMATS[fmt].ggml, 512)
+        kernels.interleave_rows(in_place, FORMATS[fmt].ggml, 512)
         assert torch.equal(in_place, x8)
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
-@pytest.mark.parametrize("n,k", [(768, 2048), (16, 256), (40, 768)])
-def test_products_on_rows_in_eights_keep_the_rows_bits(fmt, n, k):
+@pytest.mark.parametrize("n,k", [(768, 2048), (16, 256), (0, 768)])
+def test_products_on_interleaved_rows_keep_the_rows_bits(fmt, n, k):
+    n = n or odd_rows(fmt)
     plain = blocks(fmt, n, k, n)
     x8 = interleave(plain, fmt)
     for m in (1, 2, 5, 70):  # one token; decode batches; past a chunk of 64
@@ -98,7 +116,7 @@ def test_products_on_rows_in_eights_keep_the_rows_bits(fmt, n, k):
             for path in PATHS:
                 for workers in (1, 2):
                     want = kernels.linear(x, FORMATS[fmt].ggml, plain, k, path, workers)
-                    got = kernels.linear(x, IN_EIGHTS[fmt].ggml, x8, k, path, workers)
+                    got = kernels.linear(x, INTERLEAVED[fmt].ggml, x8, k, path, workers)
                     assert torch.equal(got, want), (m, dtype, path, workers)
 
 
@@ -115,18 +133,18 @@ def test_many_tokens_on_the_tiles_keep_the_vnni_paths_bits(fmt, tiles_back_on):
     last whole 16 and tokens past the last whole 16 (those go to the VNNI path) and one token
     tile or several. Where the CPU has no AMX-INT8 both runs take the VNNI path. Experts in a
     Q4_K_M file's mix too: gate and up in Q4_K, down in `fmt`."""
-    for n, k, m in ((16, 256, 32), (40, 768, 21), (768, 2048, 70), (48, 512, 129)):
+    for n, k, m in ((16, 256, 32), (odd_rows(fmt), 768, 21), (768, 2048, 70), (48, 512, 129)):
         x8 = interleave(blocks(fmt, n, k, n + m), fmt)
         x = torch.randn(m, k).to(torch.bfloat16)
         ys = []
         for on in (True, False):
             kernels.use_tiles(on)
-            ys.append([kernels.linear(x, IN_EIGHTS[fmt].ggml, x8, k, None, w) for w in (1, 2)])
+            ys.append([kernels.linear(x, INTERLEAVED[fmt].ggml, x8, k, None, w) for w in (1, 2)])
         assert all(torch.equal(a, b) for a, b in zip(*ys)), (n, k, m)
         assert torch.equal(*ys[0]), "a thread count changed a bit"
         # several products of one quantisation (q, k and v), the first in GGUF's layout
         plain = blocks("q4_k", n, k, 7)
-        weights = [(FORMATS["q4_k"].ggml, plain), (IN_EIGHTS[fmt].ggml, x8)]
+        weights = [(FORMATS["q4_k"].ggml, plain), (INTERLEAVED[fmt].ggml, x8)]
         kernels.use_tiles(True)
         both = kernels.linears(x, weights, k)
         assert torch.equal(both[1], ys[1][0])
@@ -153,14 +171,16 @@ def test_many_tokens_on_the_tiles_keep_the_vnni_paths_bits(fmt, tiles_back_on):
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
-def test_rows_in_eights_match_gguf_within_the_activation_bound(fmt):
+def test_interleaved_rows_match_gguf_within_the_activation_bound(fmt):
     """test_quant.py's check, on the layouts: fp32 rounding against the product with the
     quantised activations, and the activations' rounding bound against the true ones."""
     raw = blocks(fmt, 48, 768, 3)
     w = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[fmt.upper()]).astype(np.float64)
     x = np.random.default_rng(4).standard_normal((1, 768)).astype(np.float32)
-    y = kernels.linear(torch.from_numpy(x), IN_EIGHTS[fmt].ggml, interleave(raw, fmt), 768).numpy()
-    xq, step = quantised_activations(x, 256)
+    y = kernels.linear(
+        torch.from_numpy(x), INTERLEAVED[fmt].ggml, interleave(raw, fmt), 768
+    ).numpy()
+    xq, step = quantised_activations(x, FORMATS[fmt].block if fmt in ("q8_0", "q4_0") else 256)
     exact_on_xq = xq @ w.T
     assert np.abs(y - exact_on_xq).max() <= 1e-5 * np.abs(exact_on_xq).max()
     bound = (np.abs(w)[None] * step[:, None, :] / 2).sum(-1)  # [M, N]
@@ -170,7 +190,7 @@ def test_rows_in_eights_match_gguf_within_the_activation_bound(fmt):
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
-def test_experts_and_a_tokens_mix_on_rows_in_eights_keep_their_bits(fmt):
+def test_experts_and_a_tokens_mix_on_interleaved_rows_keep_their_bits(fmt):
     hidden, inter, count = 512, 256, 4
     plain = [
         (blocks(fmt, 2 * inter, hidden, 10 + e), blocks(fmt, hidden, inter, 20 + e))
@@ -207,14 +227,14 @@ def test_every_other_reader_takes_the_layout(fmt):
     expert = ExpertWeights(QTensor.cat([x8, x8]), for_kernels(down))
     buf = torch.zeros(2 * expert.nbytes() + 4096, dtype=torch.uint8)
     held = view(buf, pack(expert, buf))  # the bytes an accelerator's slot holds
-    assert held.gate_up.fmt == IN_EIGHTS[fmt] and torch.equal(
+    assert held.gate_up.fmt == INTERLEAVED[fmt] and torch.equal(
         held.gate_up.dequantize(), QTensor.cat([plain, plain]).dequantize()
     )
     assert held.down.fmt == expert.down.fmt
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
-def test_the_torch_fallback_computes_on_rows_in_eights(fmt, monkeypatch):
+def test_the_torch_fallback_computes_on_interleaved_rows(fmt, monkeypatch):
     plain = QTensor(blocks(fmt, 32, 256, 9), FORMATS[fmt], 256)
     x8 = in_eights(fmt, plain.data, 256)
     monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "off")
@@ -224,13 +244,13 @@ def test_the_torch_fallback_computes_on_rows_in_eights(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
-def test_weights_take_rows_in_eights_in_place_where_avx512_reads_them(fmt, monkeypatch):
+def test_weights_are_interleaved_in_place_where_avx512_reads_them(fmt, monkeypatch):
     f = FORMATS[fmt]
     data = blocks(fmt, 32, 512, 11)
     values = QTensor(data.clone(), f, 512).dequantize()
     kept = for_kernels(QTensor(data, f, 512))
     if kernels.isa() == kernels.AVX512:
-        assert kept.fmt == IN_EIGHTS[fmt] and kept.parts[0].data_ptr() == data.data_ptr()
+        assert kept.fmt == INTERLEAVED[fmt] and kept.parts[0].data_ptr() == data.data_ptr()
     else:
         assert kept.fmt == f
     assert torch.equal(kept.dequantize(), values)
