@@ -185,9 +185,9 @@ static float k_result(const float *a, const float *b, const float *c) {
 typedef struct {
     long K;
     int8_t *qs;     /* [M, K] */
-    float *dx;      /* blocks of 32: [M, K/32, 8], the block's scale per lane; K-quants: [M, K/256] */
-    int32_t *So;    /* blocks of 32: [M, K/32, 8], offset_of(fmt) * the lane's byte sum */
-    float *Sf;      /* blocks of 32: [M, K/32, 8], dx * the lane's byte sum */
+    float *dx;      /* Q4_1: [M, K/32, 8], the block's scale per lane; K-quants: [M, K/256] */
+    int32_t *So;    /* Q4_1: [M, K/32, 8], offset_of(fmt) * the lane's byte sum (0) */
+    float *Sf;      /* Q4_1: [M, K/32, 8], dx * the lane's byte sum */
     float *db;      /* blocks of 32: [M, K/32], the block's scale (block sums) */
     int32_t *ob;    /* blocks of 32: [M, K/32], offset_of(fmt) * the block's byte sum */
     int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
@@ -229,9 +229,10 @@ AVX2 ALWAYS_INLINE void round32(const __m256 v[4], float id, int8_t *q) {
     _mm256_storeu_si256((__m256i *)q, b);
 }
 
-/* Blocks of 32: M rows of K values (rows[m] of x, or row m where rows is NULL) -> qs, and per block and
-   lane dx, So, Sf, per block db, ob. */
-AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, long M, long K, int offset, acts *a) {
+/* Blocks of 32: M rows of K values (rows[m] of x, or row m where rows is NULL) -> qs, per block db, ob,
+   and with `lanes` (Q4_1) per block and lane dx, So, Sf. */
+AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, long M, long K, int offset, int lanes,
+                         acts *a) {
     long nb = K / 32;
     for (long m = 0; m < M; m++) {
         const long xm = (rows ? rows[m] : m) * ldx;
@@ -241,17 +242,20 @@ AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, 
             float amax = amax32(v), d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *q = a->qs + m * K + b * 32;
             round32(v, id, q);
+            /* the block's sum: sums of q + 128 over each 8 bytes, less 32 x 128 */
+            const __m256i s4 = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80)),
+                                               _mm256_setzero_si256());
+            const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            a->db[m * nb + b] = d;
+            a->ob[m * nb + b] = offset * (_mm_cvtsi128_si32(_mm_add_epi64(s2, _mm_unpackhi_epi64(s2, s2))) - 32 * 128);
+            if (!lanes) continue;
             long l = (m * nb + b) * 8;
-            int sum = 0;
             for (int k = 0; k < 8; k++) {
                 int s = q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3];
                 a->dx[l + k] = d;
                 a->So[l + k] = offset * s;
                 a->Sf[l + k] = (float)s * d;
-                sum += s;
             }
-            a->db[m * nb + b] = d;
-            a->ob[m * nb + b] = offset * sum;
         }
     }
 }
@@ -304,7 +308,8 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
                    int tiles) {
     long nb = K / 32, ns = K / 256;
     size_t q = ((size_t)(M * K) + 63) & ~(size_t)63;
-    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * (8 * 12 + 8);
+    const int lanes = rows_fmt(fmt) == Q4_1; /* blocks of 32 in fp32 lanes (the others: block sums) */
+    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * (8 + (lanes ? 8 * 12 : 0));
     size_t qt = tiles ? (size_t)(M / 16 * 16 * K) : 0;
     a->K = K;
     a->mem = malloc(q + per + qt + 128);
@@ -320,12 +325,12 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
         a->bpair = (int32_t *)(p + 36 * M * ns);
         q8k_rows(x, ldx, x_bf16, rows, M, K, rows_fmt(fmt) != Q6_K, a);
     } else {
-        a->dx = (float *)p;
-        a->So = (int32_t *)(p + 32 * M * nb);
-        a->Sf = (float *)(p + 64 * M * nb);
-        a->db = (float *)(p + 96 * M * nb);
-        a->ob = (int32_t *)(p + 100 * M * nb);
-        q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), a);
+        a->db = (float *)p;
+        a->ob = (int32_t *)(p + 4 * M * nb);
+        a->dx = (float *)(p + 8 * M * nb);
+        a->So = (int32_t *)(p + 40 * M * nb);
+        a->Sf = (float *)(p + 72 * M * nb);
+        q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), lanes, a);
     }
     for (long T = 0; a->qt && T < M / 16; T++)
         for (long c = 0; c < K / 64; c++)
@@ -1650,61 +1655,77 @@ AMX8 static int amx_x8(const product *p, long n0, long n1) {
    I_b then takes the fma of block sums, sixteen rows of one token in a register: the VNNI path's bits.
    Tokens past the last whole 16 and tokens picked out of a larger set take the VNNI path. */
 
-/* Q4_0 rows in sixteens G (nb blocks) as `panel`: per block 8 k-rows of 16 rows x 4 values (0..15). */
-AMX8 static void x16_panel(const uint8_t *G, long nb, uint8_t *panel) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+/* Rows in sixteens G (nb blocks) as `panel`: per block 8 k-rows of 16 rows x 4 values, int8: Q8_0's q
+   as they lie (a copy: B tiles read from 64-byte lines, not across two), Q4_0's q - 8. */
+AMX8 static void x16_panel(const int fmt, const uint8_t *G, long nb, uint8_t *panel) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    if (fmt == Q8_0_X16) {
+        for (long b = 0; b < nb; b++)
+            for (int c = 0; c < 8; c++)
+                _mm512_storeu_si512((void *)(panel + 512 * b + 64 * c), _mm512_loadu_si512((const void *)(G + b * X16 * 34 + 32 + 64 * c)));
+        return;
+    }
     for (long b = 0; b < nb; b++)
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512((const void *)(G + b * X16 * 18 + 32 + 64 * c));
-            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * c), _mm512_and_si512(v, m4));
-            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * (4 + c)), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * c), _mm512_sub_epi8(_mm512_and_si512(v, m4), eight));
+            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * (4 + c)),
+                                _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), eight));
         }
 }
 
 /* Block b's tile of I_b (C: row t token m + t, lane r row r) into the sixteen rows' sums of each token. */
-AMX8 ALWAYS_INLINE void x16_fold(const int q4, const int32_t *C, const uint8_t *d, const acts *a, long m, long b,
-                                 __m512 acc[AMX_TOKENS]) {
+AMX8 ALWAYS_INLINE void x16_fold(const int32_t *C, const uint8_t *d, const acts *a, long m, long b, __m512 acc[AMX_TOKENS]) {
     const long nb = a->K / 32;
     const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
     for (int t = 0; t < AMX_TOKENS; t++) {
-        const long l = (m + t) * nb + b;
-        __m512i I = _mm512_loadu_si512((const void *)(C + 16 * t));
-        if (q4) I = _mm512_sub_epi32(I, _mm512_set1_epi32(a->ob[l]));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(a->db[l])), acc[t]);
+        const __m512i I = _mm512_loadu_si512((const void *)(C + 16 * t));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(a->db[(m + t) * nb + b])), acc[t]);
     }
 }
 
-/* 16 tokens from m against sixteen rows G in `fmt` (Q4_0_X16: their panel): Y[t * ldy + 0..16). Blocks
-   in pairs, b on tiles 0 (C), 2 (A), 4 (B), b + 1 on 1, 3, 5. */
+/* Block b on C tile c, its A and B on tiles ta, tb (tile numbers: literals). */
+#define X16_TILE(c, ta, tb, b)                                                                             \
+    do {                                                                                                   \
+        _tile_loadd(ta, A + (b) / 2 * 1024 + (b) % 2 * 32, 64);                                             \
+        _tile_loadd(tb, panel + 512 * (b), 64);                                                            \
+        _tile_zero(c);                                                                                     \
+        _tile_dpbssd(c, ta, tb);                                                                           \
+    } while (0)
+
+/* 16 tokens from m against sixteen rows G in `fmt` (Q4_0_X16: their panel): Y[t * ldy + 0..16). Four
+   blocks at a time on C tiles 0..3, so that a tile's store and float pass overlap the next blocks'
+   products. */
 AMX8 ALWAYS_INLINE void amx16_tokens(const int fmt, const uint8_t *G, const uint8_t *panel, const acts *a, long m,
                                      float *Y, long ldy) {
-    const int q4 = fmt == Q4_0_X16;
     const long nb = a->K / 32, gb = X16 * block_bytes(fmt);
-    int32_t C[2][AMX_TOKENS * AMX_ROWS];
+    int32_t C[4][AMX_TOKENS * AMX_ROWS];
     __m512 acc[AMX_TOKENS];
     for (int t = 0; t < AMX_TOKENS; t++) acc[t] = _mm512_setzero_ps();
     const int8_t *A = a->qt + m / AMX_TOKENS * (a->K / 64) * 1024; /* 16 x 64 bytes per 64 columns */
-    for (long b = 0; b < nb; b += 2) {
-        _tile_loadd(2, A + b / 2 * 1024, 64);
-        _tile_loadd(3, A + b / 2 * 1024 + 32, 64);
-        _tile_loadd(4, q4 ? panel + 512 * b : G + b * gb + 32, 64);
-        _tile_loadd(5, q4 ? panel + 512 * (b + 1) : G + (b + 1) * gb + 32, 64);
-        _tile_zero(0);
-        _tile_zero(1);
-        if (q4) {
-            _tile_dpbsud(0, 2, 4);
-            _tile_dpbsud(1, 3, 5);
-        } else {
-            _tile_dpbssd(0, 2, 4);
-            _tile_dpbssd(1, 3, 5);
-        }
+    long b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        X16_TILE(0, 4, 6, b);
+        X16_TILE(1, 5, 7, b + 1);
+        X16_TILE(2, 4, 6, b + 2);
+        X16_TILE(3, 5, 7, b + 3);
         _tile_stored(0, C[0], 64);
         _tile_stored(1, C[1], 64);
-        x16_fold(q4, C[0], G + b * gb, a, m, b, acc);
-        x16_fold(q4, C[1], G + (b + 1) * gb, a, m, b + 1, acc);
+        _tile_stored(2, C[2], 64);
+        _tile_stored(3, C[3], 64);
+        for (int j = 0; j < 4; j++) x16_fold(C[j], G + (b + j) * gb, a, m, b + j, acc);
+    }
+    for (; b < nb; b += 2) {
+        X16_TILE(0, 4, 6, b);
+        X16_TILE(1, 5, 7, b + 1);
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        x16_fold(C[0], G + b * gb, a, m, b, acc);
+        x16_fold(C[1], G + (b + 1) * gb, a, m, b + 1, acc);
     }
     for (int t = 0; t < AMX_TOKENS; t++) _mm512_storeu_ps(Y + t * ldy, acc[t]);
 }
+#undef X16_TILE
 
 /* Rows [n0, n1) (whole sixteens) of a product of rows in sixteens on the tiles where they apply, the rest
    on the VNNI path; 0 where the tiles do not apply at all. */
@@ -1712,24 +1733,23 @@ AMX8 static int amx_x16(const product *p, long n0, long n1) {
     const long tokens = p->M / AMX_TOKENS * AMX_TOKENS, K = p->a->K, nb = K / 32;
     const int q4 = p->fmt == Q4_0_X16;
     if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || K % 64 || !p->a->qt) return 0;
-    uint8_t *panel = q4 ? aligned_alloc(64, (size_t)(nb * 512)) : NULL;
-    if (q4 && !panel) return 0;
+    uint8_t *panel = aligned_alloc(64, (size_t)(nb * 512));
+    if (!panel) return 0;
     tile_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int i = 0; i < 2; i++) {
-        cfg.colsb[i] = 64, cfg.rows[i] = 16;     /* C: 16 tokens x 16 rows */
-        cfg.colsb[2 + i] = 32, cfg.rows[2 + i] = 16; /* A: 16 tokens x 32 bytes */
-        cfg.colsb[4 + i] = 64, cfg.rows[4 + i] = 8;  /* B: 8 k-rows x 16 rows x 4 bytes */
-    }
+    for (int i = 0; i < 4; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16; /* C: 16 tokens x 16 rows */
+    for (int i = 4; i < 6; i++) cfg.colsb[i] = 32, cfg.rows[i] = 16; /* A: 16 tokens x 32 bytes */
+    for (int i = 6; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 8;  /* B: 8 k-rows x 16 rows x 4 bytes */
     _tile_loadconfig(&cfg);
     for (long n = n0; n < n1; n += X16) {
         const uint8_t *G = p->W + n * p->ldw;
-        if (q4) x16_panel(G, nb, panel);
+        if (q4) x16_panel(Q4_0_X16, G, nb, panel);
+        else x16_panel(Q8_0_X16, G, nb, panel);
         for (long m = 0; m < tokens; m += AMX_TOKENS) {
             float *Y = p->Y + m * p->ldy + n;
             if (q4) amx16_tokens(Q4_0_X16, G, panel, p->a, m, Y, p->ldy);
-            else amx16_tokens(Q8_0_X16, G, NULL, p->a, m, Y, p->ldy);
+            else amx16_tokens(Q8_0_X16, G, panel, p->a, m, Y, p->ldy);
         }
     }
     _tile_release();
