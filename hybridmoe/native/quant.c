@@ -193,6 +193,7 @@ typedef struct {
     int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
     int32_t *bpair; /* K-quants: [M, K/256, 4], dword j: the sums of natural blocks 2j, 2j + 1 as words */
     int8_t *qt;     /* NULL, or qs's first M / 16 * 16 rows for AMX tiles (acts_of's `tiles`) */
+    float *dbt;     /* with qt, blocks of 32: db of each 16 rows block by block, [M / 16, K/32, 16] */
     void *mem;
 } acts;
 
@@ -310,7 +311,7 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
     size_t q = ((size_t)(M * K) + 63) & ~(size_t)63;
     const int lanes = rows_fmt(fmt) == Q4_1; /* blocks of 32 in fp32 lanes (the others: block sums) */
     size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * (8 + (lanes ? 8 * 12 : 0));
-    size_t qt = tiles ? (size_t)(M / 16 * 16 * K) : 0;
+    size_t qt = tiles ? (size_t)(M / 16 * 16 * K) + (is_k(fmt) ? 0 : (size_t)(M / 16 * 16 * nb) * 4) : 0;
     a->K = K;
     a->mem = malloc(q + per + qt + 128);
     if (!a->mem) return -2;
@@ -336,6 +337,10 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
         for (long c = 0; c < K / 64; c++)
             for (int i = 0; i < 16; i++)
                 memcpy(a->qt + ((T * (K / 64) + c) * 16 + i) * 64, a->qs + (16 * T + i) * K + 64 * c, 64);
+    a->dbt = a->qt && !is_k(fmt) ? (float *)(a->qt + M / 16 * 16 * K) : NULL;
+    for (long T = 0; a->dbt && T < M / 16; T++)
+        for (long b = 0; b < nb; b++)
+            for (int i = 0; i < 16; i++) a->dbt[(T * nb + b) * 16 + i] = a->db[(16 * T + i) * nb + b];
     return 0;
 }
 
@@ -1676,11 +1681,11 @@ AMX8 static void x16_panel(const int fmt, const uint8_t *G, long nb, uint8_t *pa
 
 /* Block b's tile of I_b (C: row t token m + t, lane r row r) into the sixteen rows' sums of each token. */
 AMX8 ALWAYS_INLINE void x16_fold(const int32_t *C, const uint8_t *d, const acts *a, long m, long b, __m512 acc[AMX_TOKENS]) {
-    const long nb = a->K / 32;
     const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+    const float *db = a->dbt + (m / AMX_TOKENS * (a->K / 32) + b) * AMX_TOKENS;
     for (int t = 0; t < AMX_TOKENS; t++) {
         const __m512i I = _mm512_loadu_si512((const void *)(C + 16 * t));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(a->db[(m + t) * nb + b])), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(db[t])), acc[t]);
     }
 }
 
@@ -1732,7 +1737,7 @@ AMX8 ALWAYS_INLINE void amx16_tokens(const int fmt, const uint8_t *G, const uint
 AMX8 static int amx_x16(const product *p, long n0, long n1) {
     const long tokens = p->M / AMX_TOKENS * AMX_TOKENS, K = p->a->K, nb = K / 32;
     const int q4 = p->fmt == Q4_0_X16;
-    if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || K % 64 || !p->a->qt) return 0;
+    if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || K % 64 || !p->a->dbt) return 0;
     uint8_t *panel = aligned_alloc(64, (size_t)(nb * 512));
     if (!panel) return 0;
     tile_cfg cfg;
