@@ -4,7 +4,7 @@
 |-------------------|---------------------------------------------------------------------|
 | HYBRIDMOE_NATIVE  | 0 turns the native C kernels off (torch's kernels do the work)      |
 | HYBRIDMOE_QUANT_ISA | the quantised kernels' path: avx512, avx2 or off (default: widest) |
-| HYBRIDMOE_AMX     | 0 keeps the AMX tiles off (decode attention, Q4_K/Q6_K prefill products) |
+| HYBRIDMOE_AMX     | 0 keeps the AMX tiles off (decode attention, quantised prefill products) |
 | HYBRIDMOE_API_KEY | the API key `serve` requires (instead of --api-key, which `ps` shows)   |
 | CC                | the C compiler that builds them (default `cc`)                      |
 | XDG_CACHE_HOME    | where the user cache directory lies (default ~/.cache)              |

@@ -11,11 +11,12 @@
 
    Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
    instructions made them; after that every lane goes through the same float operations in the same order.
-   Blocks of 32: block b adds fma(L_b, w_b * dx_b) (and, for Q4_1, fma(S_b * dx_b, m_b)) into accumulator
-   b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one register); Q5_K: super-block s
+   Q8_0, Q4_0: block b's lanes are summed in integers, exactly, and the row's one sum takes
+   fma(I_b, w_b * dx_b) per block ("block sums"); Q4_1: block b adds fma(L_b, w_b * dx_b) and
+   fma(S_b * dx_b, m_b) into accumulator b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one
+   register), a row's result those lanes summed by one fixed tree (reduce); Q5_K: super-block s
    adds fma(A_s, d * dx_s) and fma(B_s, d * dx_s) (its 8 halves of 32 values alternately) and
-   fma(C_s, dmin * dx_s) (the minimums against the 16-value sums); a row's result is those accumulators
-   summed by one fixed tree (reduce). Q4_K, Q6_K: a super-block's lanes are summed in integers, exactly,
+   fma(C_s, dmin * dx_s) (the minimums against the 16-value sums), summed likewise. Q4_K, Q6_K: a super-block's lanes are summed in integers, exactly,
    to one scaled dot and one minimums' (Q6_K: offset's) term per row, each added by one fma (K_FMA). A
    row's result depends on nothing but the row: not on how many rows came with it, nor on which thread
    computed it.
@@ -372,7 +373,7 @@ AVX2 ALWAYS_INLINE __m256i lanes32(int fmt, __m256i q, __m256i x, const int32_t 
     return L;
 }
 
-/* ---- blocks of 32, AVX2: one block per step ------------------------------------------------------- */
+/* ---- Q4_1 (blocks of 32 in fp32 lanes), AVX2: one block per step ---------------------------------- */
 
 /* Rows n0..n1 of Y for the R tokens mi[0..R) (their rows in `a`), written to Y rows y0..y0+R. */
 AVX2 ALWAYS_INLINE void dot32_avx2_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
@@ -462,7 +463,7 @@ AVX2 ALWAYS_INLINE void dot32s_t(const int fmt, const int R, const uint8_t *W, l
     }
 }
 
-/* ---- blocks of 32, AVX-512 VNNI: two blocks per register, even block low, odd block high ------- */
+/* ---- Q4_1, AVX-512 VNNI: two blocks per register, even block low, odd block high ----------------- */
 
 /* The fp16 values at byte `at` of c <= 8 consecutive blocks bb bytes apart, as 8 floats (0 past c). */
 AVX512 ALWAYS_INLINE __m512 scales8(const uint8_t *p, long bb, int at, int c) {
@@ -1763,22 +1764,23 @@ AMX8 static int amx_x16(const product *p, long n0, long n1) {
     return 1;
 }
 
-/* ---- panels: many tokens (prefill) on AVX-512 ------------------------------------------------------- */
+/* ---- panels: many tokens (prefill) of Q4_1 on AVX-512 ---------------------------------------------- */
 
-/* With many tokens (prefill), blocks of 32: a unit's rows are unpacked once into a panel in cache (Q8_0
-   flipped to unsigned, nibbles split, fp16 scales widened and spread over their lanes), PANEL_ROWS rows
+/* With many tokens (prefill), Q4_1: a unit's rows are unpacked once into a panel in cache (nibbles split,
+   fp16 scales widened and spread over their lanes), PANEL_ROWS rows
    side by side, then met by the tokens PANEL_TOKENS at a time in registers: an outer product in which
    each weight register serves PANEL_TOKENS outputs and each token's registers PANEL_ROWS. dot32_512_t
    re-unpacked every row for every group of tokens and re-read each token's activations for every row.
    Every output is still one row's dot product with one token in the order of its blocks, through the
    same float operations as dot32_512_t, so no bit changes: a product takes this path from
-   PANEL_MIN_TOKENS tokens on (docs/notes/2026-11-25-prefill-panels.md). */
+   PANEL_MIN_TOKENS tokens on (docs/notes/2026-11-25-prefill-panels.md; Q8_0 and Q4_0 had panels too,
+   until their block sums and rows in sixteens). */
 #define PANEL_ROWS 4
 #define PANEL_TOKENS 4
 #define PANEL_MIN_TOKENS 8
 
-/* Blocks of 32: a panel holds, per pair of blocks and row, [q of b | q of b + 1] (as unpack_pair) and
-   [w_b x 8 | w_{b+1} x 8] (and Q4_1's minimums likewise): PANEL_ROWS x S registers per pair. */
+/* A panel holds, per pair of blocks and row, [q of b | q of b + 1] (as unpack_pair) and [w_b x 8 |
+   w_{b+1} x 8] (and Q4_1's minimums likewise): PANEL_ROWS x S registers per pair. */
 static int panel32_regs(int fmt) { return fmt == Q4_1 ? 3 : 2; }
 
 AVX512 ALWAYS_INLINE void pack32(const int fmt, const uint8_t *W, long ldw, long n, long nb, __m512i *pk) {
@@ -1874,7 +1876,7 @@ AVX512 ALWAYS_INLINE void panel32_rows(const int fmt, const product *p, long n0,
 PANELS(Q4_1)
 
 /* The panel path of a product, or NULL where it has none: AVX-512 only, from PANEL_MIN_TOKENS tokens,
-   blocks of 32 in whole pairs. (The K-quants have none: their unpacking is already a small share of a
+   Q4_1 in whole pairs of blocks. (The K-quants have none: their unpacking is already a small share of a
    token's work, and panels of them measured level or slower, docs/notes/2026-11-25-prefill-panels.md.) */
 static panel_fn panel_for(int fmt, int isa, long M, long K) {
     if (isa != PATH_AVX512 || M < PANEL_MIN_TOKENS || fmt != Q4_1 || K / 32 % 2) return NULL;
@@ -2485,8 +2487,8 @@ static void values_of(int fmt, const uint8_t *b, float *y) {
 /* Rows ids[0..n) of W [N, K] (`fmt` blocks, rows ldw bytes apart) as values, into out [n, K]: fp32, or bf16
    when out_bf16 (rounded to nearest even by rows.h's bf16, as torch's .to(torch.bfloat16) rounds; a NaN, which
    no valid block holds, stays a NaN, though not with torch's bits: it writes every NaN as 0xffff). Returns 0,
-   -1 for a format or width it does not take (rows in eights among them: quant/tensor.py looks those rows up in
-   torch), -3 for an id outside 0 .. N-1 (nothing written). */
+   -1 for a format or width it does not take (interleaved rows among them: quant/tensor.py looks those rows up
+   in torch), -3 for an id outside 0 .. N-1 (nothing written). */
 int hm_qrows(int fmt, const uint8_t *W, long ldw, long N, long K, const int64_t *ids, long n, void *out,
              int out_bf16) {
     if (group_rows(fmt) > 1 || check_shape(fmt, ldw, K)) return -1;

@@ -30,7 +30,7 @@ AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
 TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_tokens' table
-# quant.c AMX_MIN_TOKENS: products of rows in eights on AMX-INT8 tiles from here
+# quant.c AMX_MIN_TOKENS: products of interleaved rows on AMX-INT8 tiles from here
 TILES_FROM_TOKENS = 16
 
 # name -> (argument types, result type), each under a copy of its C prototype in quant.c
