@@ -2,10 +2,12 @@
 the weights and calling oneDNN (issue 12's bar for prefill).
 
 For each format and shape (the Qwen3-30B-A3B shapes by default: an expert's gate/up and down, the
-attention's q and o), random N(0, 0.02) weights quantised by hybridmoe's quantiser and laid out as
-the loader leaves them (Q4_K and Q6_K in rows of eights where the AVX-512 path runs), and each
-token count: ours (`native/quant.py linear`: AVX512-VNNI, or AMX-INT8 tiles for Q4_K and Q6_K from
-16 tokens where the CPU has them) against the fastest dequantise + multiply we have
+attention's q and o), random N(0, 0.02) weights quantised by hybridmoe's quantiser (Q4_1: gguf's;
+Q5_K, which nothing here quantises to: hybridmoe's Q4_K blocks with a fifth bit of 0, the same
+weights) and laid out as the loader leaves them (Q4_K and Q6_K in rows of eights, Q8_0 and Q4_0 in
+rows of sixteens where the AVX-512 path runs), and each token count: ours (`native/quant.py
+linear`: AVX512-VNNI, or AMX-INT8 tiles for those layouts from 16 tokens where the CPU has them)
+against the fastest dequantise + multiply we have
 (`native/quant.py rows`, quant.c's dequantiser, to bf16, then `F.linear`: oneDNN, on AMX where the
 CPU has it), alternating, medians.
 The largest difference between the two results, relative to the largest output, is reported too
@@ -22,7 +24,8 @@ from hybridmoe.errors import UserError
 from hybridmoe.quant.formats import QUANTIZE_TO
 
 SHAPES = "768x2048,2048x768,4096x2048,2048x4096"  # N x K: gate/up, down, q, o of Qwen3-30B-A3B
-FORMATS = ("q4_k", "q8_0", "q6_k")  # the default; any format hybridmoe quantises to is taken
+FORMATS = ("q4_k", "q8_0", "q6_k")  # the default
+READ_ONLY = ("q4_1", "q5_k")  # formats GGUF files hold that hybridmoe does not quantise to
 
 
 def add_parser(sub) -> None:
@@ -63,7 +66,7 @@ def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -
     from hybridmoe.quant.tensor import QTensor, for_kernels
 
     gen = torch.Generator().manual_seed(n * 7 + k)
-    plain = QTensor.quantize(torch.randn(n, k, generator=gen) * 0.02, fmt)
+    plain = _weights(torch.randn(n, k, generator=gen) * 0.02, fmt)
     ours_w = for_kernels(QTensor(plain.data.clone(), plain.fmt, k))  # as the loader leaves it
     rows = torch.arange(n)
     x = torch.randn(tokens, k, generator=gen).to(torch.bfloat16)
@@ -99,15 +102,40 @@ def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -
     }
 
 
+def _weights(w, fmt: str):
+    """w [n, k] as a QTensor of `fmt`: hybridmoe's quantiser, or for the read-only formats gguf's
+    (Q4_1) or hybridmoe's Q4_K with each block widened to Q5_K by a fifth bit of 0 (d, dmin and
+    the scales kept, 32 zero bytes of high bits after them: the same values)."""
+    import gguf
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    from hybridmoe.quant.formats import FORMATS as BLOCKS
+    from hybridmoe.quant.tensor import QTensor
+
+    if fmt == "q4_1":
+        data = quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+        return QTensor(torch.from_numpy(np.ascontiguousarray(data)), BLOCKS[fmt], w.shape[1])
+    if fmt == "q5_k":
+        q4 = QTensor.quantize(w, "q4_k").data.reshape(w.shape[0], -1, 144)  # [n, k / 256, 144]
+        high = torch.zeros(*q4.shape[:2], 32, dtype=torch.uint8)
+        data = torch.cat([q4[..., :16], high, q4[..., 16:]], dim=-1).reshape(w.shape[0], -1)
+        return QTensor(data, BLOCKS[fmt], w.shape[1])
+    return QTensor.quantize(w, fmt)
+
+
 def run(args) -> int:
     import torch
 
     from hybridmoe.native import quant as kernels
 
     formats = [f.strip() for f in args.formats.split(",")]
-    bad = [f for f in formats if f not in QUANTIZE_TO]
+    bad = [f for f in formats if f not in QUANTIZE_TO + READ_ONLY]
     if bad:
-        raise UserError(f"--formats: {', '.join(bad)} not among {', '.join(QUANTIZE_TO)}")
+        raise UserError(
+            f"--formats: {', '.join(bad)} not among {', '.join(QUANTIZE_TO + READ_ONLY)}"
+        )
     shapes = _shapes(args.shapes)
     try:
         counts = [int(t) for t in args.tokens.split(",")]
