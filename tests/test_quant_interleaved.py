@@ -30,7 +30,7 @@ from tests.test_quant import PATHS, quantised_activations, random_blocks
 from tests.test_quant_models import GREEDY, PROMPT, wide_mixtral_gguf
 
 Q4_K = FORMATS["q4_k"]
-FAMILIES = ("q4_k", "q6_k", "q8_0", "q4_0")
+FAMILIES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1")
 
 
 def blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -55,15 +55,19 @@ def laid_out_by_hand(plain: np.ndarray, fmt: str) -> np.ndarray:
     rows, width = plain.shape
     size = FORMATS[fmt].nbytes
     out = np.zeros_like(plain).reshape(-1)
-    if fmt in ("q8_0", "q4_0"):
+    if fmt in ("q8_0", "q4_0", "q4_1"):
+        head = 4 if fmt == "q4_1" else 2  # d (and q4_1's m)
         for n in range(rows):
             g, r = divmod(n, 16)
             for b in range(width // size):
                 src, at = plain[n, size * b : size * (b + 1)], 16 * g * width + 16 * size * b
                 out[at + 2 * r : at + 2 * r + 2] = src[0:2]  # d
-                for i in range((size - 2) // 4):  # q (nibbles) in units of 4
+                if head == 4:
+                    out[at + 32 + 2 * r : at + 34 + 2 * r] = src[2:4]  # m
+                at += 16 * (head - 2)
+                for i in range((size - head) // 4):  # q (nibbles) in units of 4
                     out[at + 32 + 64 * i + 4 * r : at + 36 + 64 * i + 4 * r] = src[
-                        2 + 4 * i : 6 + 4 * i
+                        head + 4 * i : head + 4 + 4 * i
                     ]
         return out.reshape(rows, width)
     for n in range(rows):
@@ -180,7 +184,7 @@ def test_interleaved_rows_match_gguf_within_the_activation_bound(fmt):
     y = kernels.linear(
         torch.from_numpy(x), INTERLEAVED[fmt].ggml, interleave(raw, fmt), 768
     ).numpy()
-    xq, step = quantised_activations(x, FORMATS[fmt].block if fmt in ("q8_0", "q4_0") else 256)
+    xq, step = quantised_activations(x, FORMATS[fmt].block)
     exact_on_xq = xq @ w.T
     assert np.abs(y - exact_on_xq).max() <= 1e-5 * np.abs(exact_on_xq).max()
     bound = (np.abs(w)[None] * step[:, None, :] / 2).sum(-1)  # [M, N]

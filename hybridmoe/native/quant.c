@@ -11,13 +11,12 @@
 
    Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
    instructions made them; after that every lane goes through the same float operations in the same order.
-   Q8_0, Q4_0: block b's lanes are summed in integers, exactly, and the row's one sum takes
-   fma(I_b, w_b * dx_b) per block ("block sums"); Q4_1: block b adds fma(L_b, w_b * dx_b) and
-   fma(S_b * dx_b, m_b) into accumulator b % 2 (AVX-512 keeps blocks 2j and 2j+1 in the two halves of one
-   register), a row's result those lanes summed by one fixed tree (reduce); Q5_K: super-block s
+   Q8_0, Q4_0, Q4_1: block b's lanes are summed in integers, exactly, and the row's one sum takes
+   fma(I_b, w_b * dx_b) per block (Q4_1 then fma(S_b * dx_b, m_b) too: "block sums"); Q5_K: super-block s
    adds fma(A_s, d * dx_s) and fma(B_s, d * dx_s) (its 8 halves of 32 values alternately) and
-   fma(C_s, dmin * dx_s) (the minimums against the 16-value sums), summed likewise. Q4_K, Q6_K: a super-block's lanes are summed in integers, exactly,
-   to one scaled dot and one minimums' (Q6_K: offset's) term per row, each added by one fma (K_FMA). A
+   fma(C_s, dmin * dx_s) (the minimums against the 16-value sums) into fp32 lanes, a row's result those
+   lanes summed by one fixed tree (k_result); Q4_K, Q6_K: a super-block's lanes are summed in integers,
+   exactly, to one scaled dot and one minimums' (Q6_K: offset's) term per row, each added by one fma (K_FMA). A
    row's result depends on nothing but the row: not on how many rows came with it, nor on which thread
    computed it.
 
@@ -44,9 +43,10 @@
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 /* Not ggml types: Q4_K and Q6_K blocks whose rows are interleaved eight at a time, Q8_0 and Q4_0 blocks
-   whose rows are interleaved sixteen at a time (the layouts at "rows in eights" and "rows in sixteens"
-   below; hybridmoe/quant/formats.py's q4_k_x8, q6_k_x8, q8_0_x16, q4_0_x16). */
-enum { Q4_K_X8 = 268, Q6_K_X8 = 270, Q8_0_X16 = 264, Q4_0_X16 = 258 };
+   and Q4_1 blocks whose rows are interleaved sixteen at a time (the layouts at "rows in eights" and
+   "rows in sixteens" below; hybridmoe/quant/formats.py's q4_k_x8, q6_k_x8, q8_0_x16, q4_0_x16,
+   q4_1_x16). */
+enum { Q4_K_X8 = 268, Q6_K_X8 = 270, Q8_0_X16 = 264, Q4_0_X16 = 258, Q4_1_X16 = 259 };
 enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 /* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
@@ -86,7 +86,8 @@ static long block_bytes(int fmt) {
     case Q8_0_X16: return 34;
     case Q4_0:
     case Q4_0_X16: return 18;
-    case Q4_1: return 20;
+    case Q4_1:
+    case Q4_1_X16: return 20;
     case Q4_K:
     case Q4_K_X8: return 144;
     case Q5_K: return 176;
@@ -97,7 +98,7 @@ static long block_bytes(int fmt) {
 }
 
 static int is_x8(int fmt) { return fmt == Q4_K_X8 || fmt == Q6_K_X8; }
-static int is_x16(int fmt) { return fmt == Q8_0_X16 || fmt == Q4_0_X16; }
+static int is_x16(int fmt) { return fmt == Q8_0_X16 || fmt == Q4_0_X16 || fmt == Q4_1_X16; }
 /* Rows interleaved by a layout: 8, 16, or 1 for GGUF's rows. */
 static int group_rows(int fmt) { return is_x8(fmt) ? 8 : is_x16(fmt) ? 16 : 1; }
 
@@ -108,6 +109,7 @@ static int rows_fmt(int fmt) {
     case Q6_K_X8: return Q6_K;
     case Q8_0_X16: return Q8_0;
     case Q4_0_X16: return Q4_0;
+    case Q4_1_X16: return Q4_1;
     }
     return fmt;
 }
@@ -186,15 +188,16 @@ static float k_result(const float *a, const float *b, const float *c) {
 typedef struct {
     long K;
     int8_t *qs;     /* [M, K] */
-    float *dx;      /* Q4_1: [M, K/32, 8], the block's scale per lane; K-quants: [M, K/256] */
-    int32_t *So;    /* Q4_1: [M, K/32, 8], offset_of(fmt) * the lane's byte sum (0) */
-    float *Sf;      /* Q4_1: [M, K/32, 8], dx * the lane's byte sum */
-    float *db;      /* blocks of 32: [M, K/32], the block's scale (block sums) */
+    float *dx;      /* K-quants: [M, K/256], the super-block's scale */
+    float *db;      /* blocks of 32: [M, K/32], the block's scale */
     int32_t *ob;    /* blocks of 32: [M, K/32], offset_of(fmt) * the block's byte sum */
+    float *sf;      /* blocks of 32: [M, K/32], db * the block's byte sum (Q4_1's minimums' term) */
     int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
     int32_t *bpair; /* K-quants: [M, K/256, 4], dword j: the sums of natural blocks 2j, 2j + 1 as words */
     int8_t *qt;     /* NULL, or qs's first M / 16 * 16 rows for AMX tiles (acts_of's `tiles`) */
-    float *dbt;     /* with qt, blocks of 32: db of each 16 rows block by block, [M / 16, K/32, 16] */
+    float *dbt;     /* with qt, blocks of 32: db of each 16 rows block by block, [M / 16, K/32, 16], then
+                       their sf likewise (sft) */
+    float *sft;
     void *mem;
 } acts;
 
@@ -231,10 +234,9 @@ AVX2 ALWAYS_INLINE void round32(const __m256 v[4], float id, int8_t *q) {
     _mm256_storeu_si256((__m256i *)q, b);
 }
 
-/* Blocks of 32: M rows of K values (rows[m] of x, or row m where rows is NULL) -> qs, per block db, ob,
-   and with `lanes` (Q4_1) per block and lane dx, So, Sf. */
-AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, long M, long K, int offset, int lanes,
-                         acts *a) {
+/* Blocks of 32: M rows of K values (rows[m] of x, or row m where rows is NULL) -> qs, and per block db,
+   ob, sf. */
+AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, long M, long K, int offset, acts *a) {
     long nb = K / 32;
     for (long m = 0; m < M; m++) {
         const long xm = (rows ? rows[m] : m) * ldx;
@@ -248,16 +250,10 @@ AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, 
             const __m256i s4 = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80)),
                                                _mm256_setzero_si256());
             const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            const int sum = _mm_cvtsi128_si32(_mm_add_epi64(s2, _mm_unpackhi_epi64(s2, s2))) - 32 * 128;
             a->db[m * nb + b] = d;
-            a->ob[m * nb + b] = offset * (_mm_cvtsi128_si32(_mm_add_epi64(s2, _mm_unpackhi_epi64(s2, s2))) - 32 * 128);
-            if (!lanes) continue;
-            long l = (m * nb + b) * 8;
-            for (int k = 0; k < 8; k++) {
-                int s = q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3];
-                a->dx[l + k] = d;
-                a->So[l + k] = offset * s;
-                a->Sf[l + k] = (float)s * d;
-            }
+            a->ob[m * nb + b] = offset * sum;
+            a->sf[m * nb + b] = (float)sum * d;
         }
     }
 }
@@ -310,9 +306,8 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
                    int tiles) {
     long nb = K / 32, ns = K / 256;
     size_t q = ((size_t)(M * K) + 63) & ~(size_t)63;
-    const int lanes = rows_fmt(fmt) == Q4_1; /* blocks of 32 in fp32 lanes (the others: block sums) */
-    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * (8 + (lanes ? 8 * 12 : 0));
-    size_t qt = tiles ? (size_t)(M / 16 * 16 * K) + (is_k(fmt) ? 0 : (size_t)(M / 16 * 16 * nb) * 4) : 0;
+    size_t per = is_k(fmt) ? (size_t)(M * ns) * (4 + 32 + 16) : (size_t)(M * nb) * 12;
+    size_t qt = tiles ? (size_t)(M / 16 * 16 * K) + (is_k(fmt) ? 0 : (size_t)(M / 16 * 16 * nb) * 8) : 0;
     a->K = K;
     a->mem = malloc(q + per + qt + 128);
     if (!a->mem) return -2;
@@ -329,19 +324,21 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
     } else {
         a->db = (float *)p;
         a->ob = (int32_t *)(p + 4 * M * nb);
-        a->dx = (float *)(p + 8 * M * nb);
-        a->So = (int32_t *)(p + 40 * M * nb);
-        a->Sf = (float *)(p + 72 * M * nb);
-        q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), lanes, a);
+        a->sf = (float *)(p + 8 * M * nb);
+        q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), a);
     }
     for (long T = 0; a->qt && T < M / 16; T++)
         for (long c = 0; c < K / 64; c++)
             for (int i = 0; i < 16; i++)
                 memcpy(a->qt + ((T * (K / 64) + c) * 16 + i) * 64, a->qs + (16 * T + i) * K + 64 * c, 64);
     a->dbt = a->qt && !is_k(fmt) ? (float *)(a->qt + M / 16 * 16 * K) : NULL;
+    a->sft = a->dbt ? a->dbt + M / 16 * nb * 16 : NULL;
     for (long T = 0; a->dbt && T < M / 16; T++)
         for (long b = 0; b < nb; b++)
-            for (int i = 0; i < 16; i++) a->dbt[(T * nb + b) * 16 + i] = a->db[(16 * T + i) * nb + b];
+            for (int i = 0; i < 16; i++) {
+                a->dbt[(T * nb + b) * 16 + i] = a->db[(16 * T + i) * nb + b];
+                a->dbt[(M / 16 + T) * nb * 16 + b * 16 + i] = a->sf[(16 * T + i) * nb + b];
+            }
     return 0;
 }
 
@@ -363,58 +360,17 @@ AVX2 ALWAYS_INLINE __m256i unpack32(int fmt, const uint8_t *blk) {
     }
 }
 
-/* Exact lane sums (8 x int32, lane k: bytes 4k..4k+3) of (q - offset) * x for one block of 32. */
-AVX2 ALWAYS_INLINE __m256i lanes32(int fmt, __m256i q, __m256i x, const int32_t *So) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (fmt == Q8_0)  /* signed weights: |w| times x with w's sign, so that u8 x s8 pairs fit int16 */
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), ones);
-    __m256i L = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-    if (fmt == Q4_0) L = _mm256_sub_epi32(L, _mm256_loadu_si256((const __m256i *)So));
-    return L;
-}
-
-/* ---- Q4_1 (blocks of 32 in fp32 lanes), AVX2: one block per step ---------------------------------- */
-
-/* Rows n0..n1 of Y for the R tokens mi[0..R) (their rows in `a`), written to Y rows y0..y0+R. */
-AVX2 ALWAYS_INLINE void dot32_avx2_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
-                                     const acts *a, const long *mi, float *Y, long ldy) {
-    const long bb = block_bytes(fmt), K = a->K, nb = K / 32;
-    for (long n = n0; n < n1; n++) {
-        const uint8_t *row = W + n * ldw;
-        __m256 acc[GROUP][2];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (long b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            __m256i q = unpack32(fmt, blk);
-            __m256 w = _mm256_set1_ps(half_at(blk));
-            __m256 wm = fmt == Q4_1 ? _mm256_set1_ps(half_at(blk + 2)) : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                long l = (mi[r] * nb + b) * 8;
-                __m256i x = _mm256_loadu_si256((const __m256i *)(a->qs + mi[r] * K + b * 32));
-                __m256i L = lanes32(fmt, q, x, a->So + l);
-                __m256 *s = &acc[r][b & 1];
-                *s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L), _mm256_mul_ps(w, _mm256_loadu_ps(a->dx + l)), *s);
-                if (fmt == Q4_1) *s = _mm256_fmadd_ps(_mm256_loadu_ps(a->Sf + l), wm, *s);
-            }
-        }
-        float even[8], odd[8];
-        for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(even, acc[r][0]);
-            _mm256_storeu_ps(odd, acc[r][1]);
-            Y[r * ldy + n] = reduce(even, odd);
-        }
-    }
-}
-
-/* ---- blocks of 32 in block sums (Q8_0, Q4_0) ------------------------------------------------------
+/* ---- blocks of 32 in block sums (Q8_0, Q4_0, Q4_1) ------------------------------------------------
 
    Every path: block b of a row against a token gives one exact integer I_b = sum of its 32 (q - offset)
    x (|I_b| <= 32 x 128 x 127 < 2^24, so exact in fp32 too), and the row's one fp32 sum takes
-   acc = fma(I_b, w_b dx_b, acc) for b = 0, 1, ... from acc = 0 (w_b dx_b an fp32 product). Where a
+   acc = fma(I_b, w_b dx_b, acc) for b = 0, 1, ... from acc = 0 (w_b dx_b an fp32 product), Q4_1's
+   then acc = fma(sf_b, m_b, acc) (sf_b = dx_b x the block's byte sum, an fp32 product: acts' sf). Where a
    block's lanes are summed does not change I_b, so an AMX tile's block product (a 16 x 16 tile of
    them at once) and a VNNI register holding sixteen rows' I_b in its lanes (rows in sixteens) give the
    same bits as GGUF's rows summed here eight rows at a time. (Blocks of 32 had kept eight lanes per block
-   in fp32: a tile product would have had to stop at every 4 bytes. docs/notes/2026-12-07-q8-0-tiles.md.) */
+   in fp32: a tile product would have had to stop at every 4 bytes. docs/notes/2026-12-07-q8-0-tiles.md.
+   Q4_1 kept them, with panels for many tokens, until it took block sums too.) */
 
 /* Lane r: the sum of v[r]'s eight lanes. */
 AVX2 ALWAYS_INLINE __m256i sum8(const __m256i v[8]) {
@@ -424,7 +380,14 @@ AVX2 ALWAYS_INLINE __m256i sum8(const __m256i v[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Rows n0..n1 of GGUF's Q8_0 or Q4_0 rows against the R tokens mi[0..R), eight rows at a time (the last
+/* The fp16 values at byte `at` of eight rows, as fp32. */
+AVX2 ALWAYS_INLINE __m256 halves8(const uint8_t *const row[8], long at) {
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)ld16(row[0] + at), (short)ld16(row[1] + at), (short)ld16(row[2] + at),
+                                          (short)ld16(row[3] + at), (short)ld16(row[4] + at), (short)ld16(row[5] + at),
+                                          (short)ld16(row[6] + at), (short)ld16(row[7] + at)));
+}
+
+/* Rows n0..n1 of GGUF's Q8_0, Q4_0 or Q4_1 rows against the R tokens mi[0..R), eight rows at a time (the last
    eight repeats its last row where fewer are left), lane r row n + r: the one kernel on those rows for
    both paths (on AVX-512 the rows mostly come in sixteens instead, dot32_x16_512_t). */
 AVX2 ALWAYS_INLINE void dot32s_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
@@ -440,9 +403,8 @@ AVX2 ALWAYS_INLINE void dot32s_t(const int fmt, const int R, const uint8_t *W, l
         for (long b = 0; b < nb; b++) {
             __m256i q[8];
             for (int i = 0; i < 8; i++) q[i] = unpack32(fmt, row[i] + b * bb);
-            const __m256 w = _mm256_cvtph_ps(_mm_setr_epi16(
-                (short)ld16(row[0] + b * bb), (short)ld16(row[1] + b * bb), (short)ld16(row[2] + b * bb), (short)ld16(row[3] + b * bb),
-                (short)ld16(row[4] + b * bb), (short)ld16(row[5] + b * bb), (short)ld16(row[6] + b * bb), (short)ld16(row[7] + b * bb)));
+            const __m256 w = halves8(row, b * bb);
+            const __m256 wm = fmt == Q4_1 ? halves8(row, b * bb + 2) : _mm256_setzero_ps();
             for (int r = 0; r < R; r++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a->qs + mi[r] * K + b * 32));
                 __m256i L[8];
@@ -453,99 +415,13 @@ AVX2 ALWAYS_INLINE void dot32s_t(const int fmt, const int R, const uint8_t *W, l
                 __m256i I = sum8(L);
                 if (fmt == Q4_0) I = _mm256_sub_epi32(I, _mm256_set1_epi32(a->ob[mi[r] * nb + b]));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(w, _mm256_set1_ps(a->db[mi[r] * nb + b])), acc[r]);
+                if (fmt == Q4_1) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a->sf[mi[r] * nb + b]), wm, acc[r]);
             }
         }
         for (int r = 0; r < R; r++) {
             float y[8];
             _mm256_storeu_ps(y, acc[r]);
             for (int i = 0; i < c; i++) Y[r * ldy + n + i] = y[i];
-        }
-    }
-}
-
-/* ---- Q4_1, AVX-512 VNNI: two blocks per register, even block low, odd block high ----------------- */
-
-/* The fp16 values at byte `at` of c <= 8 consecutive blocks bb bytes apart, as 8 floats (0 past c). */
-AVX512 ALWAYS_INLINE __m512 scales8(const uint8_t *p, long bb, int at, int c) {
-    __m128i h;
-    if (c == 8) {
-        h = _mm_setr_epi16((short)ld16(p + at), (short)ld16(p + bb + at), (short)ld16(p + 2 * bb + at),
-                           (short)ld16(p + 3 * bb + at), (short)ld16(p + 4 * bb + at), (short)ld16(p + 5 * bb + at),
-                           (short)ld16(p + 6 * bb + at), (short)ld16(p + 7 * bb + at));
-    } else {
-        uint16_t v[8] = {0};
-        for (int i = 0; i < c; i++) v[i] = ld16(p + i * bb + at);
-        h = _mm_loadu_si128((const __m128i *)v);
-    }
-    return _mm512_castps256_ps512(_mm256_cvtph_ps(h));
-}
-
-/* Blocks b and b + 1 of a row: [q of b | q of b + 1], 64 bytes; Q8_0 flipped to unsigned. */
-AVX512 ALWAYS_INLINE __m512i unpack_pair(int fmt, const uint8_t *blk, long bb) {
-    if (fmt == Q8_0) {
-        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))),
-                                       _mm256_loadu_si256((const __m256i *)(blk + bb + 2)), 1);
-        return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
-    }
-    int at = fmt == Q4_1 ? 4 : 2;
-    __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + at))),
-                                        _mm_loadu_si128((const __m128i *)(blk + bb + at)), 1);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256i lo = _mm256_and_si256(y, m4), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), m4);
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* [lo b, lo b+1, hi b, hi b+1] */
-    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));         /* [lo b, hi b, lo b+1, hi b+1] */
-}
-
-AVX512 ALWAYS_INLINE void dot32_512_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
-                                      const acts *a, const long *mi, float *Y, long ldy) {
-    const long bb = block_bytes(fmt), K = a->K, nb = K / 32;
-    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (long n = n0; n < n1; n++) {
-        const uint8_t *row = W + n * ldw;
-        __m512 acc[GROUP];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (long g = 0; g < nb; g += 8) {
-            const uint8_t *gb = row + g * bb;
-            int c = nb - g < 8 ? (int)(nb - g) : 8;
-            __m512 ws = scales8(gb, bb, 0, c);
-            __m512 wms = fmt == Q4_1 ? scales8(gb, bb, 2, c) : _mm512_setzero_ps();
-            for (int p = 0; 2 * p + 1 < c; p++) {
-                long b = g + 2 * p;
-                if (R == 1) prefetch_far(gb + 2 * p * bb, 2 * bb);  /* a token's stream, as for K-quants */
-                __m512i q = unpack_pair(fmt, gb + 2 * p * bb, bb);
-                __m512i idx = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * p));
-                __m512 w = _mm512_permutexvar_ps(idx, ws);
-                __m512 wm = fmt == Q4_1 ? _mm512_permutexvar_ps(idx, wms) : _mm512_setzero_ps();
-                for (int r = 0; r < R; r++) {
-                    long l = (mi[r] * nb + b) * 8;
-                    __m512i x = _mm512_loadu_si512((const void *)(a->qs + mi[r] * K + b * 32));
-                    __m512i L = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-                    if (offset_of(fmt)) L = _mm512_sub_epi32(L, _mm512_loadu_si512((const void *)(a->So + l)));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L), _mm512_mul_ps(w, _mm512_loadu_ps(a->dx + l)), acc[r]);
-                    if (fmt == Q4_1) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a->Sf + l), wm, acc[r]);
-                }
-            }
-            if (c & 1) {  /* an odd last block: into the even (low) lanes, as the AVX2 path does */
-                long b = g + c - 1;
-                const uint8_t *blk = row + b * bb;
-                __m256i q = unpack32(fmt, blk);
-                __m256 w = _mm256_set1_ps(half_at(blk));
-                __m256 wm = fmt == Q4_1 ? _mm256_set1_ps(half_at(blk + 2)) : _mm256_setzero_ps();
-                for (int r = 0; r < R; r++) {
-                    long l = (mi[r] * nb + b) * 8;
-                    __m256i x = _mm256_loadu_si256((const __m256i *)(a->qs + mi[r] * K + b * 32));
-                    __m256i L = lanes32(fmt, q, x, a->So + l);
-                    __m256 s = _mm512_castps512_ps256(acc[r]);
-                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(L), _mm256_mul_ps(w, _mm256_loadu_ps(a->dx + l)), s);
-                    if (fmt == Q4_1) s = _mm256_fmadd_ps(_mm256_loadu_ps(a->Sf + l), wm, s);
-                    acc[r] = _mm512_insertf32x8(acc[r], s, 0);
-                }
-            }
-        }
-        float lanes[16];
-        for (int r = 0; r < R; r++) {
-            _mm512_storeu_ps(lanes, acc[r]);
-            Y[r * ldy + n] = reduce(lanes, lanes + 8);
         }
     }
 }
@@ -893,17 +769,19 @@ typedef struct {
     int at, unit, len;
 } x8_piece;
 /* The pieces of a block in each interleaved layout (Q8_0's and Q4_0's in "rows in sixteens" below). */
-static const x8_piece X8_PIECES[4][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
+static const x8_piece X8_PIECES[5][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
                                          {{0, 8, 128}, {128, 8, 64}, {192, 1, 16}, {208, 2, 2}},
                                          {{0, 2, 2}, {2, 4, 32}},
-                                         {{0, 2, 2}, {2, 4, 16}}};
+                                         {{0, 2, 2}, {2, 4, 16}},
+                                         {{0, 2, 2}, {2, 2, 2}, {4, 4, 16}}};
 
 static const x8_piece *pieces_of(int fmt) {
     switch (rows_fmt(fmt)) {
     case Q4_K: return X8_PIECES[0];
     case Q6_K: return X8_PIECES[1];
     case Q8_0: return X8_PIECES[2];
-    default: return X8_PIECES[3];
+    case Q4_0: return X8_PIECES[3];
+    default: return X8_PIECES[4];
     }
 }
 
@@ -943,6 +821,7 @@ static int layout_of(int fmt) {
     case Q6_K: return Q6_K_X8;
     case Q8_0: return Q8_0_X16;
     case Q4_0: return Q4_0_X16;
+    case Q4_1: return Q4_1_X16;
     }
     return 0;
 }
@@ -1176,20 +1055,22 @@ X8_DOT(dotk_x8_512, dotk_x8_512_t)
 X8_DOT(dotk6_x8_512, dotk6_x8_512_t)
 #undef X8_DOT
 
-/* ---- rows in sixteens (Q8_0_X16, Q4_0_X16) ----------------------------------------------------------
+/* ---- rows in sixteens (Q8_0_X16, Q4_0_X16, Q4_1_X16) ---------------------------------------------
 
    The layouts, made at load where the AVX-512 path runs (hm_interleave; quant/interleave.py turns them
-   back): a matrix of Q8_0 or Q4_0 rows, their number a multiple of 16, keeps its bytes, but rows 16g ..
+   back): a matrix of Q8_0, Q4_0 or Q4_1 rows, their number a multiple of 16, keeps its bytes, but rows 16g ..
    16g + 15 hold their blocks b side by side at b * 16 * (block bytes), each block's pieces with the same
    piece of the other fifteen rows (X8_PIECES, unit i of row r at unit 16i + r):
      Q8_0 (544 bytes): [0, 32) the rows' d (fp16), [32, 544) their int8 q in units of 4 (bytes 4i ..
        4i + 3 of row r at 32 + 64i + 4r);
      Q4_0 (288 bytes): [0, 32) their d, [32, 288) their nibbles in units of 4 (bytes 4i .. 4i + 3 of
-       row r, whose low nibbles are values 4i .. 4i + 3 and high nibbles 16 + 4i .., at 32 + 64i + 4r).
+       row r, whose low nibbles are values 4i .. 4i + 3 and high nibbles 16 + 4i .., at 32 + 64i + 4r);
+     Q4_1 (320 bytes): [0, 32) their d, [32, 64) their m, [64, 320) their nibbles as Q4_0's.
    A 64-byte load then holds four values of sixteen rows, dword lane r row r's: vpdpbusd against the
    token's four bytes broadcast sums each row's block in its own lane, with no sum across lanes, and
-   sixteen rows' I_b take one fma (block sums, above). The 16 x 16 bytes of Q8_0's four values also are
-   a tile's 16 columns, so the AMX tiles read Q8_0's blocks as they lie (amx_x16). */
+   sixteen rows' I_b take one fma (block sums, above; Q4_1's minimums a second). The 16 x 16 bytes of
+   four values also are a tile's 16 columns, so the AMX tiles read Q8_0's blocks as they lie (copied
+   to 64-byte lines) and Q4_0's and Q4_1's once their nibbles are split (amx_x16). */
 #define X16 16
 
 /* Sixteen interleaved rows at G (nb blocks) against the R tokens mi[0..R): Y[r * ldy + 0..16), lane k
@@ -1198,6 +1079,7 @@ X8_DOT(dotk6_x8_512, dotk6_x8_512_t)
 AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint8_t *G, long nb, const acts *a,
                                           const long *mi, float *Y, long ldy) {
     const long gb = X16 * block_bytes(fmt), K = a->K;
+    const int q41 = fmt == Q4_1_X16, at = q41 ? 64 : 32; /* where the quants start (Q4_1: after d, m) */
     const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[GROUP];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -1205,12 +1087,13 @@ AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint
         const uint8_t *p = G + b * gb;
         if (R == 1) prefetch_far(p, gb);
         const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 wm = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : _mm512_setzero_ps();
         __m512i q[8]; /* q[k]: values 4k .. 4k + 3 of the sixteen rows */
         if (rows_fmt(fmt) == Q8_0) {
             for (int k = 0; k < 8; k++) q[k] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 32 + 64 * k)), flip);
         } else {
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(p + 32 + 64 * c));
+                const __m512i v = _mm512_loadu_si512((const void *)(p + at + 64 * c));
                 q[c] = _mm512_and_si512(v, m4);
                 q[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
             }
@@ -1228,6 +1111,7 @@ AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint
             const long l = mi[r] * (K / 32) + b;
             const __m512i I = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(a->ob[l]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(a->db[l])), acc[r]);
+            if (q41) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a->sf[l]), wm, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + r * ldy, acc[r]);
@@ -1250,6 +1134,7 @@ AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint
     }
 X16_DOT(dot8_x16_512, Q8_0_X16)
 X16_DOT(dot4_x16_512, Q4_0_X16)
+X16_DOT(dot41_x16_512, Q4_1_X16)
 #undef X16_DOT
 
 /* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
@@ -1273,7 +1158,6 @@ typedef void (*dot_fn)(const uint8_t *W, long ldw, long n0, long n1, const acts 
                                    int R, float *Y, long ldy) {                                            \
         R_CASES(T512, F)                                                                                    \
     }
-PATHS(Q4_1, dot32_avx2_t, dot32_512_t)
 PATHS(Q4_K, dotk_avx2_t, dotk_512_t)
 PATHS(Q5_K, dotk_avx2_t, dotk_512_t)
 PATHS(Q6_K, dotk_avx2_t, dotk_512_t)
@@ -1285,6 +1169,7 @@ PATHS(Q6_K, dotk_avx2_t, dotk_512_t)
     }
 SUMS(Q8_0)
 SUMS(Q4_0)
+SUMS(Q4_1)
 
 static dot_fn dot_for(int fmt, int isa) {
     int wide = isa == PATH_AVX512;
@@ -1293,7 +1178,8 @@ static dot_fn dot_for(int fmt, int isa) {
     case Q8_0_X16: return dot_Q8_0; /* both paths; x16: on rows put back as GGUF's (product_x8) */
     case Q4_0:
     case Q4_0_X16: return dot_Q4_0;
-    case Q4_1: return wide ? dot_512_Q4_1 : dot_avx2_Q4_1;
+    case Q4_1:
+    case Q4_1_X16: return dot_Q4_1;
     case Q4_K:
     case Q4_K_X8: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;  /* on rows put back as Q4_K (product_x8) */
     case Q6_K_X8: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
@@ -1309,7 +1195,8 @@ static dot_fn grouped_dot(int fmt) {
     case Q4_K_X8: return dotk_x8_512;
     case Q6_K_X8: return dotk6_x8_512;
     case Q8_0_X16: return dot8_x16_512;
-    default: return dot4_x16_512;
+    case Q4_0_X16: return dot4_x16_512;
+    default: return dot41_x16_512;
     }
 }
 
@@ -1319,7 +1206,6 @@ static dot_fn grouped_dot(int fmt) {
    activation rows; NULL: 0..M-1). Rows go in tiles of TILE_BYTES, each tile met by every group of GROUP
    tokens while it is in L1. */
 typedef struct product product;
-typedef void (*panel_fn)(const product *p, long n0, long n1);
 struct product {
     dot_fn dot;
     const uint8_t *W;
@@ -1329,7 +1215,6 @@ struct product {
     long M;
     float *Y;
     long ldy;
-    panel_fn panel; /* the many-token path, or NULL */
     int x8;         /* interleaved rows (Q4_K_X8, Q6_K_X8, Q8_0_X16, Q4_0_X16): the path (isa) that reads them,
                        else 0 */
     int fmt;        /* the weights' format */
@@ -1651,12 +1536,12 @@ AMX8 static int amx_x8(const product *p, long n0, long n1) {
     return 1;
 }
 
-/* ---- Q8_0 and Q4_0 rows in sixteens against many tokens on AMX-INT8 tiles ---------------------------
+/* ---- rows in sixteens against many tokens on AMX-INT8 tiles ----------------------------------------
 
    Where the tiles are granted (as for rows in eights), a product of rows in sixteens with 16 or more
    consecutive token rows and K a multiple of 64 takes each block's 16 tokens x 16 rows of I_b from one
    tile product of K = 32: A the tokens' 32 bytes of the block (acts' qt), B the rows' 32 values as 8
-   k-rows of 16 rows x 4 bytes (Q8_0's layout as it lies; Q4_0's nibbles as q - 8), copied once per
+   k-rows of 16 rows x 4 bytes (Q8_0's layout as it lies; Q4_0's nibbles as q - 8, Q4_1's as q), copied once per
    sixteen rows into a panel; signed x signed bytes (tdpbssd) give I_b with no offset. Each I_b then
    takes the fma of block sums, sixteen rows of one token in a register: the VNNI path's bits. Tokens
    past the last whole 16 and tokens picked out of a larger set take the VNNI path. The same products
@@ -1674,22 +1559,29 @@ AMX8 static void x16_panel(const int fmt, const uint8_t *G, long nb, uint8_t *pa
                 _mm512_storeu_si512((void *)(panel + 512 * b + 64 * c), _mm512_loadu_si512((const void *)(G + b * X16 * 34 + 32 + 64 * c)));
         return;
     }
+    const __m512i off = fmt == Q4_0_X16 ? eight : _mm512_setzero_si512(); /* Q4_1's q as they are */
+    const long gb = X16 * block_bytes(fmt), at = fmt == Q4_0_X16 ? 32 : 64;
     for (long b = 0; b < nb; b++)
         for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(G + b * X16 * 18 + 32 + 64 * c));
-            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * c), _mm512_sub_epi8(_mm512_and_si512(v, m4), eight));
+            const __m512i v = _mm512_loadu_si512((const void *)(G + b * gb + at + 64 * c));
+            _mm512_storeu_si512((void *)(panel + 512 * b + 64 * c), _mm512_sub_epi8(_mm512_and_si512(v, m4), off));
             _mm512_storeu_si512((void *)(panel + 512 * b + 64 * (4 + c)),
-                                _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), eight));
+                                _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), off));
         }
 }
 
-/* Block b's tile of I_b (C: row t token m + t, lane r row r) into the sixteen rows' sums of each token. */
-AMX8 ALWAYS_INLINE void x16_fold(const int32_t *C, const uint8_t *d, const acts *a, long m, long b, __m512 acc[AMX_TOKENS]) {
+/* Block b's tile of I_b (C: row t token m + t, lane r row r; the rows' scales at d, Q4_1's minimums
+   after them) into the sixteen rows' sums of each token. */
+AMX8 ALWAYS_INLINE void x16_fold(const int q41, const int32_t *C, const uint8_t *d, const acts *a, long m, long b,
+                                 __m512 acc[AMX_TOKENS]) {
     const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
-    const float *db = a->dbt + (m / AMX_TOKENS * (a->K / 32) + b) * AMX_TOKENS;
+    const __m512 wm = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 32))) : _mm512_setzero_ps();
+    const long at = (m / AMX_TOKENS * (a->K / 32) + b) * AMX_TOKENS;
+    const float *db = a->dbt + at, *sf = a->sft + at;
     for (int t = 0; t < AMX_TOKENS; t++) {
         const __m512i I = _mm512_loadu_si512((const void *)(C + 16 * t));
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(db[t])), acc[t]);
+        if (q41) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(sf[t]), wm, acc[t]);
     }
 }
 
@@ -1722,15 +1614,15 @@ AMX8 ALWAYS_INLINE void amx16_tokens(const int fmt, const uint8_t *G, const uint
         _tile_stored(1, C[1], 64);
         _tile_stored(2, C[2], 64);
         _tile_stored(3, C[3], 64);
-        for (int j = 0; j < 4; j++) x16_fold(C[j], G + (b + j) * gb, a, m, b + j, acc);
+        for (int j = 0; j < 4; j++) x16_fold(fmt == Q4_1_X16, C[j], G + (b + j) * gb, a, m, b + j, acc);
     }
     for (; b < nb; b += 2) {
         X16_TILE(0, 4, 6, b);
         X16_TILE(1, 5, 7, b + 1);
         _tile_stored(0, C[0], 64);
         _tile_stored(1, C[1], 64);
-        x16_fold(C[0], G + b * gb, a, m, b, acc);
-        x16_fold(C[1], G + (b + 1) * gb, a, m, b + 1, acc);
+        x16_fold(fmt == Q4_1_X16, C[0], G + b * gb, a, m, b, acc);
+        x16_fold(fmt == Q4_1_X16, C[1], G + (b + 1) * gb, a, m, b + 1, acc);
     }
     for (int t = 0; t < AMX_TOKENS; t++) _mm512_storeu_ps(Y + t * ldy, acc[t]);
 }
@@ -1740,7 +1632,6 @@ AMX8 ALWAYS_INLINE void amx16_tokens(const int fmt, const uint8_t *G, const uint
    on the VNNI path; 0 where the tiles do not apply at all. */
 AMX8 static int amx_x16(const product *p, long n0, long n1) {
     const long tokens = p->M / AMX_TOKENS * AMX_TOKENS, K = p->a->K, nb = K / 32;
-    const int q4 = p->fmt == Q4_0_X16;
     if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || K % 64 || !p->a->dbt) return 0;
     uint8_t *panel = aligned_alloc(64, (size_t)(nb * 512));
     if (!panel) return 0;
@@ -1753,142 +1644,20 @@ AMX8 static int amx_x16(const product *p, long n0, long n1) {
     _tile_loadconfig(&cfg);
     for (long n = n0; n < n1; n += X16) {
         const uint8_t *G = p->W + n * p->ldw;
-        if (q4) x16_panel(Q4_0_X16, G, nb, panel);
-        else x16_panel(Q8_0_X16, G, nb, panel);
+        x16_panel(p->fmt, G, nb, panel);
         for (long m = 0; m < tokens; m += AMX_TOKENS) {
             float *Y = p->Y + m * p->ldy + n;
-            if (q4) amx16_tokens(Q4_0_X16, G, panel, p->a, m, Y, p->ldy);
-            else amx16_tokens(Q8_0_X16, G, panel, p->a, m, Y, p->ldy);
+            switch (p->fmt) {
+            case Q4_0_X16: amx16_tokens(Q4_0_X16, G, panel, p->a, m, Y, p->ldy); break;
+            case Q4_1_X16: amx16_tokens(Q4_1_X16, G, panel, p->a, m, Y, p->ldy); break;
+            default: amx16_tokens(Q8_0_X16, G, panel, p->a, m, Y, p->ldy); break;
+            }
         }
     }
     _tile_release();
     free(panel);
     if (tokens < p->M) x8_vnni(p, n0, n1, tokens, p->M);
     return 1;
-}
-
-/* ---- panels: many tokens (prefill) of Q4_1 on AVX-512 ---------------------------------------------- */
-
-/* With many tokens (prefill), Q4_1: a unit's rows are unpacked once into a panel in cache (nibbles split,
-   fp16 scales widened and spread over their lanes), PANEL_ROWS rows
-   side by side, then met by the tokens PANEL_TOKENS at a time in registers: an outer product in which
-   each weight register serves PANEL_TOKENS outputs and each token's registers PANEL_ROWS. dot32_512_t
-   re-unpacked every row for every group of tokens and re-read each token's activations for every row.
-   Every output is still one row's dot product with one token in the order of its blocks, through the
-   same float operations as dot32_512_t, so no bit changes: a product takes this path from
-   PANEL_MIN_TOKENS tokens on (docs/notes/2026-11-25-prefill-panels.md; Q8_0 and Q4_0 had panels too,
-   until their block sums and rows in sixteens). */
-#define PANEL_ROWS 4
-#define PANEL_TOKENS 4
-#define PANEL_MIN_TOKENS 8
-
-/* A panel holds, per pair of blocks and row, [q of b | q of b + 1] (as unpack_pair) and [w_b x 8 |
-   w_{b+1} x 8] (and Q4_1's minimums likewise): PANEL_ROWS x S registers per pair. */
-static int panel32_regs(int fmt) { return fmt == Q4_1 ? 3 : 2; }
-
-AVX512 ALWAYS_INLINE void pack32(const int fmt, const uint8_t *W, long ldw, long n, long nb, __m512i *pk) {
-    const long bb = block_bytes(fmt);
-    const int S = panel32_regs(fmt);
-    for (long b = 0; b < nb; b += 2) {
-        __m512i *out = pk + (b / 2) * PANEL_ROWS * S;
-        for (int i = 0; i < PANEL_ROWS; i++) {
-            const uint8_t *blk = W + (n + i) * ldw + b * bb;
-            out[S * i] = unpack_pair(fmt, blk, bb);
-            out[S * i + 1] = _mm512_castps_si512(
-                _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(blk)), _mm512_set1_ps(half_at(blk + bb))));
-            if (fmt == Q4_1)
-                out[S * i + 2] = _mm512_castps_si512(_mm512_mask_blend_ps(
-                    0xFF00, _mm512_set1_ps(half_at(blk + 2)), _mm512_set1_ps(half_at(blk + bb + 2))));
-        }
-    }
-}
-
-/* Rows n..n+PANEL_ROWS of Y (their panel pk) for the RN tokens mi[0..RN). The offset is folded into the
-   integer sum's start (-So), which gives the same exact lane sums as subtracting it after. */
-AVX512 ALWAYS_INLINE void panel32_t(const int fmt, const int RN, const __m512i *pk, const acts *a, const long *mi,
-                                    float *Y, long ldy, long n) {
-    const long K = a->K, nb = K / 32;
-    const int S = panel32_regs(fmt);
-    __m512 acc[PANEL_ROWS][PANEL_TOKENS];
-    for (int i = 0; i < PANEL_ROWS; i++)
-        for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
-    for (long b = 0; b < nb; b += 2) {
-        const __m512i *blk = pk + (b / 2) * PANEL_ROWS * S;
-        __m512i x[PANEL_TOKENS], nso[PANEL_TOKENS];
-        __m512 dx[PANEL_TOKENS], sf[PANEL_TOKENS];
-        for (int j = 0; j < RN; j++) {
-            long l = (mi[j] * nb + b) * 8;
-            x[j] = _mm512_loadu_si512((const void *)(a->qs + mi[j] * K + b * 32));
-            dx[j] = _mm512_loadu_ps(a->dx + l);
-            nso[j] = offset_of(fmt) ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512((const void *)(a->So + l)))
-                                    : _mm512_setzero_si512();
-            if (fmt == Q4_1) sf[j] = _mm512_loadu_ps(a->Sf + l);
-        }
-        for (int i = 0; i < PANEL_ROWS; i++) {
-            __m512i q = blk[S * i];
-            __m512 w = _mm512_castsi512_ps(blk[S * i + 1]);
-            for (int j = 0; j < RN; j++) {
-                __m512i L = _mm512_dpbusd_epi32(nso[j], q, x[j]);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(L), _mm512_mul_ps(w, dx[j]), acc[i][j]);
-                if (fmt == Q4_1) acc[i][j] = _mm512_fmadd_ps(sf[j], _mm512_castsi512_ps(blk[S * i + 2]), acc[i][j]);
-            }
-        }
-    }
-    float lanes[16];
-    for (int i = 0; i < PANEL_ROWS; i++)
-        for (int j = 0; j < RN; j++) {
-            _mm512_storeu_ps(lanes, acc[i][j]);
-            Y[j * ldy + n + i] = reduce(lanes, lanes + 8);
-        }
-}
-
-/* Rows [n0, n1) of a product in panels; rows that do not fill one go through product_tiles. */
-AVX512 ALWAYS_INLINE void panel32_rows(const int fmt, const product *p, long n0, long n1) {
-    const long nb = p->a->K / 32, per = nb / 2 * PANEL_ROWS * panel32_regs(fmt);  /* registers per panel */
-    const long full = (n1 - n0) / PANEL_ROWS * PANEL_ROWS;
-    __m512i *pk = full ? aligned_alloc(64, (size_t)(full / PANEL_ROWS * per) * 64) : NULL;
-    if (!pk) {
-        product_tiles(p, n0, n1);
-        return;
-    }
-    for (long n = n0; n < n0 + full; n += PANEL_ROWS) pack32(fmt, p->W, p->ldw, n, nb, pk + (n - n0) / PANEL_ROWS * per);
-    for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
-        long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
-        for (long n = n0; n < n0 + full; n += PANEL_ROWS) {
-            const __m512i *panel = pk + (n - n0) / PANEL_ROWS * per;
-            for (long m = m0; m < m1; m += PANEL_TOKENS) {
-                long idx[PANEL_TOKENS];
-                int R = (int)min_l(m1 - m, PANEL_TOKENS);
-                for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
-                float *Y = p->Y + m * p->ldy;
-                switch (R) {
-                case 1: panel32_t(fmt, 1, panel, p->a, idx, Y, p->ldy, n); break;
-                case 2: panel32_t(fmt, 2, panel, p->a, idx, Y, p->ldy, n); break;
-                case 3: panel32_t(fmt, 3, panel, p->a, idx, Y, p->ldy, n); break;
-                default: panel32_t(fmt, PANEL_TOKENS, panel, p->a, idx, Y, p->ldy, n); break;
-                }
-            }
-        }
-    }
-    free(pk);
-    if (n0 + full < n1) product_tiles(p, n0 + full, n1);
-}
-
-#define PANELS(F) \
-    AVX512 static void panel_512_##F(const product *p, long n0, long n1) { panel32_rows(F, p, n0, n1); }
-PANELS(Q4_1)
-
-/* The panel path of a product, or NULL where it has none: AVX-512 only, from PANEL_MIN_TOKENS tokens,
-   Q4_1 in whole pairs of blocks. (The K-quants have none: their unpacking is already a small share of a
-   token's work, and panels of them measured level or slower, docs/notes/2026-11-25-prefill-panels.md.) */
-static panel_fn panel_for(int fmt, int isa, long M, long K) {
-    if (isa != PATH_AVX512 || M < PANEL_MIN_TOKENS || fmt != Q4_1 || K / 32 % 2) return NULL;
-    return panel_512_Q4_1;
-}
-
-static void product_rows(const product *p, long n0, long n1) {
-    if (p->panel) p->panel(p, n0, n1);
-    else product_tiles(p, n0, n1);
 }
 
 /* Rows of one unit of work: about UNIT_BYTES of weights, fewer as more tokens share them, at least
@@ -1927,7 +1696,7 @@ static void linear_region(void *arg, int t, int T) {
     linear_call *c = arg;
     long units = (c->N + c->rows - 1) / c->rows;
     for (long u; (u = next_unit(&c->next, units)) >= 0;)
-        product_rows(&c->p, u * c->rows, min_l(u * c->rows + c->rows, c->N));
+        product_tiles(&c->p, u * c->rows, min_l(u * c->rows + c->rows, c->N));
 }
 
 /* Y [M, N] fp32 (rows ldy apart) = X [M, K] (fp32, or bf16 when x_bf16) times W [N, K]^T in `fmt` blocks,
@@ -1937,7 +1706,7 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
     if (check_shape(fmt, ldw, K) || N % group_rows(fmt)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K, tiles_take(fmt, isa, M))) return -2;
-    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, panel_for(fmt, isa, M, K), x8_path(fmt, isa), fmt}, N,
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, x8_path(fmt, isa), fmt}, N,
                      unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
     long units = (N + c.rows - 1) / c.rows;
@@ -1977,7 +1746,7 @@ static void many_region(void *arg, int t, int T) {
     for (long u; (u = next_unit(&c->next, c->first[c->n])) >= 0;) {
         long i = part_of(c->first, c->n, &u);
         long n0 = u * c->rows[i];
-        product_rows(&c->pr[i], n0, min_l(n0 + c->rows[i], c->p[i].N));
+        product_tiles(&c->pr[i], n0, min_l(n0 + c->rows[i], c->p[i].N));
     }
 }
 
@@ -2003,7 +1772,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
         pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
-                          panel_for(fmt, isa, M, K), x8_path(fmt, isa), fmt};
+                          x8_path(fmt, isa), fmt};
         rows[i] = unit_rows(fmt, p[i].ldw, M);
         first[i + 1] = first[i] + (p[i].N + rows[i] - 1) / rows[i];
     }
@@ -2050,17 +1819,17 @@ static void gate_up_unit(experts_call *c, long i, long u) {
     long per = (c->I + c->rows1[i] - 1) / c->rows1[i], up = u >= per, n0 = (u % per) * c->rows1[i];
     product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]],
                  c->own[i] ? NULL : e->rows,
-                 e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I, panel_for((int)e->fmt_gu, c->isa, e->M, c->H),
+                 e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I,
                  x8_path((int)e->fmt_gu, c->isa), (int)e->fmt_gu};
-    product_rows(&p, n0, min_l(n0 + c->rows1[i], c->I));
+    product_tiles(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
 static void down_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long n0 = u * c->rows3[i];
     product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H,
-                 panel_for((int)e->fmt_d, c->isa, e->M, c->I), x8_path((int)e->fmt_d, c->isa), (int)e->fmt_d};
-    product_rows(&p, n0, min_l(n0 + c->rows3[i], c->H));
+                 x8_path((int)e->fmt_d, c->isa), (int)e->fmt_d};
+    product_tiles(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
 /* h = silu(gate) * up for expert i's tokens, in the gate's place, then quantised for the down projection. */
