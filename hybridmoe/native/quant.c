@@ -42,8 +42,8 @@
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* Not ggml types: Q4_K and Q6_K blocks whose rows are interleaved eight at a time, Q8_0 and Q4_0 blocks
-   and Q4_1 blocks whose rows are interleaved sixteen at a time (the layouts at "rows in eights" and
+/* Not ggml types: Q4_K and Q6_K blocks whose rows are interleaved eight at a time, Q8_0, Q4_0 and Q4_1
+   blocks whose rows are interleaved sixteen at a time (the layouts at "rows in eights" and
    "rows in sixteens" below; hybridmoe/quant/formats.py's q4_k_x8, q6_k_x8, q8_0_x16, q4_0_x16,
    q4_1_x16). */
 enum { Q4_K_X8 = 268, Q6_K_X8 = 270, Q8_0_X16 = 264, Q4_0_X16 = 258, Q4_1_X16 = 259 };
@@ -768,7 +768,7 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
 typedef struct {
     int at, unit, len;
 } x8_piece;
-/* The pieces of a block in each interleaved layout (Q8_0's and Q4_0's in "rows in sixteens" below). */
+/* The pieces of a block in each interleaved layout (blocks of 32's in "rows in sixteens" below). */
 static const x8_piece X8_PIECES[5][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
                                          {{0, 8, 128}, {128, 8, 64}, {192, 1, 16}, {208, 2, 2}},
                                          {{0, 2, 2}, {2, 4, 32}},
