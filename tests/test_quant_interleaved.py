@@ -1,11 +1,11 @@
-"""Interleaved rows (quant/interleave.py): Q4_K and Q6_K rows in eights (q4_k_x8, q6_k_x8), Q8_0 and
-Q4_0 rows in sixteens (q8_0_x16, q4_0_x16): the layouts native/quant.c states, byte for byte; every
-product on them (AVX-512 reads them as they lie, AVX2 puts rows back) gives the bits of the same
-rows in GGUF's layout, on both paths, so test_quant.py's bound against gguf's dequantiser holds for
-them unchanged (checked here too); products of 16 or more tokens on AMX-INT8 tiles (where the CPU
-has them) give the bits of the VNNI path; and every other reader of the bytes (the torch fallback, a
-GPU's dequantiser through the accelerator, the trainer's transposed product, row lookups) takes the
-layouts."""
+"""Interleaved rows (quant/interleave.py): Q4_K, Q5_K and Q6_K rows in eights (q4_k_x8, q5_k_x8,
+q6_k_x8), Q8_0, Q4_0 and Q4_1 rows in sixteens (q8_0_x16, q4_0_x16, q4_1_x16): the layouts
+native/quant.c states, byte for byte; every product on them (AVX-512 reads them as they lie, AVX2
+puts rows back) gives the bits of the same rows in GGUF's layout, on both paths, so test_quant.py's
+bound against gguf's dequantiser holds for them unchanged (checked here too); products of 16 or more
+tokens on AMX-INT8 tiles (where the CPU has them) give the bits of the VNNI path; and every other
+reader of the bytes (the torch fallback, a GPU's dequantiser through the accelerator, the trainer's
+transposed product, row lookups) takes the layouts."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from tests.test_quant import PATHS, quantised_activations, random_blocks
 from tests.test_quant_models import GREEDY, PROMPT, wide_mixtral_gguf
 
 Q4_K = FORMATS["q4_k"]
-FAMILIES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1")
+FAMILIES = ("q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "q4_1")
 
 
 def blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -74,14 +74,21 @@ def laid_out_by_hand(plain: np.ndarray, fmt: str) -> np.ndarray:
         g, r = divmod(n, 8)
         for s in range(width // size):
             src, at = plain[n, size * s : size * (s + 1)], (8 * g * width) + 8 * size * s
-            if fmt == "q4_k":
+            if fmt in ("q4_k", "q5_k"):
                 out[at + 2 * r : at + 2 * r + 2] = src[0:2]  # d
                 out[at + 16 + 2 * r : at + 16 + 2 * r + 2] = src[2:4]  # dmin
                 for j in range(12):
                     out[at + 32 + 8 * j + r] = src[4 + j]
+                qs = 16
+                if fmt == "q5_k":
+                    for k in range(4):  # qh, then the nibbles after it
+                        out[at + 128 + 64 * k + 8 * r : at + 136 + 64 * k + 8 * r] = src[
+                            16 + 8 * k : 24 + 8 * k
+                        ]
+                    at, qs = at + 256, 48
                 for k in range(16):
                     out[at + 128 + 64 * k + 8 * r : at + 136 + 64 * k + 8 * r] = src[
-                        16 + 8 * k : 24 + 8 * k
+                        qs + 8 * k : qs + 8 + 8 * k
                     ]
                 continue
             for k in range(16):  # ql

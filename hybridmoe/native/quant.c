@@ -42,11 +42,11 @@
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* Not ggml types: Q4_K and Q6_K blocks whose rows are interleaved eight at a time, Q8_0, Q4_0 and Q4_1
+/* Not ggml types: Q4_K, Q5_K and Q6_K blocks whose rows are interleaved eight at a time, Q8_0, Q4_0 and Q4_1
    blocks whose rows are interleaved sixteen at a time (the layouts at "rows in eights" and
-   "rows in sixteens" below; hybridmoe/quant/formats.py's q4_k_x8, q6_k_x8, q8_0_x16, q4_0_x16,
-   q4_1_x16). */
-enum { Q4_K_X8 = 268, Q6_K_X8 = 270, Q8_0_X16 = 264, Q4_0_X16 = 258, Q4_1_X16 = 259 };
+   "rows in sixteens" below; hybridmoe/quant/formats.py's q4_k_x8, q5_k_x8, q6_k_x8, q8_0_x16,
+   q4_0_x16, q4_1_x16). */
+enum { Q4_K_X8 = 268, Q5_K_X8 = 269, Q6_K_X8 = 270, Q8_0_X16 = 264, Q4_0_X16 = 258, Q4_1_X16 = 259 };
 enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 /* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
@@ -90,14 +90,15 @@ static long block_bytes(int fmt) {
     case Q4_1_X16: return 20;
     case Q4_K:
     case Q4_K_X8: return 144;
-    case Q5_K: return 176;
+    case Q5_K:
+    case Q5_K_X8: return 176;
     case Q6_K:
     case Q6_K_X8: return 210;
     }
     return 0;
 }
 
-static int is_x8(int fmt) { return fmt == Q4_K_X8 || fmt == Q6_K_X8; }
+static int is_x8(int fmt) { return fmt == Q4_K_X8 || fmt == Q5_K_X8 || fmt == Q6_K_X8; }
 static int is_x16(int fmt) { return fmt == Q8_0_X16 || fmt == Q4_0_X16 || fmt == Q4_1_X16; }
 /* Rows interleaved by a layout: 8, 16, or 1 for GGUF's rows. */
 static int group_rows(int fmt) { return is_x8(fmt) ? 8 : is_x16(fmt) ? 16 : 1; }
@@ -106,6 +107,7 @@ static int group_rows(int fmt) { return is_x8(fmt) ? 8 : is_x16(fmt) ? 16 : 1; }
 static int rows_fmt(int fmt) {
     switch (fmt) {
     case Q4_K_X8: return Q4_K;
+    case Q5_K_X8: return Q5_K;
     case Q6_K_X8: return Q6_K;
     case Q8_0_X16: return Q8_0;
     case Q4_0_X16: return Q4_0;
@@ -151,31 +153,17 @@ static uint16_t ld16(const uint8_t *p) {
 
 AVX2 static float half_at(const uint8_t *p) { return _cvtsh_ss(ld16(p)); }
 
-/* y = sum of 8 lanes of a + 8 lanes of b, by one fixed tree. */
-static float reduce(const float *a, const float *b) {
-    float v[8], h[4];
-    for (int i = 0; i < 8; i++) v[i] = a[i] + b[i];
-    for (int i = 0; i < 4; i++) h[i] = v[i] + v[i + 4];
-    return (h[0] + h[2]) + (h[1] + h[3]);
-}
-
-/* Q5_K: reduce(A, B) + reduce(C, 0). */
-static float k_result(const float *a, const float *b, const float *c) {
-    static const float zero[8];
-    return reduce(a, b) + reduce(c, zero);
-}
-
-/* Q4_K and Q6_K, every path: a super-block of a row against a token gives two exact integers, its scaled
+/* Q4_K, Q5_K and Q6_K, every path: a super-block of a row against a token gives two exact integers, its scaled
    dot (the sum over its sub-blocks of scale x the integer dot, `isum`) and its minimums' term (`csum`: the
    sum of minimum x the activations' 16-value sums; Q6_K: of scale x those sums, for its offset of 32). The
    row's two fp32 sums take one fused multiply-add each per super-block, in the order of the super-blocks:
-   acc = fma(isum, d dx, acc), accm = fma(csum, dm dx, accm) (dm: Q4_K's -dmin, Q6_K's -32 d; d dx, dm dx:
+   acc = fma(isum, d dx, acc), accm = fma(csum, dm dx, accm) (dm: Q4_K's and Q5_K's -dmin, Q6_K's -32 d; d dx, dm dx:
    fp32 products; both in one register); the result is acc + accm. Where the integers' lanes are summed
    does not change them, so each path sums its lanes wherever it is cheapest: Q4_K rows in eights sum a
    sub-block's four 8-byte chunks before its scale, one vpdpwssd where there were four (dotk_x8_512_t).
-   Q4_K: |isum| <= 256 x 15 x 127 x 63 < 2^31; Q6_K: |isum| <= 256 x 63 x 128 x 128 < 2^29, |csum| <= 16 x
-   128 x 2048 < 2^23; they convert to fp32 rounded to nearest, as (float) does. (Q5_K keeps its lanes in
-   fp32 to the end, k_result. Q6_K's GGUF rows, summed in integers, read from RAM level on AVX2 and 4%
+   Q4_K: |isum| <= 256 x 15 x 127 x 63 < 2^25 (Q5_K, q <= 31: < 2^26); Q6_K: |isum| <= 256 x 63 x 128 x 128 < 2^29, |csum| <= 16 x
+   128 x 2048 < 2^23; they convert to fp32 rounded to nearest, as (float) does. (Q5_K kept its lanes in
+   fp32 until it had rows in eights too. Q6_K's GGUF rows, summed in integers, read from RAM level on AVX2 and 4%
    slower row by row on AVX-512, whose products now read Q6_K in rows of eights, which need the integer
    sums for the tiles: docs/notes/2026-12-07-q4k-sums-in-integers.md, 2026-12-07-q6k-rows-in-eights.md.) */
 #define K_FMA(am, u, d, dm, dx) /* am = [acc, accm, 0, 0], u = [isum, csum, ...] */ \
@@ -532,12 +520,8 @@ AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W
     const long bb = block_bytes(fmt), K = a->K, ns = K / 256;
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = W + n * ldw;
-        __m128 am[GROUP];      /* Q4_K, Q6_K (K_FMA) */
-        __m256 lane[GROUP][3]; /* Q5_K (k_result) */
-        for (int r = 0; r < R; r++) {
-            am[r] = _mm_setzero_ps();
-            lane[r][0] = lane[r][1] = lane[r][2] = _mm256_setzero_ps();
-        }
+        __m128 am[GROUP]; /* K_FMA's two sums */
+        for (int r = 0; r < R; r++) am[r] = _mm_setzero_ps();
         for (long s = 0; s < ns; s++) {
             const uint8_t *p = row + s * bb;
             __m256i q[8], sc[8];
@@ -554,27 +538,10 @@ AVX2 ALWAYS_INLINE void dotk_avx2_t(const int fmt, const int R, const uint8_t *W
                     if (i & 1) B = _mm256_add_epi32(B, p32); else A = _mm256_add_epi32(A, p32);
                 }
                 __m256i C = _mm256_madd_epi16(k.mnw, _mm256_loadu_si256((const __m256i *)(a->bsum + sb * 16)));
-                if (fmt != Q5_K) {
-                    K_FMA(am[r], sums2(_mm256_add_epi32(A, B), C), k.d, k.dm, a->dx[sb]);
-                    continue;
-                }
-                __m256 ddx = _mm256_set1_ps(k.d * a->dx[sb]);
-                lane[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), ddx, lane[r][0]);
-                lane[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(B), ddx, lane[r][1]);
-                lane[r][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(k.dm * a->dx[sb]), lane[r][2]);
+                K_FMA(am[r], sums2(_mm256_add_epi32(A, B), C), k.d, k.dm, a->dx[sb]);
             }
         }
-        float fa[8], fb[8], fc[8];
-        for (int r = 0; r < R; r++) {
-            if (fmt != Q5_K) {
-                Y[r * ldy + n] = K_RESULT(am[r]);
-                continue;
-            }
-            _mm256_storeu_ps(fa, lane[r][0]);
-            _mm256_storeu_ps(fb, lane[r][1]);
-            _mm256_storeu_ps(fc, lane[r][2]);
-            Y[r * ldy + n] = k_result(fa, fb, fc);
-        }
+        for (int r = 0; r < R; r++) Y[r * ldy + n] = K_RESULT(am[r]);
     }
 }
 
@@ -627,31 +594,16 @@ AVX512 ALWAYS_INLINE void scales_k512(const kscales *k, __m512i sc[4]) {
                                  _mm512_set1_epi32(0xFFFF));
 }
 
-/* k_result of acc's 16 lanes and accm's 8, in registers: the same additions in the same order. */
-AVX512 ALWAYS_INLINE float reduce512(__m256 a, __m256 b) {
-    __m256 v = _mm256_add_ps(a, b);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));  /* h0 + h2, h1 + h3 */
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
-/* A row's accumulators for one token: Q4_K's and Q6_K's two sums (K_FMA), or Q5_K's lanes (k_result). */
+/* A row's accumulators for one token: K_FMA's two sums. */
 typedef struct {
     __m128 am;
-    __m512 lanes;
-    __m256 lanesm;
 } kacc512;
 
-AVX512 ALWAYS_INLINE void kacc_zero(kacc512 *c) {
-    c->am = _mm_setzero_ps();
-    c->lanes = _mm512_setzero_ps();
-    c->lanesm = _mm256_setzero_ps();
-}
+AVX512 ALWAYS_INLINE void kacc_zero(kacc512 *c) { c->am = _mm_setzero_ps(); }
 
 AVX512 ALWAYS_INLINE float kacc_result(const int fmt, const kacc512 *c) {
-    if (fmt != Q5_K) return K_RESULT(c->am);
-    return reduce512(_mm512_castps512_ps256(c->lanes), _mm512_extractf32x8_ps(c->lanes, 1)) +
-           reduce512(c->lanesm, _mm256_setzero_ps());
+    (void)fmt;
+    return K_RESULT(c->am);
 }
 
 /* A super-block unpacked for AVX-512: its four q registers, their scale words, its scales. */
@@ -676,13 +628,9 @@ AVX512 ALWAYS_INLINE void k_token512(const int fmt, const kblock512 *b, const __
     __m512i A = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->q[i], x[i]), b->sc[i]);
     __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
-    if (fmt != Q5_K) {
-        K_FMA(c->am, sums2(_mm256_add_epi32(_mm512_castsi512_si256(A), _mm512_extracti64x4_epi64(A, 1)), C), b->k.d,
-              b->k.dm, dx);
-        return;
-    }
-    c->lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_set1_ps(b->k.d * dx), c->lanes);
-    c->lanesm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_set1_ps(b->k.dm * dx), c->lanesm);
+    (void)fmt;
+    K_FMA(c->am, sums2(_mm256_add_epi32(_mm512_castsi512_si256(A), _mm512_extracti64x4_epi64(A, 1)), C), b->k.d, b->k.dm,
+          dx);
 }
 
 /* Token row m's 256 bytes of super-block s as 4 registers, and their 16-value sums. */
@@ -742,10 +690,10 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
     }
 }
 
-/* ---- rows in eights (Q4_K_X8, Q6_K_X8) ------------------------------------------------------------- */
+/* ---- rows in eights (Q4_K_X8, Q5_K_X8, Q6_K_X8) --------------------------------------------------- */
 
 /* The layouts, made at load where the AVX-512 path runs (hm_interleave, called by quant/tensor.py
-   for_kernels; quant/interleave.py turns them back in torch ops): a matrix of Q4_K or Q6_K rows, their
+   for_kernels; quant/interleave.py turns them back in torch ops): a matrix of Q4_K, Q5_K or Q6_K rows, their
    number a multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes, rows of
    exactly K / 256 blocks) hold their super-blocks s side by side at s * 8 * (block bytes). Each piece of
    a row's block (X8_PIECES: `len` bytes at `at`, in units of `unit` bytes) lies with that piece of the
@@ -753,6 +701,8 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
      Q4_K (1152 bytes): [0, 16) the rows' d (fp16), [16, 32) their dmin, [32, 128) their 12 scale bytes
        (byte j of row r at 32 + 8j + r), [128, 1152) their nibbles (bytes 8c .. 8c + 7 of row r's qs at
        128 + 64c + 8r);
+     Q5_K (1408 bytes): as Q4_K's, with their 32 bytes of fifth bits before the nibbles: [128, 384) their
+       qh (bytes 8c .. 8c + 7 of row r's at 128 + 64c + 8r), [384, 1408) their nibbles;
      Q6_K (1680 bytes): [0, 1024) their ql (bytes 8c .. 8c + 7 of row r's at 64c + 8r), [1024, 1536) their
        qh (likewise), [1536, 1664) their int8 scales (scale j of row r at 1536 + 8j + r), [1664, 1680) d.
    One 64-byte load of quants then holds the same 8 bytes of eight rows, which share one sub-block scale
@@ -763,17 +713,19 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
    bits (docs/notes/2026-11-25-q4k-rows-in-eights.md, 2026-12-07-q6k-rows-in-eights.md). */
 #define X8 8
 #define X8_BYTES (X8 * 144)
+#define X8_5_BYTES (X8 * 176)
 #define X8_6_BYTES (X8 * 210)
 
 typedef struct {
     int at, unit, len;
 } x8_piece;
 /* The pieces of a block in each interleaved layout (blocks of 32's in "rows in sixteens" below). */
-static const x8_piece X8_PIECES[5][4] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
+static const x8_piece X8_PIECES[6][5] = {{{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 128}},
                                          {{0, 8, 128}, {128, 8, 64}, {192, 1, 16}, {208, 2, 2}},
                                          {{0, 2, 2}, {2, 4, 32}},
                                          {{0, 2, 2}, {2, 4, 16}},
-                                         {{0, 2, 2}, {2, 2, 2}, {4, 4, 16}}};
+                                         {{0, 2, 2}, {2, 2, 2}, {4, 4, 16}},
+                                         {{0, 2, 2}, {2, 2, 2}, {4, 1, 12}, {16, 8, 32}, {48, 8, 128}}};
 
 static const x8_piece *pieces_of(int fmt) {
     switch (rows_fmt(fmt)) {
@@ -781,7 +733,8 @@ static const x8_piece *pieces_of(int fmt) {
     case Q6_K: return X8_PIECES[1];
     case Q8_0: return X8_PIECES[2];
     case Q4_0: return X8_PIECES[3];
-    default: return X8_PIECES[4];
+    case Q4_1: return X8_PIECES[4];
+    default: return X8_PIECES[5]; /* Q5_K */
     }
 }
 
@@ -802,7 +755,7 @@ static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
     const x8_piece *piece = pieces_of(fmt);
     const int n = group_rows(fmt);
     long off = 0;
-    for (int k = 0; k < 4 && piece[k].len; k++) {
+    for (int k = 0; k < 5 && piece[k].len; k++) {
         uint8_t *x8 = p + off, *rows = q + piece[k].at;
         switch (piece[k].unit) {
         case 1: x8_units(1, n, x8, rows, ldq, piece[k].len, to_x8); break;
@@ -818,6 +771,7 @@ static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
 static int layout_of(int fmt) {
     switch (fmt) {
     case Q4_K: return Q4_K_X8;
+    case Q5_K: return Q5_K_X8;
     case Q6_K: return Q6_K_X8;
     case Q8_0: return Q8_0_X16;
     case Q4_0: return Q4_0_X16;
@@ -951,6 +905,79 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
 
+/* Q5_K's fifth bits of a 64-byte load of nibbles: bit j of each byte of qh (the same 8 bytes of eight
+   rows) as 16 in that byte, 0 else. */
+AVX512 ALWAYS_INLINE __m512i x8_fifth(__m512i qh, int j) {
+    const __m512i v = j <= 4 ? _mm512_slli_epi16(qh, 4 - j) : _mm512_srli_epi16(qh, j - 4);
+    return _mm512_and_si512(v, _mm512_set1_epi8(16));
+}
+
+/* Eight interleaved Q5_K rows at G (ns super-blocks) against the R tokens mi[0..R): as dotk_x8_512_t,
+   the values 0..31 (nibble + 16 x its fifth bit, chunk c's qh bits 2g and 2g + 1). A lane of vpdpbusd
+   over two chunks stays a word (8 x 31 x 127), so each two chunks take their own vpdpwssd by the
+   sub-block's scale (Q4_K's four chunks of 0..15 share one). */
+AVX512 ALWAYS_INLINE void dotk5_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
+                                         float *Y, long ldy) {
+    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i MIDX = _mm512_loadu_si512((const void *)MIDX_W);
+    const __m512i pairs[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                              _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+    __m256 F[GROUP], Mn[GROUP];
+    for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *p = G + s * X8_5_BYTES;
+        if (R == 1) prefetch_near_far(p, X8_5_BYTES);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
+        __m512i sw[2], Z[GROUP];
+        __m256i mn[2];
+        const int8_t *x[GROUP];
+        x8_scales(p, sw, mn);
+        __m512i mp[2];
+        mp[0] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[0]));
+        mp[1] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[1]));
+        __m512i qh[4];
+        for (int c = 0; c < 4; c++) qh[c] = _mm512_loadu_si512((const void *)(p + 128 + 64 * c));
+        for (int r = 0; r < R; r++) {
+            x[r] = a->qs + mi[r] * a->K + s * 256;
+            Z[r] = _mm512_setzero_si512();
+        }
+        for (int g = 0; g < 4; g++) {
+            const int bl = 2 * g, bh = 2 * g + 1;
+            __m512i sl = _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_loadu_si512((const void *)WSEL[bl % 4]), sw[bl / 4]);
+            __m512i sh = _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_loadu_si512((const void *)WSEL[bh % 4]), sw[bh / 4]);
+            for (int c2 = 0; c2 < 4; c2 += 2) {
+                __m512i L[GROUP], H[GROUP];
+                for (int r = 0; r < R; r++) L[r] = H[r] = _mm512_setzero_si512();
+                for (int c = c2; c < c2 + 2; c++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(p + 384 + 64 * (4 * g + c)));
+                    const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, m4), x8_fifth(qh[c], bl));
+                    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), m4), x8_fifth(qh[c], bh));
+                    for (int r = 0; r < R; r++) {
+                        int64_t vl, vh;
+                        memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
+                        memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
+                        L[r] = _mm512_dpbusd_epi32(L[r], lo, _mm512_set1_epi64(vl));
+                        H[r] = _mm512_dpbusd_epi32(H[r], hi, _mm512_set1_epi64(vh));
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    Z[r] = _mm512_dpwssd_epi32(Z[r], L[r], sl);
+                    Z[r] = _mm512_dpwssd_epi32(Z[r], H[r], sh);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i bp = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->bpair + (mi[r] * ns + s) * 4)));
+            __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi32(pairs[0], bp));
+            C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi32(pairs[1], bp));
+            x8_fma(Z[r], C, d, dm, a->dx[mi[r] * ns + s], &F[r], &Mn[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
+}
+
 /* Q6_K rows in eights: the scale words of sub-block j of eight rows, for vpdpwssd (row r's in the low
    words of dword lanes 2r, 2r + 1), from the widened scales sw[j / 4] (word 8 (j % 4) + r). */
 AVX512 ALWAYS_INLINE __m512i x8_scale6(const __m512i sw[4], int j) {
@@ -1052,6 +1079,7 @@ AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const uint8_t *G, long ns,
         }                                                                                                   \
     }
 X8_DOT(dotk_x8_512, dotk_x8_512_t)
+X8_DOT(dotk5_x8_512, dotk5_x8_512_t)
 X8_DOT(dotk6_x8_512, dotk6_x8_512_t)
 #undef X8_DOT
 
@@ -1183,7 +1211,8 @@ static dot_fn dot_for(int fmt, int isa) {
     case Q4_K:
     case Q4_K_X8: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;  /* on rows put back as Q4_K (product_x8) */
     case Q6_K_X8: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
-    case Q5_K: return wide ? dot_512_Q5_K : dot_avx2_Q5_K;
+    case Q5_K:
+    case Q5_K_X8: return wide ? dot_512_Q5_K : dot_avx2_Q5_K;
     case Q6_K: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
     }
     return NULL;
@@ -1193,6 +1222,7 @@ static dot_fn dot_for(int fmt, int isa) {
 static dot_fn grouped_dot(int fmt) {
     switch (fmt) {
     case Q4_K_X8: return dotk_x8_512;
+    case Q5_K_X8: return dotk5_x8_512;
     case Q6_K_X8: return dotk6_x8_512;
     case Q8_0_X16: return dot8_x16_512;
     case Q4_0_X16: return dot4_x16_512;
@@ -1345,12 +1375,13 @@ AMX8 ALWAYS_INLINE void scaled_bytes(__m512i q, __m512i S, __m512i *lo, __m512i 
 /* Rows in eights G[0], G[1] (16 rows, ns super-blocks) as `panel`, AMX_SB bytes a super-block: the two B
    tile planes, then the minimums' word pairs (4 x 16 dwords: row r's minimums of blocks 2j, 2j + 1), then
    d and -dmin as fp32 (16 each). */
-AMX8 static void amx_panel(const uint8_t *const G[2], long ns, uint8_t *panel) {
+AMX8 static void amx_panel(const int fmt, const uint8_t *const G[2], long ns, uint8_t *panel) {
     static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     const __m512i m4 = _mm512_set1_epi8(0x0F), even = _mm512_loadu_si512((const void *)EVEN_D),
                   odd = _mm512_loadu_si512((const void *)ODD_D), midx = _mm512_loadu_si512((const void *)MIDX_W);
     for (long s = 0; s < ns; s++) {
-        const uint8_t *p[2] = {G[0] + s * X8_BYTES, G[1] + s * X8_BYTES};
+        const long xb = fmt == Q5_K_X8 ? X8_5_BYTES : X8_BYTES, qs = fmt == Q5_K_X8 ? 384 : 128;
+        const uint8_t *p[2] = {G[0] + s * xb, G[1] + s * xb};
         uint8_t *lo_plane = panel + s * AMX_SB(Q4_K_X8), *hi_plane = lo_plane + AMX_PLANE, *mins = hi_plane + AMX_PLANE;
         float *d = (float *)(mins + 4 * 64);
         __m512i sw[2][2];
@@ -1377,8 +1408,9 @@ AMX8 static void amx_panel(const uint8_t *const G[2], long ns, uint8_t *panel) {
             for (int c = 0; c < 4; c++) {
                 __m512i lo[2], hi[2];
                 for (int e = 0; e < 2; e++) {
-                    __m512i w = _mm512_loadu_si512((const void *)(p[e] + 128 + 64 * (4 * g + c)));
+                    __m512i w = _mm512_loadu_si512((const void *)(p[e] + qs + 64 * (4 * g + c)));
                     w = b & 1 ? _mm512_and_si512(_mm512_srli_epi16(w, 4), m4) : _mm512_and_si512(w, m4);
+                    if (fmt == Q5_K_X8) w = _mm512_or_si512(w, x8_fifth(_mm512_loadu_si512((const void *)(p[e] + 128 + 64 * c)), b));
                     scaled_bytes(w, S[e], &lo[e], &hi[e]);
                 }
                 /* dwords 2r, 2r + 1 of an eight's register: row r's positions 8c .. 8c + 3, 8c + 4 .. 8c + 7 */
@@ -1516,7 +1548,7 @@ AMX8 static int amx_x8(const product *p, long n0, long n1) {
     for (long n = n0; n < n0 + rows; n += AMX_ROWS) {
         const uint8_t *G[2] = {p->W + n * p->ldw, p->W + (n + X8) * p->ldw};
         if (six) amx_panel6(G, ns, panel);
-        else amx_panel(G, ns, panel);
+        else amx_panel(p->fmt, G, ns, panel); /* Q4_K's and Q5_K's panels are alike */
         long m = 0;
         for (; m + 2 * AMX_TOKENS <= tokens; m += 2 * AMX_TOKENS) {
             float *Y = p->Y + m * p->ldy + n;

@@ -16,11 +16,11 @@ Each row of a matrix [rows, cols] is cols / block blocks of `nbytes` bytes, one 
 | q6_k | 256   | 210   | ql[128], qh[64]: low 4 and high 2 bits; int8        | d sc_t (q - 32)   |
 |      |       |       | scales[16] (one per 16 values); d                   |                   |
 
-Five layouts are not GGUF's: q4_k_x8 and q6_k_x8 hold q4_k and q6_k blocks with rows interleaved
-eight at a time, q8_0_x16, q4_0_x16 and q4_1_x16 q8_0, q4_0 and q4_1 blocks with rows interleaved
-sixteen at a time, the same bytes rearranged for the AVX-512 products (quant/interleave.py; made at
-load, never written to a file). Their `family` is the GGUF format: their values, their cost, their
-bytes on the bus.
+Six layouts are not GGUF's: q4_k_x8, q5_k_x8 and q6_k_x8 hold q4_k, q5_k and q6_k blocks with rows
+interleaved eight at a time, q8_0_x16, q4_0_x16 and q4_1_x16 q8_0, q4_0 and q4_1 blocks with rows
+interleaved sixteen at a time, the same bytes rearranged for the AVX-512 products
+(quant/interleave.py; made at load, never written to a file). Their `family` is the GGUF format:
+their values, their cost, their bytes on the bus.
 """
 
 from __future__ import annotations
@@ -62,15 +62,16 @@ FORMATS = {
         Format("q6_k", 14, 256, 210),
     )
 }
-# Layouts of those blocks that only the engine makes (no file holds them); 268, 270, 264, 258 and
-# 259 are no ggml types but native/quant.c's Q4_K_X8, Q6_K_X8, Q8_0_X16, Q4_0_X16 and Q4_1_X16 (256
-# + the family's).
+# Layouts of those blocks that only the engine makes (no file holds them); 268, 269, 270, 264, 258
+# and 259 are no ggml types but native/quant.c's Q4_K_X8, Q5_K_X8, Q6_K_X8, Q8_0_X16, Q4_0_X16 and
+# Q4_1_X16 (256 + the family's).
 Q4_K_X8 = Format("q4_k_x8", 268, 256, 144, family="q4_k", rows=8)
+Q5_K_X8 = Format("q5_k_x8", 269, 256, 176, family="q5_k", rows=8)
 Q6_K_X8 = Format("q6_k_x8", 270, 256, 210, family="q6_k", rows=8)
 Q8_0_X16 = Format("q8_0_x16", 264, 32, 34, family="q8_0", rows=16)
 Q4_0_X16 = Format("q4_0_x16", 258, 32, 18, family="q4_0", rows=16)
 Q4_1_X16 = Format("q4_1_x16", 259, 32, 20, family="q4_1", rows=16)
-LAYOUTS = {f.name: f for f in (Q4_K_X8, Q6_K_X8, Q8_0_X16, Q4_0_X16, Q4_1_X16)}
+LAYOUTS = {f.name: f for f in (Q4_K_X8, Q5_K_X8, Q6_K_X8, Q8_0_X16, Q4_0_X16, Q4_1_X16)}
 # a GGUF format -> its interleaved layout
 INTERLEAVED = {f.family: f for f in LAYOUTS.values()}
 BY_GGML = {f.ggml: f for f in FORMATS.values()}
