@@ -49,7 +49,7 @@ TRAIN_TILE_ROWS = 256
 TRAIN_ROW_GRAIN = 8
 # Rows of a frozen block-format matrix dequantised at once for the input gradient through it
 # (quant/transposed.py): a tile's values are all that exist of it in floats (1 MB for 256 rows of
-# 1,024 values in fp32). A multiple of 8: rows in eights (q4_k_x8, q6_k_x8) dequantise in whole
+# 1,024 values in fp32). A multiple of 8: interleaved rows (8 or 16 a group) dequantise in whole
 # eights.
 TRAIN_DEQUANT_ROWS = 256
 # The share of a layer's experts each token chooses from which a training step computes every

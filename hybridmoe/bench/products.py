@@ -4,12 +4,11 @@ the weights and calling oneDNN (issue 12's bar for prefill).
 For each format and shape (the Qwen3-30B-A3B shapes by default: an expert's gate/up and down, the
 attention's q and o), random N(0, 0.02) weights quantised by hybridmoe's quantiser (Q4_1: gguf's;
 Q5_K, which nothing here quantises to: hybridmoe's Q4_K blocks with a fifth bit of 0, the same
-weights) and laid out as the loader leaves them (Q4_K and Q6_K in rows of eights, Q8_0, Q4_0 and
-Q4_1 in rows of sixteens where the AVX-512 path runs), and each token count: ours (`native/quant.py
-linear`: AVX512-VNNI, or AMX-INT8 tiles for those layouts from 16 tokens where the CPU has them)
-against the fastest dequantise + multiply we have
-(`native/quant.py rows`, quant.c's dequantiser, to bf16, then `F.linear`: oneDNN, on AMX where the
-CPU has it), alternating, medians.
+weights) and laid out as the loader leaves them (Q4_K, Q5_K and Q6_K in rows of eights, Q8_0, Q4_0
+and Q4_1 in rows of sixteens where the AVX-512 path runs), and each token count: ours
+(`native/quant.py linear`: AVX512-VNNI, or AMX-INT8 tiles for those layouts from 16 tokens where the
+CPU has them) against the fastest dequantise + multiply we have (`native/quant.py rows`, quant.c's
+dequantiser, to bf16, then `F.linear`: oneDNN, on AMX where the CPU has it), alternating, medians.
 The largest difference between the two results, relative to the largest output, is reported too
 (the activations' int8 rounding and the bf16 weights: about 1%).
 """

@@ -1312,18 +1312,18 @@ static void product_x8(const product *p, long n0, long n1) {
     free(buf);
 }
 
-/* ---- Q4_K and Q6_K rows in eights against many tokens on AMX-INT8 tiles ----------------------------
+/* ---- Q4_K, Q5_K and Q6_K rows in eights against many tokens on AMX-INT8 tiles ----------------------
 
    Where the CPU has AMX-INT8 (and Linux grants the tiles' state: native/quant.py), a product of rows
    in eights with 16 or more consecutive token rows (a dense linear's prefill, a routed expert's tokens
    quantised as its own rows) computes each super-block's two integers (K_FMA's isum and csum) on tiles
    and in vpdpwssd, 16 weight rows by 16 or 32 tokens at a time, then the same float operations as
-   dotk_x8_512_t / dotk6_x8_512_t: the same bits.
+   dotk_x8_512_t / dotk5_x8_512_t / dotk6_x8_512_t: the same bits.
 
    The weights of 16 rows are first laid out as B tiles, per super-block two planes of 64 k-rows x 16
    rows x 4 bytes (k-row k: positions 4k..4k+3 of the super-block in the activations' order, paired for
-   Q4_K, natural for Q6_K): the low byte of scale x q and the byte above it (Q4_K: scale x q <= 63 x 15
-   < 1024, high bits 0..3; Q6_K: int8 scale x q in -8128..8001, high byte -32..31, signed). With A the
+   Q4_K and Q5_K, natural for Q6_K): the low byte of scale x q and the byte above it (Q4_K: scale x q <=
+   63 x 15 < 1024, high bits 0..3; Q5_K: <= 63 x 31 < 2048, 0..7; Q6_K: int8 scale x q in -8128..8001, high byte -32..31, signed). With A the
    tokens' int8 bytes as quantised (16 tokens x 64 positions; acts' qt holds them 16 x 64 bytes in a
    row), tile dot products (signed x unsigned bytes for the low plane, signed x signed for the high)
    give C_lo + 256 C_hi = isum exactly; csum is the rows' minimums of blocks 2j, 2j + 1 (Q6_K: scales

@@ -117,9 +117,9 @@ def _tiles_permitted() -> bool:
 
 
 def use_tiles(on: bool) -> bool:
-    """Put many-token products of interleaved rows (Q4_K and Q6_K rows in eights, Q8_0, Q4_0 and
-    Q4_1 rows in sixteens) on the AMX-INT8 tiles or off them (quant.c amx_x8, amx_x16: the same bits
-    as the VNNI path, faster); on only where the CPU has them and the process was granted them
+    """Put many-token products of interleaved rows (Q4_K, Q5_K and Q6_K rows in eights, Q8_0, Q4_0
+    and Q4_1 rows in sixteens) on the AMX-INT8 tiles or off them (quant.c amx_x8, amx_x16: the same
+    bits as the VNNI path, faster); on only where the CPU has them and the process was granted them
     (HYBRIDMOE_AMX=0 starts with them off). Returns whether they are on now."""
     return switch(library(), "hm_set_amx8", _TILES_ON, on, _tiles_permitted)
 
