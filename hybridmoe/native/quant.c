@@ -741,7 +741,7 @@ static const x8_piece *pieces_of(int fmt) {
 /* The units of one piece of n rows: unit i of row r between x8 + (n i + r) u and row r's at + i u
    (a constant `u` per call, so that each copy is one move: with `u` a variable each was a call to
    memcpy, and a load rearranged 1.1 GB/s instead of 6.4). */
-ALWAYS_INLINE void x8_units(const int u, int n, uint8_t *x8, uint8_t *rows, long ldq, int len, int to_x8) {
+ALWAYS_INLINE void x8_units(const int u, const int n, uint8_t *x8, uint8_t *rows, long ldq, int len, int to_x8) {
     for (int r = 0; r < n; r++)
         for (int i = 0; i < len / u; i++) {
             uint8_t *a = x8 + (long)(n * i + r) * u, *b = rows + r * ldq + i * u;
@@ -751,9 +751,7 @@ ALWAYS_INLINE void x8_units(const int u, int n, uint8_t *x8, uint8_t *rows, long
 }
 
 /* Block s of a group of interleaved rows in `fmt` (p) to or from the blocks of rows q + r * ldq. */
-static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
-    const x8_piece *piece = pieces_of(fmt);
-    const int n = group_rows(fmt);
+ALWAYS_INLINE void x8_pieces(const int n, const x8_piece *piece, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
     long off = 0;
     for (int k = 0; k < 5 && piece[k].len; k++) {
         uint8_t *x8 = p + off, *rows = q + piece[k].at;
@@ -765,6 +763,13 @@ static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
         }
         off += n * piece[k].len;
     }
+}
+
+/* (The rows of a group a constant in each case: with it a variable, a load rearranged Q4_K 7.6 ->
+   6.1 GB/s.) */
+static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
+    if (group_rows(fmt) == 16) x8_pieces(16, pieces_of(fmt), p, q, ldq, to_x8);
+    else x8_pieces(8, pieces_of(fmt), p, q, ldq, to_x8);
 }
 
 /* The interleaved layout of GGUF's `fmt`, 0 for none. */
