@@ -1,3 +1,4 @@
+"""Load-time interleaving, GB/s: d2f3dcc's hm_to_x8 (/tmp/prof/old.c) against this tree's hm_interleave."""
 import ctypes, subprocess, time, torch, statistics
 from hybridmoe.native import quant as qn
 from hybridmoe.bench.products import _weights

@@ -1,3 +1,4 @@
+"""Tiles on and off at 16 and 32 tokens, alternating, on rows in sixteens."""
 import time, torch, numpy as np, statistics
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.formats import FORMATS, INTERLEAVED

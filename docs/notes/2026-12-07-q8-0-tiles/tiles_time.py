@@ -1,3 +1,4 @@
+"""Time of products of M (default 512) tokens on rows in sixteens, 1 thread: tiles_time.py FMTS [M]."""
 import sys, time, torch, numpy as np
 from hybridmoe.native import quant as kernels
 from hybridmoe.quant.formats import FORMATS, INTERLEAVED
