@@ -10,15 +10,13 @@
    fp32.
 
    Both paths give the same bits. The integer lane sums are exact, so the same in both whichever
-   instructions made them; after that every lane goes through the same float operations in the same order.
-   Q8_0, Q4_0, Q4_1: block b's lanes are summed in integers, exactly, and the row's one sum takes
-   fma(I_b, w_b * dx_b) per block (Q4_1 then fma(S_b * dx_b, m_b) too: "block sums"); Q5_K: super-block s
-   adds fma(A_s, d * dx_s) and fma(B_s, d * dx_s) (its 8 halves of 32 values alternately) and
-   fma(C_s, dmin * dx_s) (the minimums against the 16-value sums) into fp32 lanes, a row's result those
-   lanes summed by one fixed tree (k_result); Q4_K, Q6_K: a super-block's lanes are summed in integers,
-   exactly, to one scaled dot and one minimums' (Q6_K: offset's) term per row, each added by one fma (K_FMA). A
-   row's result depends on nothing but the row: not on how many rows came with it, nor on which thread
-   computed it.
+   instructions made them, and a row's lanes are summed in integers before any float operation: Q8_0,
+   Q4_0, Q4_1 per block, the row's one sum taking fma(I_b, w_b * dx_b) per block (Q4_1 then
+   fma(S_b * dx_b, m_b) too: "block sums"); Q4_K, Q5_K, Q6_K per super-block, to one scaled dot and one
+   minimums' (Q6_K: offset's) term per row, each added by one fma (K_FMA). The float operations are the
+   same on every path in the same order, so an AMX tile's sums, a register of eight or sixteen rows' and
+   one row's give the same result. A row's result depends on nothing but the row: not on how many rows
+   came with it, nor on which thread computed it.
 
    Work is split over the threads of pool.h in units of whole output rows. The library is compiled without
    ISA flags: each path carries its own target attribute and the caller picks one from the CPU's flags
