@@ -843,6 +843,45 @@ AVX512 ALWAYS_INLINE void x8_fma(__m512i Z, __m512i C, __m256 d, __m256 dm, floa
     *Mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(csum), _mm256_mul_ps(dm, x), *Mn);
 }
 
+/* Super-block p of eight Q4_K or Q5_K rows: d, -dmin, the scale words (x8_scales) and the minimums'
+   word pairs (dword lane 8j + r: row r's minimums of blocks 2j, 2j + 1; mp[1]: 4 + those). */
+AVX512 ALWAYS_INLINE void x8_head(const uint8_t *p, __m256 *d, __m256 *dm, __m512i sw[2], __m512i mp[2]) {
+    const __m512i MIDX = _mm512_loadu_si512((const void *)MIDX_W);
+    __m256i mn[2];
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    *dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
+    x8_scales(p, sw, mn);
+    mp[0] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[0]));
+    mp[1] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[1]));
+}
+
+/* One token's csum against the minimums' word pairs (its bpair dwords 0, 1 (2, 3) beside mp[0]'s
+   (mp[1]'s) lanes 0..7 and 8..15) and the K_FMA of eight rows (x8_fma); sb: its super-block's index in
+   the activations. */
+AVX512 ALWAYS_INLINE void x8_minimums(__m512i Z, const __m512i mp[2], const acts *a, long sb, __m256 d, __m256 dm,
+                                      __m256 *F, __m256 *Mn) {
+    const __m512i pairs[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                              _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+    const __m512i bp = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->bpair + sb * 4)));
+    __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi32(pairs[0], bp));
+    C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi32(pairs[1], bp));
+    x8_fma(Z, C, d, dm, a->dx[sb], F, Mn);
+}
+
+/* Chunk c of blocks bl (lo) and bh (hi) of eight rows against R tokens' bytes x (paired block order),
+   into L and H. */
+AVX512 ALWAYS_INLINE void x8_chunk(const int R, __m512i lo, __m512i hi, const int8_t *const x[GROUP], int bl, int bh,
+                                   int c, __m512i L[GROUP], __m512i H[GROUP]) {
+    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int r = 0; r < R; r++) {
+        int64_t vl, vh;
+        memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
+        memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
+        L[r] = _mm512_dpbusd_epi32(L[r], lo, _mm512_set1_epi64(vl));
+        H[r] = _mm512_dpbusd_epi32(H[r], hi, _mm512_set1_epi64(vh));
+    }
+}
+
 /* Eight interleaved rows at G (ns super-blocks) against the R tokens mi[0..R) of `a`: Y[r * ldy + 0..8),
    lane k row k. A 64-byte load of nibbles holds 8 bytes of each row (chunk c of group g: low nibbles
    of block 2g, high of 2g + 1), dword lane 2k + i four of row k's. vpdpbusd sums the four chunks of a
@@ -852,26 +891,16 @@ AVX512 ALWAYS_INLINE void x8_fma(__m512i Z, __m512i C, __m256 d, __m256 dm, floa
    then give row k's isum and the minimums' words its csum (K_FMA). */
 AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
                                         float *Y, long ldy) {
-    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     const __m512i m4 = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8((char)0xF0);
-    const __m512i MIDX = _mm512_loadu_si512((const void *)MIDX_W);
-    /* bpair dwords 0, 1 (2, 3) beside mp[0]'s (mp[1]'s) lanes 0..7 and 8..15 */
-    const __m512i pairs[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                              _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
     __m256 F[GROUP], Mn[GROUP]; /* acc and accm of the eight rows */
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_BYTES;
         if (R == 1) prefetch_near_far(p, X8_BYTES);
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
-        __m512i sw[2], Z[GROUP];
-        __m256i mn[2];
+        __m256 d, dm;
+        __m512i sw[2], mp[2], Z[GROUP];
         const int8_t *x[GROUP];
-        x8_scales(p, sw, mn);
-        __m512i mp[2]; /* dword lane 8j + r: row r's minimums of blocks 2j, 2j + 1 (mp[1]: 4 + those) */
-        mp[0] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[0]));
-        mp[1] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[1]));
+        x8_head(p, &d, &dm, sw, mp);
         for (int r = 0; r < R; r++) {
             x[r] = a->qs + mi[r] * a->K + s * 256;
             Z[r] = _mm512_setzero_si512();
@@ -885,25 +914,14 @@ AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, 
             for (int c = 0; c < 4; c++) {
                 __m512i w = _mm512_loadu_si512((const void *)(p + 128 + 64 * (4 * g + c)));
                 __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(w, mf0);
-                for (int r = 0; r < R; r++) {
-                    int64_t vl, vh;
-                    memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
-                    memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
-                    L[r] = _mm512_dpbusd_epi32(L[r], lo, _mm512_set1_epi64(vl));
-                    H[r] = _mm512_dpbusd_epi32(H[r], hi, _mm512_set1_epi64(vh));
-                }
+                x8_chunk(R, lo, hi, x, bl, bh, c, L, H);
             }
             for (int r = 0; r < R; r++) {
                 Z[r] = _mm512_dpwssd_epi32(Z[r], L[r], sl);
                 Z[r] = _mm512_dpwssd_epi32(Z[r], _mm512_srai_epi32(H[r], 4), sh);
             }
         }
-        for (int r = 0; r < R; r++) {
-            const __m512i bp = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->bpair + (mi[r] * ns + s) * 4)));
-            __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi32(pairs[0], bp));
-            C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi32(pairs[1], bp));
-            x8_fma(Z[r], C, d, dm, a->dx[mi[r] * ns + s], &F[r], &Mn[r]);
-        }
+        for (int r = 0; r < R; r++) x8_minimums(Z[r], mp, a, mi[r] * ns + s, d, dm, &F[r], &Mn[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
@@ -918,30 +936,22 @@ AVX512 ALWAYS_INLINE __m512i x8_fifth(__m512i qh, int j) {
 /* Eight interleaved Q5_K rows at G (ns super-blocks) against the R tokens mi[0..R): as dotk_x8_512_t,
    the values 0..31 (nibble + 16 x its fifth bit, chunk c's qh bits 2g and 2g + 1). A lane of vpdpbusd
    over two chunks stays a word (8 x 31 x 127), so each two chunks take their own vpdpwssd by the
-   sub-block's scale (Q4_K's four chunks of 0..15 share one). Its own function: one kernel for both
-   formats, the chunks per vpdpwssd a constant, ran Q4_K's one-token product 3% slower from RAM (10.04
-   against 10.34, 11.41 against 11.86 GB/s, either order; its registers allocated otherwise). */
+   sub-block's scale (Q4_K's four chunks of 0..15 share one). Its own function, sharing its steps
+   (x8_head, x8_chunk, x8_minimums): one kernel for both formats, the chunks per vpdpwssd a constant,
+   ran Q4_K's one-token product 3% slower from RAM (10.04 against 10.34, 11.41 against 11.86 GB/s,
+   either order; its registers allocated otherwise), the shared steps level with it. */
 AVX512 ALWAYS_INLINE void dotk5_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
                                          float *Y, long ldy) {
-    static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i MIDX = _mm512_loadu_si512((const void *)MIDX_W);
-    const __m512i pairs[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                              _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
     __m256 F[GROUP], Mn[GROUP];
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_5_BYTES;
         if (R == 1) prefetch_near_far(p, X8_5_BYTES);
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
-        __m512i sw[2], Z[GROUP];
-        __m256i mn[2];
+        __m256 d, dm;
+        __m512i sw[2], mp[2], Z[GROUP];
         const int8_t *x[GROUP];
-        x8_scales(p, sw, mn);
-        __m512i mp[2];
-        mp[0] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[0]));
-        mp[1] = _mm512_permutexvar_epi16(MIDX, _mm512_cvtepu8_epi16(mn[1]));
+        x8_head(p, &d, &dm, sw, mp);
         __m512i qh[4];
         for (int c = 0; c < 4; c++) qh[c] = _mm512_loadu_si512((const void *)(p + 128 + 64 * c));
         for (int r = 0; r < R; r++) {
@@ -959,13 +969,7 @@ AVX512 ALWAYS_INLINE void dotk5_x8_512_t(const int R, const uint8_t *G, long ns,
                     const __m512i w = _mm512_loadu_si512((const void *)(p + 384 + 64 * (4 * g + c)));
                     const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, m4), x8_fifth(qh[c], bl));
                     const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), m4), x8_fifth(qh[c], bh));
-                    for (int r = 0; r < R; r++) {
-                        int64_t vl, vh;
-                        memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
-                        memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
-                        L[r] = _mm512_dpbusd_epi32(L[r], lo, _mm512_set1_epi64(vl));
-                        H[r] = _mm512_dpbusd_epi32(H[r], hi, _mm512_set1_epi64(vh));
-                    }
+                    x8_chunk(R, lo, hi, x, bl, bh, c, L, H);
                 }
                 for (int r = 0; r < R; r++) {
                     Z[r] = _mm512_dpwssd_epi32(Z[r], L[r], sl);
@@ -973,12 +977,7 @@ AVX512 ALWAYS_INLINE void dotk5_x8_512_t(const int R, const uint8_t *G, long ns,
                 }
             }
         }
-        for (int r = 0; r < R; r++) {
-            const __m512i bp = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->bpair + (mi[r] * ns + s) * 4)));
-            __m512i C = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mp[0], _mm512_permutexvar_epi32(pairs[0], bp));
-            C = _mm512_dpwssd_epi32(C, mp[1], _mm512_permutexvar_epi32(pairs[1], bp));
-            x8_fma(Z[r], C, d, dm, a->dx[mi[r] * ns + s], &F[r], &Mn[r]);
-        }
+        for (int r = 0; r < R; r++) x8_minimums(Z[r], mp, a, mi[r] * ns + s, d, dm, &F[r], &Mn[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
