@@ -592,18 +592,6 @@ AVX512 ALWAYS_INLINE void scales_k512(const kscales *k, __m512i sc[4]) {
                                  _mm512_set1_epi32(0xFFFF));
 }
 
-/* A row's accumulators for one token: K_FMA's two sums. */
-typedef struct {
-    __m128 am;
-} kacc512;
-
-AVX512 ALWAYS_INLINE void kacc_zero(kacc512 *c) { c->am = _mm_setzero_ps(); }
-
-AVX512 ALWAYS_INLINE float kacc_result(const int fmt, const kacc512 *c) {
-    (void)fmt;
-    return K_RESULT(c->am);
-}
-
 /* A super-block unpacked for AVX-512: its four q registers, their scale words, its scales. */
 typedef struct {
     __m512i q[4], sc[4];
@@ -620,14 +608,12 @@ AVX512 ALWAYS_INLINE void kblock_of(const int fmt, const uint8_t *p, kblock512 *
    added into c. A lane's 4 products summed by vpdpbusd fit a word (|sum| <= 4 * 63 * 127), which vpdpwssd
    multiplies by the lane's scale and adds: the exact integers of vpmaddubsw, vpmaddwd and an add, in two
    instructions instead of three (1.1-1.2x on SPR, docs/notes/2026-12-06-prefill-two-threads.md). Q4_K's
-   16 + 8 lanes are then summed (sums2, K_FMA). */
-AVX512 ALWAYS_INLINE void k_token512(const int fmt, const kblock512 *b, const __m512i x[4], __m256i bsum, float dx,
-                                     kacc512 *c) {
+   16 + 8 lanes are then summed (sums2) into a row's two sums am (K_FMA). */
+AVX512 ALWAYS_INLINE void k_token512(const kblock512 *b, const __m512i x[4], __m256i bsum, float dx, __m128 *am) {
     __m512i A = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) A = _mm512_dpwssd_epi32(A, _mm512_dpbusd_epi32(_mm512_setzero_si512(), b->q[i], x[i]), b->sc[i]);
     __m256i C = _mm256_madd_epi16(b->k.mnw, bsum);
-    (void)fmt;
-    K_FMA(c->am, sums2(_mm256_add_epi32(_mm512_castsi512_si256(A), _mm512_extracti64x4_epi64(A, 1)), C), b->k.d, b->k.dm,
+    K_FMA(*am, sums2(_mm256_add_epi32(_mm512_castsi512_si256(A), _mm512_extracti64x4_epi64(A, 1)), C), b->k.d, b->k.dm,
           dx);
 }
 
@@ -644,8 +630,8 @@ AVX512 ALWAYS_INLINE void k_acts512(const acts *a, long m, long s, __m512i x[4],
 AVX512 ALWAYS_INLINE void dotk_512_rows(const int fmt, const int RR, const uint8_t *W, long ldw, long n,
                                         const acts *a, long m, float *Y) {
     const long bb = block_bytes(fmt), ns = a->K / 256;
-    kacc512 c[ONE_ROWS];
-    for (int j = 0; j < RR; j++) kacc_zero(&c[j]);
+    __m128 am[ONE_ROWS];
+    for (int j = 0; j < RR; j++) am[j] = _mm_setzero_ps();
     for (long s = 0; s < ns; s++) {
         __m512i x[4];
         __m256i bsum;
@@ -655,10 +641,10 @@ AVX512 ALWAYS_INLINE void dotk_512_rows(const int fmt, const int RR, const uint8
             kblock512 b;
             prefetch_far(p, bb);
             kblock_of(fmt, p, &b);
-            k_token512(fmt, &b, x, bsum, a->dx[m * ns + s], &c[j]);
+            k_token512(&b, x, bsum, a->dx[m * ns + s], &am[j]);
         }
     }
-    for (int j = 0; j < RR; j++) Y[n + j] = kacc_result(fmt, &c[j]);
+    for (int j = 0; j < RR; j++) Y[n + j] = K_RESULT(am[j]);
 }
 
 AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *W, long ldw, long n0, long n1,
@@ -672,8 +658,8 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
     }
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = W + n * ldw;
-        kacc512 c[GROUP];
-        for (int r = 0; r < R; r++) kacc_zero(&c[r]);
+        __m128 am[GROUP];
+        for (int r = 0; r < R; r++) am[r] = _mm_setzero_ps();
         for (long s = 0; s < ns; s++) {
             kblock512 b;
             kblock_of(fmt, row + s * bb, &b);
@@ -681,10 +667,10 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
                 __m512i x[4];
                 __m256i bsum;
                 k_acts512(a, mi[r], s, x, &bsum);
-                k_token512(fmt, &b, x, bsum, a->dx[mi[r] * ns + s], &c[r]);
+                k_token512(&b, x, bsum, a->dx[mi[r] * ns + s], &am[r]);
             }
         }
-        for (int r = 0; r < R; r++) Y[r * ldy + n] = kacc_result(fmt, &c[r]);
+        for (int r = 0; r < R; r++) Y[r * ldy + n] = K_RESULT(am[r]);
     }
 }
 

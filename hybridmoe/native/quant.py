@@ -351,8 +351,8 @@ def rows(
     data: torch.Tensor, fmt: int, cols: int, ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Rows `ids` [n] (integers, 0 .. N-1) of the matrix in blocks `data` [N, row bytes] of ggml
-    type `fmt` (not rows in eights) -> their values [n, cols] in `dtype` (fp32 or bf16): the bits of
-    quant/dequant.py's, in one call."""
+    type `fmt` (not interleaved rows) -> their values [n, cols] in `dtype` (fp32 or bf16): the bits
+    of quant/dequant.py's, in one call."""
     data = data if data.stride(-1) == 1 else data.contiguous()
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), cols, dtype=dtype)  # [n, K]

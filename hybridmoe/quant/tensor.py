@@ -195,7 +195,7 @@ class _Product(torch.autograd.Function):
 def dequantised_applies(rows: torch.Tensor, w: QTensor) -> bool:
     """Whether the product of these rows with w dequantises w to bf16 and calls oneDNN: many bf16
     rows (DEQUANTISE_FROM_ROWS), each not computed as if alone (invariance off), weights in blocks
-    the C dequantiser reads (not rows in eights: the tiles take those), a CPU that multiplies bf16
+    the C dequantiser reads (not interleaved rows: the tiles take those), a CPU that multiplies bf16
     in hardware (where oneDNN outruns the integer kernels on many rows)."""
     return (
         rows.shape[0] >= DEQUANTISE_FROM_ROWS
