@@ -177,7 +177,7 @@ typedef struct {
     float *dx;      /* K-quants: [M, K/256], the super-block's scale */
     float *db;      /* blocks of 32: [M, K/32], the block's scale */
     int32_t *ob;    /* blocks of 32: [M, K/32], offset_of(fmt) * the block's byte sum */
-    float *sf;      /* blocks of 32: [M, K/32], db * the block's byte sum (Q4_1's minimums' term) */
+    float *sf;      /* Q4_1: [M, K/32], db * the block's byte sum (its minimums' term); NULL for the others */
     int16_t *bsum;  /* K-quants: [M, K/256, 16], sums of each 16 bytes */
     int32_t *bpair; /* K-quants: [M, K/256, 4], dword j: the sums of natural blocks 2j, 2j + 1 as words */
     int8_t *qt;     /* NULL, or qs's first M / 16 * 16 rows for AMX tiles (acts_of's `tiles`) */
@@ -239,7 +239,7 @@ AVX2 static void q8_rows(const void *x, long ldx, int x_bf16, const long *rows, 
             const int sum = _mm_cvtsi128_si32(_mm_add_epi64(s2, _mm_unpackhi_epi64(s2, s2))) - 32 * 128;
             a->db[m * nb + b] = d;
             a->ob[m * nb + b] = offset * sum;
-            a->sf[m * nb + b] = (float)sum * d;
+            if (a->sf) a->sf[m * nb + b] = (float)sum * d;
         }
     }
 }
@@ -310,7 +310,7 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
     } else {
         a->db = (float *)p;
         a->ob = (int32_t *)(p + 4 * M * nb);
-        a->sf = (float *)(p + 8 * M * nb);
+        a->sf = rows_fmt(fmt) == Q4_1 ? (float *)(p + 8 * M * nb) : NULL;
         q8_rows(x, ldx, x_bf16, rows, M, K, offset_of(fmt), a);
     }
     for (long T = 0; a->qt && T < M / 16; T++)
@@ -318,12 +318,12 @@ static int acts_of(acts *a, int fmt, const void *x, long ldx, int x_bf16, const 
             for (int i = 0; i < 16; i++)
                 memcpy(a->qt + ((T * (K / 64) + c) * 16 + i) * 64, a->qs + (16 * T + i) * K + 64 * c, 64);
     a->dbt = a->qt && !is_k(fmt) ? (float *)(a->qt + M / 16 * 16 * K) : NULL;
-    a->sft = a->dbt ? a->dbt + M / 16 * nb * 16 : NULL;
+    a->sft = a->dbt && a->sf ? a->dbt + M / 16 * nb * 16 : NULL;
     for (long T = 0; a->dbt && T < M / 16; T++)
         for (long b = 0; b < nb; b++)
             for (int i = 0; i < 16; i++) {
                 a->dbt[(T * nb + b) * 16 + i] = a->db[(16 * T + i) * nb + b];
-                a->dbt[(M / 16 + T) * nb * 16 + b * 16 + i] = a->sf[(16 * T + i) * nb + b];
+                if (a->sft) a->sft[(T * nb + b) * 16 + i] = a->sf[(16 * T + i) * nb + b];
             }
     return 0;
 }
@@ -1599,7 +1599,7 @@ AMX8 ALWAYS_INLINE void x16_fold(const int q41, const int32_t *C, const uint8_t 
     const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
     const __m512 wm = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 32))) : _mm512_setzero_ps();
     const long at = (m / AMX_TOKENS * (a->K / 32) + b) * AMX_TOKENS;
-    const float *db = a->dbt + at, *sf = a->sft + at;
+    const float *db = a->dbt + at, *sf = q41 ? a->sft + at : NULL;
     for (int t = 0; t < AMX_TOKENS; t++) {
         const __m512i I = _mm512_loadu_si512((const void *)(C + 16 * t));
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(w, _mm512_set1_ps(db[t])), acc[t]);
