@@ -1235,15 +1235,14 @@ struct product {
     long M;
     float *Y;
     long ldy;
-    int x8;         /* interleaved rows (Q4_K_X8, Q6_K_X8, Q8_0_X16, Q4_0_X16): the path (isa) that reads them,
-                       else 0 */
+    int grouped;    /* interleaved rows (rows in eights or sixteens): the path (isa) that reads them, else 0 */
     int fmt;        /* the weights' format */
 };
 
 static void product_x8(const product *p, long n0, long n1);
 
 static void product_tiles(const product *p, long n0, long n1) {
-    if (p->x8) {
+    if (p->grouped) {
         product_x8(p, n0, n1);
         return;
     }
@@ -1286,7 +1285,7 @@ static int amx_x8(const product *p, long n0, long n1);
 static int amx_x16(const product *p, long n0, long n1);
 
 static void product_x8(const product *p, long n0, long n1) {
-    if (p->x8 == PATH_AVX512) {
+    if (p->grouped == PATH_AVX512) {
         if (!(is_x16(p->fmt) ? amx_x16(p, n0, n1) : amx_x8(p, n0, n1))) x8_vnni(p, n0, n1, 0, p->M);
         return;
     }
@@ -1297,7 +1296,7 @@ static void product_x8(const product *p, long n0, long n1) {
         for (long s = 0; s < nb; s++)
             x8_move(p->fmt, (uint8_t *)p->W + n * p->ldw + s * g * bb, buf + (n - n0) * ldq + s * bb, ldq, 0);
     product q = *p;
-    q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.x8 = 0, q.fmt = rows_fmt(p->fmt);
+    q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.grouped = 0, q.fmt = rows_fmt(p->fmt);
     product_tiles(&q, 0, n1 - n0);
     free(buf);
 }
@@ -1527,7 +1526,7 @@ AMX8 static int amx_x8(const product *p, long n0, long n1) {
     const long rows = (n1 - n0) / AMX_ROWS * AMX_ROWS, tokens = p->M / AMX_TOKENS * AMX_TOKENS;
     const long ns = p->a->K / 256;
     const int six = p->fmt == Q6_K_X8;
-    if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || !rows) return 0;
+    if (!tiles_take(p->fmt, p->grouped, p->M) || p->mi || !rows) return 0;
     uint8_t *panel = aligned_alloc(64, (size_t)(ns * AMX_SB(p->fmt)));
     if (!panel) return 0;
     tile_cfg cfg;
@@ -1654,7 +1653,7 @@ AMX8 ALWAYS_INLINE void amx16_tokens(const int fmt, const uint8_t *G, const uint
    on the VNNI path; 0 where the tiles do not apply at all. */
 AMX8 static int amx_x16(const product *p, long n0, long n1) {
     const long tokens = p->M / AMX_TOKENS * AMX_TOKENS, K = p->a->K, nb = K / 32;
-    if (!tiles_take(p->fmt, p->x8, p->M) || p->mi || K % 64 || !p->a->dbt) return 0;
+    if (!tiles_take(p->fmt, p->grouped, p->M) || p->mi || K % 64 || !p->a->dbt) return 0;
     uint8_t *panel = aligned_alloc(64, (size_t)(nb * 512));
     if (!panel) return 0;
     tile_cfg cfg;
@@ -1693,7 +1692,7 @@ static long unit_rows(int fmt, long ldw, long M) {
 }
 
 /* Which path reads interleaved rows in a product (product_x8), 0 for other formats. */
-static int x8_path(int fmt, int isa) { return group_rows(fmt) > 1 ? isa : 0; }
+static int grouped_path(int fmt, int isa) { return group_rows(fmt) > 1 ? isa : 0; }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
 
@@ -1728,7 +1727,7 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
     if (check_shape(fmt, ldw, K) || N % group_rows(fmt)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K, tiles_take(fmt, isa, M))) return -2;
-    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, x8_path(fmt, isa), fmt}, N,
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, grouped_path(fmt, isa), fmt}, N,
                      unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
     long units = (N + c.rows - 1) / c.rows;
@@ -1794,7 +1793,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
         pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
-                          x8_path(fmt, isa), fmt};
+                          grouped_path(fmt, isa), fmt};
         rows[i] = unit_rows(fmt, p[i].ldw, M);
         first[i + 1] = first[i] + (p[i].N + rows[i] - 1) / rows[i];
     }
@@ -1842,7 +1841,7 @@ static void gate_up_unit(experts_call *c, long i, long u) {
     product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]],
                  c->own[i] ? NULL : e->rows,
                  e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I,
-                 x8_path((int)e->fmt_gu, c->isa), (int)e->fmt_gu};
+                 grouped_path((int)e->fmt_gu, c->isa), (int)e->fmt_gu};
     product_tiles(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
@@ -1850,7 +1849,7 @@ static void down_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long n0 = u * c->rows3[i];
     product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H,
-                 x8_path((int)e->fmt_d, c->isa), (int)e->fmt_d};
+                 grouped_path((int)e->fmt_d, c->isa), (int)e->fmt_d};
     product_tiles(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
