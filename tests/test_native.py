@@ -251,6 +251,32 @@ def test_an_experts_token_has_the_same_bits_alone_and_among_many(hidden, inter, 
     )
 
 
+@needs_kernels
+def test_an_experts_silu_holds_for_gates_far_past_exps_range(tiles):
+    """h = bf16(silu(g) u) (bf16.c silu_mul_row, e^-g 16 at a time) for gates from -200 to 200,
+    where e^-g leaves fp32's range both ways, and for zero and tiny ones: within one bf16 rounding
+    of float64 (or below fp32's smallest normal where the exact value is), and 0 where e^-g is
+    past fp32's range. The down projection is the identity, so y is h."""
+    gates = [-200, -104, -90, -88, -50, -20, -1, -1e-30, 0, 1e-30, 0.5, 1, 20, 88, 90, 104, 200]
+    inter, hidden = len(gates), 32  # 17: the row's tail past 16
+    g = torch.tensor(gates, dtype=torch.float64).to(torch.bfloat16)
+    u = torch.linspace(-3, 3, inter).to(torch.bfloat16)
+    gate_up = torch.zeros(2 * inter, hidden, dtype=torch.bfloat16)
+    gate_up[:inter, 0], gate_up[inter:, 0] = g, u
+    down = torch.eye(hidden, inter, dtype=torch.bfloat16)  # [H, I]
+    x = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    x[0, 0] = 1
+    h = native.expert(x, gate_up, down)[0, :inter].double()
+    g64, u64 = g.double(), u.double()
+    ref = g64 * torch.sigmoid(g64) * u64
+    # below -88.7 e^-g is past fp32's largest (as libm's expf is): silu 0, where the exact value
+    # is under 1e-36
+    far = g64 < -88.72
+    assert torch.all(h[far] == 0) and torch.all(ref[far].abs() < 1e-36)
+    near = ~far
+    assert torch.all((h - ref)[near].abs() <= 2**-8 * ref[near].abs() + 1.2e-38), (h, ref)
+
+
 @pytest.fixture
 def torch_only(monkeypatch):
     """Within the test, the native path switched off as HYBRIDMOE_NATIVE=0 does (available()
