@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe import env, native
+from hybridmoe import native
 from hybridmoe.experts.run.ffn import combine_token, expert_ffn, experts_ffn
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
@@ -173,86 +173,8 @@ def test_a_tokens_experts_and_their_mix_in_one_call_equal_experts_then_combine(
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
 
 
-@pytest.fixture(params=[True, False], ids=["tiles", "no-tiles"])
-def tiles(request):
-    """The bf16 products on the AMX tiles where the CPU has them (bf16.c amx_gemm_to, amx_stream),
-    and off them (block(): what a CPU without AMX runs). Yields whether the tiles are on."""
-    on = native.bf16.use_amx(request.param)
-    try:
-        yield on
-    finally:
-        native.bf16.use_amx(env.amx_enabled())
-
-
-# Weight rows past a multiple of 16 and of 32, columns past a multiple of 32, an odd width (which
-# the tiles leave to block(): pairs of columns), the demo's widths.
-TILE_SHAPES = [(576, 576), (96, 576), (576, 48), (100, 70), (33, 32), (17, 2050), (40, 31)]
-
-
 @needs_kernels
-@pytest.mark.parametrize("rows, cols", TILE_SHAPES)
-def test_a_rows_product_has_the_same_bits_at_every_row_count(rows, cols, tiles):
-    """Batch invariance of the products: a row's fp32 product, and linear's bf16 with a bias, have
-    the same bits alone, in a decode batch and in a prefill chunk (on the tiles: up to 16 rows
-    stream the weights as A, more read them from a panel as B), with whole and partial groups of
-    16 rows, x rows further apart than their width, and on two threads; each within fp32 rounding
-    of the float64 product."""
-    gen = torch.Generator().manual_seed(rows * 7 + cols)
-    w, b = bf16(rows, cols, gen=gen), bf16(rows, gen=gen)
-    x = bf16(70, cols + 6, gen=gen)[:, 3 : 3 + cols]  # [70, cols], rows cols + 6 apart
-    full, full_b = native.gemm(x, w), native.linear(x, w, b)
-    assert_close_to_float64(full, w, x)
-    assert torch.equal(full_b, (full + b.float()).to(torch.bfloat16))
-    for m in (1, 2, 5, 15, 16, 17, 31, 32, 33, 47, 70):
-        for start in {0, 70 - m}:
-            assert torch.equal(native.gemm(x[start : start + m], w), full[start : start + m]), m
-            assert torch.equal(native.linear(x[start : start + m], w, b), full_b[start : start + m])
-    assert torch.equal(native.gemm(x, w, workers=2), full)
-
-
-@needs_kernels
-def test_the_tiles_take_the_products_where_the_cpu_has_them():
-    """On an AMX CPU the products come from the tiles (HYBRIDMOE_AMX unset): their bits differ from
-    block()'s (each output's pairs summed in another order), both within fp32 rounding of the
-    float64 product; an odd width keeps block() either way. Without AMX, asking for the tiles
-    changes nothing."""
-    amx = native.bf16.cpu_has_amx()
-    assert env.amx_enabled() and native.bf16.use_amx(True) == amx
-    gen = torch.Generator().manual_seed(11)
-    try:
-        for cols, same in ((576, not amx), (31, True)):
-            w, x = bf16(64, cols, gen=gen), bf16(40, cols, gen=gen)
-            got = {}
-            for on in (True, False):
-                native.bf16.use_amx(on)
-                got[on] = (native.gemm(x[:1], w), native.gemm(x, w))
-                for y, rows in zip(got[on], (x[:1], x)):
-                    assert_close_to_float64(y, w, rows)
-            assert all(torch.equal(a, b) == same for a, b in zip(got[True], got[False])), cols
-    finally:
-        native.bf16.use_amx(env.amx_enabled())
-
-
-@needs_kernels
-@pytest.mark.parametrize("hidden, inter", [(576, 48), (100, 70)])
-def test_an_experts_token_has_the_same_bits_alone_and_among_many(hidden, inter, tiles):
-    """An expert's token (a prefill's 40 at once, a decode's one) gives the same bits, through
-    `expert` and through `experts` on two threads."""
-    gen = torch.Generator().manual_seed(hidden + inter)
-    gate_up, down = bf16(2 * inter, hidden, gen=gen) / 8, bf16(hidden, inter, gen=gen) / 8
-    x = bf16(40, hidden, gen=gen)
-    many = native.expert(x, gate_up, down)  # [40, H]
-    for i in (0, 17, 39):
-        assert torch.equal(native.expert(x[i : i + 1], gate_up, down), many[i : i + 1])
-    together = native.experts([x, x[17:18]], [(gate_up, down)] * 2, 2)
-    assert torch.equal(together[0], many) and torch.equal(together[1], many[17:18])
-    assert torch.allclose(
-        many.double(), swiglu_reference(x, gate_up, down), rtol=0, atol=1e-2 * many.abs().max()
-    )
-
-
-@needs_kernels
-def test_an_experts_silu_holds_for_gates_far_past_exps_range(tiles):
+def test_an_experts_silu_holds_for_gates_far_past_exps_range():
     """h = bf16(silu(g) u) (bf16.c silu_mul_row, e^-g 16 at a time) for gates from -200 to 200,
     where e^-g leaves fp32's range both ways, and for zero and tiny ones: within one bf16 rounding
     of float64 (or below fp32's smallest normal where the exact value is), and 0 where e^-g is

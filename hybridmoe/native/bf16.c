@@ -23,30 +23,6 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* ---- AMX tiles (Sapphire Rapids and later): asked for once, then on or off for every call ---- */
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-#define ARCH_GET_XCOMP_PERM 0x1022
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-static int amx_on;
-
-/* Asks Linux for the tile registers' state for this process (every thread); 1 if granted. */
-int hm_amx_permit(void) {
-    unsigned long mask = 0;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
-    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) != 0) return 0;
-    return (int)((mask >> XFEATURE_XTILEDATA) & 1);
-}
-
-/* Whether the products and the decode attention take the tiles (only once hm_amx_permit said yes). */
-void hm_set_amx(int on) { amx_on = on; }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* exp(x) in fp32 for x <= 104 (the softmax's x <= 0, silu_mul_row's -g): x = n ln2 + r, e^r by Cephes' expf polynomial
    (relative error ~2e-7), times 2^n by vscalefps (0 far below). */
 ALWAYS_INLINE __m512 exp512(__m512 x) {
@@ -67,9 +43,8 @@ ALWAYS_INLINE __m512 exp512(__m512 x) {
 
 /* h[0..n) = bf16(silu(g) u) for the fp32 rows g, u of an expert's gate and up: silu(g) = g / (1 + e^-g)
    with exp512, 16 at a time and the row's tail masked, so that each element takes the same
-   arithmetic wherever it lies (a prefill's 256 tokens of the demo's experts spent ~0.15 ms an expert
-   in libm's expf, one element at a time: 85 of a 517 ms prefill); rounded to nearest even as bf16()
-   rounds, NaN staying NaN. */
+   arithmetic wherever it lies (the demo's prefill spent ~0.15 ms an expert of 256 tokens in libm's
+   expf, one element at a time); rounded to nearest even as bf16() rounds, NaN staying NaN. */
 ALWAYS_INLINE void silu_mul_row(const float *g, const float *u, uint16_t *h, long n) {
     for (long i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
@@ -210,262 +185,10 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
 }
 #undef CHUNK
 
-/* ---- Products on AMX tiles ----
-
-   Where the tiles are on (hm_set_amx), every product of this file takes them, at every row count: a
-   tile product sums each output's pairs of products in an order of its own, which vdpbf16ps's lanes
-   do not give, so a row's result is the same alone, in a decode batch and in a prefill chunk (batch
-   invariance, hybridmoe/invariance.py) only if no row count takes block() instead. A: 16 x rows (or
-   fewer: one tile configuration per call, its rows min(M, 16)), 32 columns, read where they lie; B:
-   16 weight rows as 16 pairs of columns x 16 rows x 2 ([kk][row][2]), a panel made from 32 weight rows
-   as they lie, for all the columns, then read by every x row; C: x rows x 16 weight rows, fp32, held
-   across the columns. Columns past a multiple of 32 come from a copy of the x rows' tails padded with
-   zeros (and the panel is zero there), a last group of fewer than 16 x rows from a padded copy of
-   those rows; every output's sum runs over the same pairs in the same order whatever the rows beside
-   it (tests/test_native.py checks 1 row against 512). Against block() (the Intel Xeon VM, one thread):
-   one row from RAM reads as fast, 16 rows 2x, 512 rows of the demo's 576 x 576 ~9x
-   (docs/notes/2026-12-07-bf16-products-on-tiles.md). */
-
-/* Rows W[0..nr) (nr <= 32, rows I apart) as the panel P [C][2][16 pairs][16 rows][2] bf16 (rows past nr
-   and columns past I zero): per 32 columns and 16 rows, a 16 x 16 transpose of their pairs. Where the
-   product streams its weights (few x rows), each chunk asks for the lines of the chunk `ahead` later
-   (the next 32 rows' past the last). */
-static void amx_panel(const uint16_t *W, long I, long nr, long C, uint16_t *P, int ahead) {
-    for (long c = 0; c < C; c++) {
-        const long kc = min_l(32, I - 32 * c);
-        const __mmask32 k = kc == 32 ? (__mmask32)~0u : (__mmask32)((1u << kc) - 1);
-        if (ahead) {
-            long ca = c + ahead;
-            const uint16_t *base = ca < C ? W : W + 32 * I;
-            if (ca >= C) ca -= C;
-            for (long j = 0; j < 32; j++) _mm_prefetch((const char *)(base + j * I + 32 * ca), _MM_HINT_T0);
-        }
-        for (long h = 0; h < 2; h++) {
-            __m512i r[16], a[16], b[16];
-            for (long j = 0; j < 16; j++)
-                r[j] = 16 * h + j < nr ? _mm512_maskz_loadu_epi16(k, W + (16 * h + j) * I + 32 * c) : _mm512_setzero_si512();
-            for (int i = 0; i < 8; i++) {
-                a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-                a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-            }
-            for (int i = 0; i < 4; i++) {
-                b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-                b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-                b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-                b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-            } /* b[4i + q], 128-bit lane L: pair 4L + q of rows 4i .. 4i + 3 */
-            uint16_t *out = P + (2 * c + h) * 512;
-            for (int q = 0; q < 4; q++) {
-                const __m512i c0 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0x88), c1 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0xDD);
-                const __m512i e0 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0x88), e1 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0xDD);
-                _mm512_storeu_si512(out + (0 + q) * 32, _mm512_shuffle_i32x4(c0, e0, 0x88));
-                _mm512_storeu_si512(out + (8 + q) * 32, _mm512_shuffle_i32x4(c0, e0, 0xDD));
-                _mm512_storeu_si512(out + (4 + q) * 32, _mm512_shuffle_i32x4(c1, e1, 0x88));
-                _mm512_storeu_si512(out + (12 + q) * 32, _mm512_shuffle_i32x4(c1, e1, 0xDD));
-            }
-        }
-    }
-}
-
-/* C tile t's rows [0, rows) and columns [0, cols) (x rows m.., weight rows o..) to Y (fp32) or B (bf16 of
-   the sum plus the bias, store_bf16's rounding). */
-#define AMX_STORE(t)                                                                                      \
-    do {                                                                                                  \
-        if (!B && rows == tr && cols == 16) {                                                             \
-            _tile_stored(t, Y + m * ldy + o, 4 * ldy);                                                    \
-        } else {                                                                                          \
-            _tile_stored(t, Ct, 64);                                                                      \
-            for (long i = 0; i < rows; i++) {                                                             \
-                if (!B) {                                                                                 \
-                    memcpy(Y + (m + i) * ldy + o, Ct + 16 * i, 4 * cols);                                  \
-                    continue;                                                                             \
-                }                                                                                         \
-                for (long j = 0; j < cols; j += 4)                                                        \
-                    store_bf16(B, _mm_loadu_ps(Ct + 16 * i + j), m + i, o + j, min_l(4, cols - j));       \
-            }                                                                                             \
-        }                                                                                                 \
-    } while (0)
-
-/* Rows [0, rows) of a C tile of weight rows o.. x tokens (T columns, at Ct) to Y or B, token by token. */
-static void amx_store_t(const float *Ct, long T, long rows, long o, float *Y, long ldy, const out_bf16 *B) {
-    float v[16];
-    for (long t = 0; t < T; t++) {
-        for (long r = 0; r < rows; r++) v[r] = Ct[r * T + t];
-        if (!B) {
-            memcpy(Y + t * ldy + o, v, 4 * rows);
-            continue;
-        }
-        for (long j = 0; j < rows; j += 4) store_bf16(B, _mm_loadu_ps(v + j), t, o + j, min_l(4, rows - j));
-    }
-}
-
-/* The product of M <= 16 x rows (decode), which streams the weights from RAM: the roles swapped, so that
-   the weights are read where they lie, with no panel: A the weight rows (16 a tile, 32 columns), B the
-   x rows as pairs of columns ([kk][M][2], xq, zero past I), C [16 weight rows, M] (the same sums as
-   amx_gemm_to's: a product's terms commute, and each output's pairs are summed in the same order). A
-   last group of fewer than 16 weight rows, and the columns past a multiple of 32, come from padded
-   copies. Each chunk asks for the lines of 32 rows 4 chunks later (the next 32 rows' past the last):
-   from RAM this read 12.7 GB/s against 9.1 for the panel (576 x 576, one row, the Intel Xeon VM). */
-AMX_TARGET static int amx_stream(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I,
-                                 long M, const out_bf16 *B) {
-    const long C = (I + 31) / 32, full = I / 32, tail = I - 32 * full, part = O % 16;
-    uint16_t *xq = aligned_alloc(64, C * 64 * M), *wt = tail ? aligned_alloc(64, 1024) : NULL;
-    uint16_t *wp = part ? aligned_alloc(64, 16 * C * 64) : NULL;
-    if (!xq || (tail && !wt) || (part && !wp)) {
-        free(xq), free(wt), free(wp);
-        return 0;
-    }
-    memset(xq, 0, C * 64 * M);
-    for (long m = 0; m < M; m++)
-        for (long i = 0; i < I; i += 2) memcpy(xq + (i / 32) * 32 * M + ((i % 32) / 2) * 2 * M + 2 * m, X + m * ldx + i, 4);
-    if (part) { /* the last weight rows, padded with zero rows and columns */
-        memset(wp, 0, 16 * C * 64);
-        for (long r = 0; r < part; r++) memcpy(wp + r * 32 * C, W + (O - part + r) * I, 2 * I);
-    }
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 2; t++) cfg.colsb[t] = (uint16_t)(4 * M), cfg.rows[t] = 16; /* C 0, 1: 16 weight rows x M */
-    for (int t = 4; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;               /* A 4, 5: 16 weight rows x 32 */
-    cfg.colsb[6] = (uint16_t)(4 * M), cfg.rows[6] = 16;                            /* B 6: 16 pairs x M */
-    _tile_loadconfig(&cfg);
-    float Ct[256] __attribute__((aligned(64)));
-    for (long o0 = 0; o0 < O; o0 += 32) {
-        const long nr = min_l(32, O - o0), two = nr > 16;
-        const uint16_t *A[2];
-        long lda[2];
-        for (long a = 0; a < 2; a++) {
-            const int padded = part && o0 + 16 * a == O - part;
-            A[a] = padded ? wp : W + (o0 + 16 * a) * I;
-            lda[a] = padded ? 64 * C : 2 * I;
-        }
-        _tile_zero(0);
-        if (two) _tile_zero(1);
-        for (long c = 0; c < C; c++) {
-            long ca = c + 4;
-            const uint16_t *base = ca < C ? W + o0 * I : W + (o0 + 32) * I;
-            if (ca >= C) ca -= C;
-            for (long j = 0; j < 32; j++) _mm_prefetch((const char *)(base + j * I + 32 * ca), _MM_HINT_T0);
-            _tile_loadd(6, xq + c * 32 * M, 4 * M);
-            for (long a = 0; a < (two ? 2 : 1); a++) {
-                const uint16_t *src = A[a] + 32 * c;
-                long ld = lda[a];
-                if (c == full) { /* the rows' last columns, zeros after */
-                    memset(wt, 0, 1024);
-                    for (long r = 0; r < 16 && o0 + 16 * a + r < O; r++) memcpy(wt + 32 * r, src + r * (ld / 2), 2 * tail);
-                    src = wt, ld = 64;
-                }
-                if (a == 0) {
-                    _tile_loadd(4, src, ld);
-                    _tile_dpbf16ps(0, 4, 6);
-                } else {
-                    _tile_loadd(5, src, ld);
-                    _tile_dpbf16ps(1, 5, 6);
-                }
-            }
-        }
-        _tile_stored(0, Ct, 4 * M);
-        amx_store_t(Ct, M, min_l(16, nr), o0, Y, ldy, B);
-        if (two) {
-            _tile_stored(1, Ct, 4 * M);
-            amx_store_t(Ct, M, nr - 16, o0 + 16, Y, ldy, B);
-        }
-    }
-    _tile_release();
-    free(xq), free(wt), free(wp);
-    return 1;
-}
-
-/* gemm_to's product on the tiles; 0 (nothing written) where it cannot take it: I odd, no memory. */
-AMX_TARGET static int amx_gemm_to(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I,
-                                  long M, const out_bf16 *B) {
-    if (I % 2 || M <= 0) return 0;
-    if (M <= 16) return amx_stream(W, X, ldx, Y, ldy, O, I, M, B);
-    const long C = (I + 31) / 32, full = I / 32, tail = I - 32 * full, tr = M < 16 ? M : 16;
-    const long groups = (M + 15) / 16, part = M > 16 ? M % 16 : 0; /* x rows in a last group of fewer than 16 */
-    uint16_t *P = aligned_alloc(64, C * 2048), *xt = tail ? aligned_alloc(64, groups * 1024) : NULL;
-    uint16_t *xp = part ? aligned_alloc(64, 16 * C * 64) : NULL;
-    if (!P || (tail && !xt) || (part && !xp)) {
-        free(P), free(xt), free(xp);
-        return 0;
-    }
-    if (tail) { /* xt [groups][16][32]: each x row's last columns, zeros after */
-        memset(xt, 0, groups * 1024);
-        for (long m = 0; m < M; m++) memcpy(xt + m * 32, X + m * ldx + 32 * full, 2 * tail);
-    }
-    if (part) { /* xp [16][32 C]: the last group's rows, padded with zero columns and rows */
-        memset(xp, 0, 16 * C * 64);
-        for (long i = 0; i < part; i++) memcpy(xp + i * 32 * C, X + (M - part + i) * ldx, 2 * I);
-    }
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = (uint8_t)tr; /* C 0..3, A 4, 5: x rows */
-    for (int t = 6; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;          /* B 6, 7: 16 pairs x 16 rows */
-    _tile_loadconfig(&cfg);
-    float Ct[256] __attribute__((aligned(64)));
-    const int ahead = M <= 16 ? 4 : 0;
-    for (long o0 = 0; o0 < O; o0 += 32) {
-        const long nr = min_l(32, O - o0), two_b = nr > 16;
-        amx_panel(W + o0 * I, I, nr, C, P, ahead);
-        for (long m0 = 0; m0 < M; m0 += 32) {
-            const long two_a = M - m0 > 16;
-            const uint16_t *A[2];
-            long lda[2], ta[2];
-            for (long a = 0; a < 2; a++) { /* token group m0 + 16 a: where its rows lie, and its tail */
-                const long m = m0 + 16 * a;
-                const int padded = part && m == M - part;
-                A[a] = padded ? xp : X + m * ldx;
-                lda[a] = padded ? 64 * C : 2 * ldx;
-                ta[a] = m / 16;
-            }
-            _tile_zero(0);
-            if (two_b) _tile_zero(1);
-            if (two_a) _tile_zero(2);
-            if (two_a && two_b) _tile_zero(3);
-            for (long c = 0; c < C; c++) {
-                const int t = c == full; /* the padded tail */
-                const uint16_t *pb = P + 2 * c * 512;
-                if (t) _tile_loadd(4, xt + ta[0] * 512, 64);
-                else _tile_loadd(4, A[0] + 32 * c, lda[0]);
-                _tile_loadd(6, pb, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_b) {
-                    _tile_loadd(7, pb + 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (two_a) {
-                    if (t) _tile_loadd(5, xt + ta[1] * 512, 64);
-                    else _tile_loadd(5, A[1] + 32 * c, lda[1]);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two_b) _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            for (long a = 0; a < (two_a ? 2 : 1); a++) {
-                const long m = m0 + 16 * a, rows = min_l(16, M - m);
-                for (long h = 0; h < (two_b ? 2 : 1); h++) {
-                    const long o = o0 + 16 * h, cols = min_l(16, nr - 16 * h);
-                    switch (2 * a + h) {
-                    case 0: AMX_STORE(0); break;
-                    case 1: AMX_STORE(1); break;
-                    case 2: AMX_STORE(2); break;
-                    default: AMX_STORE(3); break;
-                    }
-                }
-            }
-        }
-    }
-    _tile_release();
-    free(P), free(xt), free(xp);
-    return 1;
-}
-#undef AMX_STORE
-
 /* Y[m, o] = sum_i W[o, i] X[m, i] for m < M, o < O.  W: [O, I] bf16 row-major; X: [M, I] bf16 with
    rows ldx apart; Y: [M, O] fp32 with rows ldy apart. */
 static void gemm_to(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M,
                     const out_bf16 *B) {
-    if (amx_on && amx_gemm_to(W, X, ldx, Y, ldy, O, I, M, B)) return;
     for (long o = 0; o < O; o += 4) {
         long c = O - o < 4 ? O - o : 4, m = 0;
         for (; m + 4 <= M; m += 4) block(W, I, o, c, X, ldx, m, 4, m == 0, Y, ldy, B);
@@ -504,11 +227,10 @@ void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const ui
 
 #define UNIT_BYTES 65536
 
-/* Rows of a [O, I] bf16 weight in a unit of `bytes`, a multiple of 4 (block()'s width), of 32 on the
-   tiles (amx_gemm_to's panel and amx_stream's pair of A tiles: a unit's last 16 then are whole). */
+/* Rows of a [O, I] bf16 weight in a unit of `bytes`, a multiple of 4 (block()'s width). */
 static long rows_in(long bytes, long I) {
-    const long g = amx_on ? 32 : 4, rows = bytes / (2 * I) / g * g;
-    return rows > g ? rows : g;
+    long rows = bytes / (2 * I) / 4 * 4;
+    return rows > 4 ? rows : 4;
 }
 
 static long unit_rows(long I) { return rows_in(UNIT_BYTES, I); }
@@ -814,7 +536,29 @@ __attribute__((noinline)) static void scores_block(const uint16_t *q, long n, co
    the same scores. Each score is the same products summed in another order (fp32 throughout), so it
    differs from scores_block's in the last bits; every call on a machine takes one path or the other
    (hm_set_amx), so a head's result still depends on nothing but its inputs. */
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+static int amx_on;
 #define ROWS_MAX 8 /* query rows of one history in one tile (rows_together) */
+
+/* Asks Linux for the tile registers' state for this process (every thread); 1 if granted. */
+int hm_amx_permit(void) {
+    unsigned long mask = 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) != 0) return 0;
+    return (int)((mask >> XFEATURE_XTILEDATA) & 1);
+}
+
+/* Whether the decode attention takes the tiles (only once hm_amx_permit said yes). */
+void hm_set_amx(int on) { amx_on = on; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
 
 /* Whether the tiles take N columns (a group's heads, of every row) over a head size d in whole
    tiles of `tile` (32 dimensions for the scores, 16 columns for the values). */
