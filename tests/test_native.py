@@ -10,8 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe import native
-from hybridmoe.experts.run.ffn import combine_token, expert_ffn, experts_ffn
+from hybridmoe import invariance, native
+from hybridmoe.experts.run.ffn import (
+    combine_grouped,
+    combine_token,
+    expert_ffn,
+    experts_ffn,
+    group_by_expert,
+)
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
 
@@ -171,6 +177,36 @@ def test_a_tokens_experts_and_their_mix_in_one_call_equal_experts_then_combine(
     table = torch.tensor([[w.gate_up.data_ptr(), w.down.data_ptr()] for w in store])  # [E, 2]
     got = native.moe_token(table, ids, weights, x, inter, workers)
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, k", [(2, 576, 48, 8), (70, 576, 48, 8), (33, 100, 70, 3), (9, 64, 5, 1)]
+)
+def test_a_chunks_experts_and_their_mixes_in_one_call_equal_experts_then_combine(
+    tokens, hidden, inter, k, workers
+):
+    """moe_tokens (a prefill chunk's rows computed as if alone: grouped by expert, gathered, run
+    and mixed in C) gives the bits of experts_ffn on each expert's rows followed by
+    combine_grouped, the path it replaces; an expert id outside the table is refused."""
+    gen = torch.Generator().manual_seed(tokens + hidden + k)
+    x = bf16(tokens, hidden, gen=gen)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:k] for _ in range(tokens)])  # [T, K]
+    weights = torch.rand(tokens, k, generator=gen)  # [T, K] fp32
+    store = [
+        ExpertWeights(bf16(2 * inter, hidden, gen=gen) * 0.1, bf16(hidden, inter, gen=gen) * 0.1)
+        for _ in range(16)
+    ]
+    with invariance.rows_alone():
+        groups = group_by_expert(ids)
+        ys = experts_ffn([(x[rows], store[e]) for e, rows, _ in groups], workers)
+        ref = combine_grouped(x, groups, ys, weights)  # [T, H]
+    table = torch.tensor([[w.gate_up.data_ptr(), w.down.data_ptr()] for w in store])  # [E, 2]
+    got = native.moe_tokens(table, ids, weights, x, inter, workers)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+    with pytest.raises(ValueError, match="outside"):
+        native.moe_tokens(table[:-1], torch.full_like(ids, 15), weights, x, inter, workers)
 
 
 @needs_kernels

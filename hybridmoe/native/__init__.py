@@ -24,6 +24,7 @@ __all__ = [
     "experts",
     "gemm",
     "moe_token",
+    "moe_tokens",
     "linear",
     "prefill_applies",
     "prefill_attention",

@@ -81,6 +81,10 @@ SIGNATURES = {
     # int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K,
     #                       const uint16_t *x, long H, long I, int threads, uint16_t *out)
     "hm_moe_token_bf16": ([P, P, P, N, P, N, N, INT, P], INT),
+    # int hm_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const float *w,
+    #                        long T, long K, const uint16_t *x, long H, long I, int threads,
+    #                        uint16_t *out)
+    "hm_moe_tokens_bf16": ([P, N, P, P, N, N, P, N, N, INT, P], INT),
     # int hm_shared_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w,
     #     long K, const uint16_t *x, long H, long I, const uint16_t *gu, const uint16_t *down,
     #     long S, const uint16_t *resid, int threads, uint16_t *out)
@@ -208,6 +212,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _threaded(weight_bytes: int, rows: int) -> bool:
+    """Whether a product takes the pool's threads: a weight of THREADED_MIN_BYTES or more, or more
+    rows than a decode batch (a prefill chunk's: the demo's 192 x 576 k and v projections of 512
+    rows took 37 ms of a 1.3 s prefill on one thread of two). The bits are the same either way."""
+    return weight_bytes >= THREADED_MIN_BYTES or rows > MAX_ROWS
+
+
 def gemm(x: torch.Tensor, weight: torch.Tensor, workers: int | None = None) -> torch.Tensor:
     """x: [..., K] with M rows, weight: [N, K], both bf16 -> [M, N] fp32, accumulated in fp32, its
     rows split over `workers` threads (default torch's count; the same bits on any count)."""
@@ -215,7 +226,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, workers: int | None = None) -> t
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [M, N]
     threads = workers or kernel_threads()
-    if 2 * weight.numel() < THREADED_MIN_BYTES:
+    if not _threaded(2 * weight.numel(), x.shape[0]):
         threads = 1
     args = (weight.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), n, n, k, x.shape[0])
     if threads > 1:
@@ -231,7 +242,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x = _rows(x)  # [M, K]
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)  # [M, N]
-    threads = 1 if 2 * n * k < THREADED_MIN_BYTES else kernel_threads()
+    threads = kernel_threads() if _threaded(2 * n * k, x.shape[0]) else 1
     library().hm_linear_bf16(
         weight.data_ptr(),
         x.data_ptr(),
@@ -318,6 +329,40 @@ def moe_token(
     )
     if status != 0:
         raise MemoryError("moe_token: no memory for its scratch")
+    return out
+
+
+def moe_tokens(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    inter: int,
+    workers: int,
+) -> torch.Tensor:
+    """Tokens x [T, H] bf16 (contiguous: a prefill chunk whose rows are computed as if alone)
+    through their routed experts and the weighted sums -> [T, H] bf16: the bits of `experts` on
+    each expert's tokens (rounded to bf16), then experts/run/ffn.py's combine_grouped. table: as
+    moe_token's; ids [T, K] int64 and weights [T, K] fp32 as the router gives them, contiguous."""
+    tokens, hidden = x.shape
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)  # [T, H]
+    status = library().hm_moe_tokens_bf16(
+        table.data_ptr(),
+        table.shape[0],
+        ids.data_ptr(),
+        weights.data_ptr(),
+        tokens,
+        ids.shape[1],
+        x.data_ptr(),
+        hidden,
+        inter,
+        workers,
+        out.data_ptr(),
+    )
+    if status == -1:
+        raise ValueError(f"moe_tokens: an expert id outside [0, {table.shape[0]}) or top-k > 64")
+    if status != 0:
+        raise MemoryError("moe_tokens: no memory for its scratch")
     return out
 
 

@@ -43,8 +43,10 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 
 def blocks_together(inputs: list[tuple[torch.Tensor, ExpertWeights]]) -> bool:
     """Whether experts_ffn takes these (rows, weights) pairs in one native call: all in blocks on
-    the integer kernels, or all bf16 decode rows on the bf16 kernels. The weights of one store are
-    all of one kind, so the first pair's say which; each distinct row tensor is checked once."""
+    the integer kernels, or all bf16 rows that expert_ffn would give the bf16 kernels (decode
+    rows; any count where each row is computed as if alone, hybridmoe/invariance.py). The weights
+    of one store are all of one kind, so the first pair's say which; each distinct row tensor is
+    checked once."""
     kinds = {isinstance(w.gate_up, QTensor) and isinstance(w.down, QTensor) for _, w in inputs}
     if len(kinds) != 1:
         return False
@@ -55,8 +57,9 @@ def blocks_together(inputs: list[tuple[torch.Tensor, ExpertWeights]]) -> bool:
             continue
         if blocks:
             ok = x.dtype == x0.dtype and native_applies(x, w.gate_up, w.down)
-        else:
-            ok = native.applies(x, w.gate_up, w.down)
+        else:  # expert_ffn's rows: any count where each row is computed as if alone
+            rows = x.numel() if invariance.active() else native.MAX_ROWS
+            ok = native.applies(x, w.gate_up, w.down, max_rows=rows)
         if not ok:
             return False
         checked.add(id(x))

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from hybridmoe import native
+from hybridmoe import invariance, native
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.cpu_pool import CPUExperts
 from hybridmoe.experts.run.expert_grad import TrainLoRA, expert_layer
@@ -333,12 +333,21 @@ class BaseRuntime:
 def mix_tokens(table, blocks: bool, ids, weights, x, inter: int, workers: int):
     """Tokens x [T, H] through their routed experts and the weighted sums, [T, H], in one native
     call where the kernels take x: quant_kernels.moe_tokens for experts in blocks (bf16 or fp32
-    rows, any count), native.moe_token for plain bf16 experts (one bf16 row); else None. table:
-    CPURuntime._expert_table's; ids [T, K] int64, weights [T, K] fp32, contiguous."""
+    rows, any count), native.moe_token for plain bf16 experts (one bf16 row) and native.moe_tokens
+    (more, where expert_ffn gives every expert's rows to the bf16 kernels: a prefill chunk's where
+    each row is computed as if alone); else None. table: CPURuntime._expert_table's; ids [T, K]
+    int64, weights [T, K] fp32, contiguous."""
     if blocks and x.dtype in (torch.bfloat16, torch.float32):
         return quant_kernels.moe_tokens(table, ids, weights, x, inter, workers)
-    if not blocks and x.shape[0] == 1 and native.applies(x):
+    if blocks:
+        return None
+    tokens = x.shape[0]
+    if tokens == 1 and native.applies(x):
         return native.moe_token(table, ids, weights, x, inter, workers)
+    if tokens > 1 and native.applies(
+        x, max_rows=tokens if invariance.active() else native.MAX_ROWS
+    ):
+        return native.moe_tokens(table, ids, weights, x, inter, workers)
     return None
 
 
