@@ -39,6 +39,16 @@ def run(argv: list[str], threads: int) -> dict:
         return batch
 
     runtime.cpu.start, runtime.cpu.start_call = noted, noted_call
+    mix = getattr(runtime, "_mix_tokens", None)
+
+    def noted_mix(layer, x, ids, weights):  # a layer's experts and mixes in one native call
+        done = mix(layer, x, ids, weights)
+        if done is not None:
+            paths.append(("mix_tokens", x.shape[0]))
+        return done
+
+    if mix is not None:
+        runtime._mix_tokens = noted_mix
     tokens = list(generate_ids(model, PROMPT, GREEDY))
     seen = {
         "runtime": type(runtime).__name__,
@@ -91,7 +101,7 @@ def test_observing_a_run_does_not_change_it(
         torch.set_num_threads(before)
     assert observed == plain
     if threads == 2:  # a threaded CPU path was exercised (the workers, or the kernels' own pool)
-        assert {name for name, _ in plain["paths"]} & {"CPUBatch", "_CallBatch"}
+        assert {name for name, _ in plain["paths"]} & {"CPUBatch", "_CallBatch", "mix_tokens"}
     assert (tmp_path / "t.jsonl").read_text() and (
         tmp_path / "s.json"
     ).read_text()  # and it was watched
