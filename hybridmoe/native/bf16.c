@@ -23,8 +23,8 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* exp(x) in fp32 for x <= 104 (the softmax's x <= 0, silu_mul_row's -g): x = n ln2 + r, e^r by Cephes' expf polynomial
-   (relative error ~2e-7), times 2^n by vscalefps (0 far below). */
+/* exp(x) in fp32 for x <= 104 (the softmax's x <= 0, silu_mul_row's -g): x = n ln2 + r, e^r by Cephes'
+   expf polynomial (relative error ~2e-7), times 2^n by vscalefps (0 far below, inf far above). */
 ALWAYS_INLINE __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -50,12 +50,13 @@ ALWAYS_INLINE void silu_mul_row(const float *g, const float *u, uint16_t *h, lon
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
         const __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
         /* e^-g, -g at most 104 (e^104 is past fp32's largest: vscalefps gives inf, and silu -0) */
-        const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(104.0f)));
-        const __m512i y = _mm512_castps_si512(_mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), uv));
-        const __m512i hi = _mm512_srli_epi32(y, 16);
-        __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(y, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff))), 16);
-        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        const __m512 mg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(104.0f));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(mg)));
+        const __m512i y = _mm512_castps_si512(_mm512_mul_ps(s, uv)), hi = _mm512_srli_epi32(y, 16);
+        const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(y, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        const __m512i mag = _mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff));
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7f800000));
         r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
         _mm256_mask_storeu_epi16(h + i, k, _mm512_cvtepi32_epi16(r));
     }
@@ -215,7 +216,7 @@ void hm_gemm_bf16(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long
 void hm_expert_rows_bf16(const uint16_t *gate_up, const uint16_t *down, const uint16_t *X, long ldx, float *Y,
                          long ldy, long M, long H, long I, float *scratch, uint16_t *h) {
     gemm(gate_up, X, ldx, scratch, 2 * I, 2 * I, H, M);  /* [M, 2I] */
-    for (long m = 0; m < M; m++) silu_mul_row(scratch + m * 2 * I, scratch + m * 2 * I + I, h + m * I, I);
+    for (long m = 0; m < M; m++) silu_mul_row(scratch + m * 2 * I, scratch + (m * 2 + 1) * I, h + m * I, I);
     gemm(down, h, I, Y, ldy, H, I, M);  /* [M, H] */
 }
 
@@ -337,7 +338,7 @@ static void bexperts_region(void *arg, int t, int T) {
     stage_wait(&c->done[0], total);
     while ((u = next_unit(&c->next[1], c->n)) >= 0) {  /* h = silu(gate) * up, rounded to bf16 */
         const bexpert_job *e = &c->e[u];
-        for (long m = 0; m < e->M; m++) silu_mul_row(e->gu + m * 2 * I, e->gu + m * 2 * I + I, e->h + m * I, I);
+        for (long m = 0; m < e->M; m++) silu_mul_row(e->gu + m * 2 * I, e->gu + (m * 2 + 1) * I, e->h + m * I, I);
         atomic_fetch_add(&c->done[1], 1);
     }
     stage_wait(&c->done[1], c->n);
