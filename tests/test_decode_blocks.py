@@ -1,6 +1,6 @@
 """A decode step's blocks in one native call each against the layers' own paths, step by step inside
 real engine runs: a layer's attention half (native.decoder_attention: the same output bits and KV
-entries), a token's routed experts with their mix (native.moe_token in CPURuntime) and a Qwen2-MoE
+entries), a token's routed experts with their mix (native.moe_tokens in CPURuntime) and a Qwen2-MoE
 layer's MoE half (SharedExpertMoE.decoder_half: the same output bits and the same observations)."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_the_block_leaves_steps_with_a_prefill_chunk_to_the_layer(tmp_path, monk
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_a_tokens_experts_in_one_call_give_the_runtimes_bits(arch, tmp_path, monkeypatch):
     """Every MoE layer of every decode token runs both ways on the same input: the one-call path
-    (moe_token) and the runtime's experts_ffn + combine_token must give the same bits. (Qwen2-MoE's
+    (moe_tokens) and the runtime's experts_ffn + combine_token must give the same bits. (Qwen2-MoE's
     blocks through the runtime: their own two-call path is off here, tested below.)"""
     build_tiny(arch, tmp_path / arch, seed=3)
     model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
@@ -131,7 +131,7 @@ def test_a_qwen2_moe_layers_moe_half_in_two_calls_gives_the_layers_bits(
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_sparse_moe_layers_moe_half_gives_the_layers_bits(arch, threads, tmp_path, monkeypatch):
     """A block without shared experts: the router's choice, the routed experts and their mix
-    in one native call (native.moe_token) and the residual sum (SparseMoE.decoder_half) against
+    in one native call (native.moe_tokens) and the residual sum (SparseMoE.decoder_half) against
     the modules through the runtime, on every decode step's input of every layer."""
     build_tiny(arch, tmp_path / arch, seed=4)
     model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)

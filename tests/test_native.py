@@ -162,8 +162,9 @@ def test_a_layers_experts_in_one_call_equal_each_expert_alone(hidden, inter, wor
 def test_a_tokens_experts_and_their_mix_in_one_call_equal_experts_then_combine(
     hidden, inter, k, workers
 ):
-    """moe_token (the router's ids and weights as they come, experts sorted and mixed in C) gives
-    the bits of experts_ffn followed by combine_token, the path it replaces for a decode token."""
+    """moe_tokens of one token (the router's ids and weights as they come, experts sorted and
+    mixed in C) gives the bits of experts_ffn followed by combine_token, the path it replaces for
+    a decode token."""
     gen = torch.Generator().manual_seed(hidden + k)
     x = bf16(1, hidden, gen=gen)
     ids = torch.randperm(16, generator=gen)[:k][None]  # [1, K] distinct experts, top-k order
@@ -175,7 +176,7 @@ def test_a_tokens_experts_and_their_mix_in_one_call_equal_experts_then_combine(
     ys = experts_ffn([(x, store[e]) for e in ids[0].tolist()], workers)  # [1, H] each
     ref = combine_token(x, ys, weights, ids)
     table = torch.tensor([[w.gate_up.data_ptr(), w.down.data_ptr()] for w in store])  # [E, 2]
-    got = native.moe_token(table, ids, weights, x, inter, workers)
+    got = native.moe_tokens(table, ids, weights, x, inter, workers)
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
 
 

@@ -23,7 +23,6 @@ __all__ = [
     "f32_bits",
     "experts",
     "gemm",
-    "moe_token",
     "moe_tokens",
     "linear",
     "prefill_applies",

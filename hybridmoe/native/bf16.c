@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "mix.h"
 #include "pool.h"
 #include "rows.h"
 
@@ -435,65 +436,6 @@ int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w
    demo's 1.3 s at one thread, and index_add_ alone 0.2 s at two, woken onto OpenMP's threads beside
    this pool's. experts: [E, 2] as hm_moe_token_bf16's; ids [T, K] int64 and w [T, K] fp32 as the
    router gives them. Returns 0, -1 for an id outside [0, E) or K > 64, -2 no memory. */
-typedef struct {
-    const int64_t *ids;
-    const float *w, *y; /* y [T K, H]: the experts' outputs, expert by expert */
-    const long *slot;   /* [T, K]: the row of y that holds token t's k-th expert's output */
-    long K, H, T;
-    uint16_t *out;
-    atomic_long next;
-} bmix_call;
-
-#define BMIX_TOKENS 8 /* tokens a unit of the weighted sums */
-#define BMIX_COLS 256 /* columns summed at a time */
-
-static void bmix_token(const bmix_call *c, long t) {
-    const long K = c->K, H = c->H;
-    long order[64];
-    for (long k = 0; k < K; k++) { /* insertion sort of k by the token's ids */
-        long j = k;
-        for (; j > 0 && c->ids[t * K + order[j - 1]] > c->ids[t * K + k]; j--) order[j] = order[j - 1];
-        order[j] = k;
-    }
-    for (long h0 = 0; h0 < H; h0 += BMIX_COLS) {
-        const long n = min_l(BMIX_COLS, H - h0);
-        float acc[BMIX_COLS];
-        for (long h = 0; h < n; h++) acc[h] = 0.0f;
-        for (long j = 0; j < K; j++) {
-            const float *v = c->y + c->slot[t * K + order[j]] * H + h0, wj = c->w[t * K + order[j]];
-            for (long h = 0; h < n; h++) acc[h] += round_bf16(v[h]) * wj;
-        }
-        for (long h = 0; h < n; h++) c->out[t * H + h0 + h] = bf16(acc[h]);
-    }
-}
-
-static void bmix_region(void *arg, int t, int T) {
-    (void)t;
-    (void)T;
-    bmix_call *c = arg;
-    const long units = (c->T + BMIX_TOKENS - 1) / BMIX_TOKENS;
-    for (long u; (u = next_unit(&c->next, units)) >= 0;)
-        for (long m = u * BMIX_TOKENS; m < min_l(u * BMIX_TOKENS + BMIX_TOKENS, c->T); m++) bmix_token(c, m);
-}
-
-/* A calling thread's scratch, kept at its largest for its next call: a chunk's experts' outputs at
-   Qwen3-30B-A3B's shape (T K H floats, 33.5 MB at 512 tokens) lie above glibc's largest mmap threshold,
-   and a buffer made again every layer would come back as fresh pages to fault in (quant.c's outputs_of
-   says the same of its own). */
-static __thread struct {
-    void *p;
-    size_t n;
-} bscratch;
-
-static void *bscratch_of(size_t n) {
-    if (bscratch.n < n) {
-        free(bscratch.p);
-        bscratch.p = aligned_alloc(64, (n + 63) / 64 * 64);
-        bscratch.n = bscratch.p ? n : 0;
-    }
-    return bscratch.p;
-}
-
 int hm_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
                        const uint16_t *x, long H, long I, int threads, uint16_t *out) {
     if (K > 64 || K < 1 || T < 1) return -1;
@@ -504,29 +446,23 @@ int hm_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const
     bexpert_job *e = malloc(sizeof(bexpert_job) * (size_t)(E < R ? E : R));
     /* y [R, H] fp32, gu [R, 2I] fp32, h [R, I] bf16, xg [R, H] bf16: the gathered rows */
     const size_t ny = (size_t)(R * H) * 4, ngu = (size_t)(R * 2 * I) * 4, nh = (size_t)(R * I) * 2;
-    uint8_t *s = bscratch_of(ny + ngu + nh + (size_t)(R * H) * 2 + 256);
+    uint8_t *s = kept_buffer_of(ny + ngu + nh + (size_t)(R * H) * 2);
     int status = first && slot && e && s ? 0 : -2;
+    if (!status) status = group_by_expert(ids, R, E, first, slot);
     if (!status) {
         float *y = (float *)s, *gu = (float *)(s + ny);
         uint16_t *h = (uint16_t *)(s + ny + ngu), *xg = (uint16_t *)(s + ny + ngu + nh);
         long n = 0;
-        for (long i = 0; i < R; i++) first[ids[i] + 1]++; /* counts, then where each expert's rows start */
         for (long j = 0; j < E; j++) {
-            const long count = first[j + 1];
-            first[j + 1] = first[j] + count;
-            if (!count) continue;
-            const int64_t *p = experts + 2 * j;
-            e[n++] = (bexpert_job){(const uint16_t *)p[0], (const uint16_t *)p[1], xg + first[j] * H, H, count,
-                                   y + first[j] * H, gu + first[j] * 2 * I, h + first[j] * I};
+            const long at = first[j], count = first[j + 1] - at;
+            if (count)
+                e[n++] = (bexpert_job){(const uint16_t *)experts[2 * j], (const uint16_t *)experts[2 * j + 1],
+                                       xg + at * H, H, count, y + at * H, gu + at * 2 * I, h + at * I};
         }
-        for (long i = 0; i < R; i++) { /* tokens in increasing order within each expert's rows */
-            slot[i] = first[ids[i]]++;
-            memcpy(xg + slot[i] * H, x + (i / K) * H, sizeof(uint16_t) * (size_t)H);
-        }
+        for (long i = 0; i < R; i++) memcpy(xg + slot[i] * H, x + (i / K) * H, sizeof(uint16_t) * (size_t)H);
         experts_with(e, n, H, I, NULL, threads);
-        bmix_call c = {ids, w, y, slot, K, H, T, out};
-        atomic_init(&c.next, 0);
-        hm_parallel(bmix_region, &c, (int)min_l(threads, (T + BMIX_TOKENS - 1) / BMIX_TOKENS));
+        mix_call c = {ids, w, K, H, 1, y, slot, out, T};
+        mix_tokens(&c, threads);
     }
     free(first);
     free(slot);

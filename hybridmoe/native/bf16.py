@@ -23,7 +23,7 @@ from hybridmoe.native.build import INT, F, N, P, cpu_flags, cpu_vendor, load, sw
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
-HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("rows.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("pool.h", "rows.h", "mix.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
 # -ffp-contract=off: the floats as written (rows.h); the kernels ask for their FMAs by name
 FLAGS += ["-pthread", "-ffp-contract=off"]
@@ -301,37 +301,6 @@ def experts(
     return list((y if dtype == torch.float32 else y.to(dtype)).split(counts))
 
 
-def moe_token(
-    table: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    x: torch.Tensor,
-    inter: int,
-    workers: int,
-) -> torch.Tensor:
-    """One token x [1, H] bf16 through its routed experts and their weighted sum -> [1, H] bf16:
-    the bits of `experts` (rounded to bf16) then experts/run/ffn.py's combine_token. table: int64
-    [E, 2], each expert's gate_up [2I, H] and down [H, I] pointers; ids [1, K] int64 and weights
-    [1, K] fp32 as the router gives them (unsorted)."""
-    hidden = x.shape[1]
-    out = torch.empty(1, hidden, dtype=torch.bfloat16)  # [1, H]
-    k = ids.shape[1]
-    status = library().hm_moe_token_bf16(
-        table.data_ptr(),
-        ids.data_ptr(),
-        weights.data_ptr(),
-        k,
-        x.data_ptr(),
-        hidden,
-        inter,
-        workers,
-        out.data_ptr(),
-    )
-    if status != 0:
-        raise MemoryError("moe_token: no memory for its scratch")
-    return out
-
-
 def moe_tokens(
     table: torch.Tensor,
     ids: torch.Tensor,
@@ -340,25 +309,22 @@ def moe_tokens(
     inter: int,
     workers: int,
 ) -> torch.Tensor:
-    """Tokens x [T, H] bf16 (contiguous: a prefill chunk whose rows are computed as if alone)
-    through their routed experts and the weighted sums -> [T, H] bf16: the bits of `experts` on
-    each expert's tokens (rounded to bf16), then experts/run/ffn.py's combine_grouped. table: as
-    moe_token's; ids [T, K] int64 and weights [T, K] fp32 as the router gives them, contiguous."""
+    """Tokens x [T, H] bf16 (contiguous: a decode token, or a prefill chunk whose rows are
+    computed as if alone) through their routed experts and the weighted sums -> [T, H] bf16: the
+    bits of `experts` on each expert's tokens (rounded to bf16), then experts/run/ffn.py's
+    combine_token or combine_grouped. table: int64 [E, 2], each expert's gate_up [2I, H] and down
+    [H, I] pointers; ids [T, K] int64 and weights [T, K] fp32 as the router gives them (unsorted),
+    contiguous. One token takes hm_moe_token_bf16 (no grouping, no gathered rows: a decode step's),
+    more hm_moe_tokens_bf16."""
     tokens, hidden = x.shape
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16)  # [T, H]
-    status = library().hm_moe_tokens_bf16(
-        table.data_ptr(),
-        table.shape[0],
-        ids.data_ptr(),
-        weights.data_ptr(),
-        tokens,
-        ids.shape[1],
-        x.data_ptr(),
-        hidden,
-        inter,
-        workers,
-        out.data_ptr(),
-    )
+    k, ptrs = ids.shape[1], (ids.data_ptr(), weights.data_ptr())
+    if tokens == 1:
+        args = (table.data_ptr(), *ptrs, k, x.data_ptr(), hidden, inter, workers, out.data_ptr())
+        status = library().hm_moe_token_bf16(*args)
+    else:
+        args = (table.data_ptr(), table.shape[0], *ptrs, tokens, k, x.data_ptr(), hidden, inter)
+        status = library().hm_moe_tokens_bf16(*args, workers, out.data_ptr())
     if status == -1:
         raise ValueError(f"moe_tokens: an expert id outside [0, {table.shape[0]}) or top-k > 64")
     if status != 0:
@@ -378,7 +344,7 @@ def shared_moe_token(
 ) -> torch.Tensor:
     """resid + (routed + sigmoid(gate) * down(silu(g) * u)) [1, H] bf16 for one token: a Qwen2-MoE
     block after its router, with the decoder layer's residual sum (models/qwen2_moe.py's bits).
-    routed: `moe_token`'s arguments (x [1, H] the block's input); shared = (a [1, N] bf16 row
+    routed: `moe_tokens`' arguments (x [1, H] the block's input); shared = (a [1, N] bf16 row
     holding the shared expert's gate logit at `at` and its gate and up rows [2S] right after,
     at, down [H, S] bf16); resid [1, H] bf16."""
     row, at, down = shared

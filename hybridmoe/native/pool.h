@@ -18,6 +18,9 @@
    its own thread (T = 1), which gives the same results, since every output element is computed whole by
    one thread. After fork() the child makes its own threads. */
 
+#ifndef HM_POOL_H
+#define HM_POOL_H
+
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -176,3 +179,5 @@ static long next_unit(atomic_long *counter, long total) {
     long u = atomic_fetch_add(counter, 1);
     return u < total ? u : -1;
 }
+
+#endif

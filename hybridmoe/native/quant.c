@@ -37,6 +37,8 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MIX_TARGET AVX2
+#include "mix.h"
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -1967,77 +1969,6 @@ int hm_qexperts(const expert_job *e, long n, long H, long I, int x_bf16, int thr
    (per-expert gathers, conversions and index_add_, each woken onto OpenMP's threads beside this pool's:
    docs/notes/2026-12-06-prefill-two-threads.md). Returns 0, -1 a format or width it does not take or an id
    outside [0, E), -2 no memory. */
-typedef struct {
-    const int64_t *ids;
-    const float *w;
-    long K, H;
-    int x_bf16;
-    const float *y;    /* [T * K, H]: the experts' outputs, expert by expert */
-    const long *slot;  /* [T, K]: the row of y that holds token t's k-th expert's output */
-    void *out;
-    long T;
-    atomic_long next;
-} mix_call;
-
-#define MIX_TOKENS 8  /* tokens per unit of the weighted sums */
-#define MIX_COLS 256  /* columns summed at a time, in registers and L1 */
-
-/* Token t's weighted sum (mix_call's), MIX_COLS columns at a time: each column through the same float
-   operations in the same order, whatever the vector width the compiler picks. */
-AVX2 static void mix_token(const mix_call *c, long t) {
-    const long K = c->K, H = c->H;
-    long order[64];
-    for (long k = 0; k < K; k++) { /* insertion sort of k by the token's ids */
-        long j = k;
-        for (; j > 0 && c->ids[t * K + order[j - 1]] > c->ids[t * K + k]; j--) order[j] = order[j - 1];
-        order[j] = k;
-    }
-    for (long h0 = 0; h0 < H; h0 += MIX_COLS) {
-        const long n = min_l(MIX_COLS, H - h0);
-        float acc[MIX_COLS];
-        for (long h = 0; h < n; h++) acc[h] = 0.0f;
-        for (long j = 0; j < K; j++) {
-            const float *v = c->y + c->slot[t * K + order[j]] * H + h0, wj = c->w[t * K + order[j]];
-            if (c->x_bf16)
-                for (long h = 0; h < n; h++) acc[h] += round_bf16(v[h]) * wj;
-            else
-                for (long h = 0; h < n; h++) acc[h] += v[h] * wj;
-        }
-        if (c->x_bf16)
-            for (long h = 0; h < n; h++) ((uint16_t *)c->out)[t * H + h0 + h] = bf16(acc[h]);
-        else
-            memcpy((float *)c->out + t * H + h0, acc, sizeof(float) * (size_t)n);
-    }
-}
-
-static void mix_region(void *arg, int t, int T) {
-    (void)t;
-    (void)T;
-    mix_call *c = arg;
-    const long units = (c->T + MIX_TOKENS - 1) / MIX_TOKENS;
-    for (long u; (u = next_unit(&c->next, units)) >= 0;)
-        for (long m = u * MIX_TOKENS; m < min_l(u * MIX_TOKENS + MIX_TOKENS, c->T); m++) mix_token(c, m);
-}
-
-/* The experts' outputs of a calling thread's last call, kept for its next: a prefill chunk's (T K H floats,
-   33.5 MB at 512 tokens of Qwen3-30B-A3B's shape) lie above glibc's largest mmap threshold (32 MB), so a
-   buffer freed and made again every layer came back as fresh pages, faulted in and zeroed by the kernel:
-   ~2.5% of a 2-thread prefill. One per thread (a server runs prefill and decode on two), kept at its
-   largest size. */
-static __thread struct {
-    float *p;
-    size_t n;
-} outputs;
-
-static float *outputs_of(size_t n) {
-    if (outputs.n < n) {
-        free(outputs.p);
-        outputs.p = malloc(sizeof(float) * n);
-        outputs.n = outputs.p ? n : 0;
-    }
-    return outputs.p;
-}
-
 int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
                    const void *x, int x_bf16, long H, long I, int threads, int isa, void *out) {
     if (K > 64 || T < 1) return -1;
@@ -2045,29 +1976,25 @@ int hm_qmoe_tokens(const int64_t *experts, long E, const int64_t *ids, const flo
         if (ids[i] < 0 || ids[i] >= E) return -1;
     long *first = calloc((size_t)(E + 1), sizeof(long)), *rows = malloc(sizeof(long) * (size_t)(2 * T * K));
     expert_job *e = malloc(sizeof(expert_job) * (size_t)(E < T * K ? E : T * K));
-    float *y = outputs_of((size_t)(T * K * H)); /* [T * K, H]: each expert's outputs, in increasing id */
+    /* [T * K, H]: each expert's outputs, in increasing id */
+    float *y = kept_buffer_of(sizeof(float) * (size_t)(T * K * H));
     int status = first && rows && e && y ? 0 : -2;
     long n = 0, *slot = rows + T * K;
+    if (!status) status = group_by_expert(ids, T * K, E, first, slot);
     if (!status) {
-        for (long i = 0; i < T * K; i++) first[ids[i] + 1]++; /* counts, then where each expert's rows start */
+        for (long i = 0; i < T * K; i++) rows[slot[i]] = i / K; /* each expert's tokens, in increasing order */
         for (long j = 0; j < E; j++) {
-            const long count = first[j + 1];
-            first[j + 1] = first[j] + count;
+            const long count = first[j + 1] - first[j];
             if (!count) continue;
             const int64_t *p = experts + 7 * j;
             e[n++] = (expert_job){(const uint8_t *)p[0], (const uint8_t *)p[1], (const uint8_t *)p[2], p[3], p[4], p[5],
                                   p[6], x, H, count, y + first[j] * H, rows + first[j]};
         }
-        for (long i = 0; i < T * K; i++) { /* tokens in increasing order within each expert's rows */
-            slot[i] = first[ids[i]]++;
-            rows[slot[i]] = i / K;
-        }
         status = experts_run(e, n, H, I, x_bf16, T, threads, isa);
     }
     if (!status) {
         mix_call c = {ids, w, K, H, x_bf16, y, slot, out, T};
-        atomic_init(&c.next, 0);
-        hm_parallel(mix_region, &c, (int)min_l(threads, (T + MIX_TOKENS - 1) / MIX_TOKENS));
+        mix_tokens(&c, threads);
     }
     free(first);
     free(rows);

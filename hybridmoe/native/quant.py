@@ -22,7 +22,7 @@ from hybridmoe.native.build import INT, N, P, cpu_flags, load, switch
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("quant.c")
-HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("rows.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("pool.h", "rows.h", "mix.h"))
 # no global ISA flags (each path has its own target attribute); floats exactly as written, so that
 # both paths round alike; the worker threads of pool.h
 FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]

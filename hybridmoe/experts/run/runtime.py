@@ -212,7 +212,7 @@ class BaseRuntime:
     def token_experts(self, layer: int) -> tuple[torch.Tensor, int, bool] | None:
         """(the layer's expert table, threads, whether its experts are in blocks) where a model's
         block may run a decode token's routed experts in its own native calls exactly as this
-        runtime would run them (_expert_table says which table: native.moe_token's and
+        runtime would run them (_expert_table says which table: native.moe_tokens' and
         native.shared_moe_token's for plain bf16 experts, quant_kernels.moe_tokens' for blocks);
         else None, and the block calls `forward`. The block then calls `ran_token`."""
         return None
@@ -333,20 +333,14 @@ class BaseRuntime:
 def mix_tokens(table, blocks: bool, ids, weights, x, inter: int, workers: int):
     """Tokens x [T, H] through their routed experts and the weighted sums, [T, H], in one native
     call where the kernels take x: quant_kernels.moe_tokens for experts in blocks (bf16 or fp32
-    rows, any count), native.moe_token for plain bf16 experts (one bf16 row) and native.moe_tokens
-    (more, where expert_ffn gives every expert's rows to the bf16 kernels: a prefill chunk's where
-    each row is computed as if alone); else None. table: CPURuntime._expert_table's; ids [T, K]
-    int64, weights [T, K] fp32, contiguous."""
+    rows, any count), native.moe_tokens for plain bf16 experts (bf16 rows where expert_ffn gives
+    every expert's rows to the bf16 kernels: one, up to native.MAX_ROWS, any count where each row
+    is computed as if alone); else None. table: CPURuntime._expert_table's; ids [T, K] int64,
+    weights [T, K] fp32, contiguous."""
     if blocks and x.dtype in (torch.bfloat16, torch.float32):
         return quant_kernels.moe_tokens(table, ids, weights, x, inter, workers)
-    if blocks:
-        return None
-    tokens = x.shape[0]
-    if tokens == 1 and native.applies(x):
-        return native.moe_token(table, ids, weights, x, inter, workers)
-    if tokens > 1 and native.applies(
-        x, max_rows=tokens if invariance.active() else native.MAX_ROWS
-    ):
+    rows = x.shape[0] if invariance.active() else native.MAX_ROWS
+    if not blocks and native.applies(x, max_rows=rows):
         return native.moe_tokens(table, ids, weights, x, inter, workers)
     return None
 
@@ -364,7 +358,7 @@ class CPURuntime(BaseRuntime):
 
     def _mix_tokens(self, layer, x, topk_ids, topk_weights):
         """The tokens' experts and their weighted sums in one native call: a decode token's
-        (native.moe_token for bf16 experts) and a decode token's or prefill chunk's in blocks
+        (native.moe_tokens for bf16 experts) and a decode token's or prefill chunk's in blocks
         (quant_kernels.moe_tokens): the bits of experts_ffn then combine_token or combine_grouped;
         or None where that does not apply: (output [T, H], expert ids, busy seconds)."""
         if not (
