@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from hybridmoe.native import huge_pages
+from hybridmoe.native.threads import one_torch_thread
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -198,8 +200,9 @@ class PagedKVContext:
         pools = self.cache.layer_pools(layer, entries)
         if self.slots.device != pools[0].device:  # the pools live on an accelerator: once a step
             self.slots = self.slots.to(pools[0].device)
-        for pool, e in zip(pools, entries):
-            pool.index_copy_(0, self.slots, e.to(pool.dtype))
+        with one_torch_thread() if pools[0].is_cpu else nullcontext():
+            for pool, e in zip(pools, entries):
+                pool.index_copy_(0, self.slots, e.to(pool.dtype))
         return pools
 
     def pools_of(self, layer: int) -> tuple[torch.Tensor, ...] | None:

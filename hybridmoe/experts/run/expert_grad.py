@@ -23,7 +23,6 @@ TRAIN_DEQUANT_ROWS dequantised rows at a time.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -36,6 +35,7 @@ from hybridmoe.experts.run.dense_experts import dense_applies, dense_experts
 from hybridmoe.experts.run.ffn import group_by_expert
 from hybridmoe.experts.run.lora import ExpertLoRA, frozen
 from hybridmoe.experts.run.store import ExpertStore, ExpertWeights, Matrix
+from hybridmoe.native.threads import one_torch_thread
 from hybridmoe.quant.tensor import QTensor
 from hybridmoe.quant.transposed import times
 
@@ -82,19 +82,6 @@ def expert_layer(
     return _ExpertLayer.apply(x, topk_weights, *params, topk_ids, cpu, store, layer, lora)
 
 
-@contextmanager
-def _one_thread():
-    """The layer's own small ops (gathers, sums) at one torch thread: on a shared 2-core machine a
-    second OpenMP thread turned a 15 us index_add_ into 10 ms, waiting for a descheduled core
-    (docs/notes/2026-11-24-finetune.md)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _normal(job):
     """A job whose tensors outlive it in autograd (the pool runs jobs in inference mode), recording
     nothing (a worker thread records by default; the Function computes its own gradients)."""
@@ -124,7 +111,7 @@ class _ExpertLayer(torch.autograd.Function):
         ]  # fmt: skip
         batch = cpu.start(jobs, 0, heavy=True)
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
-        with _one_thread():
+        with one_torch_thread():
             results, _ = batch.result()
             for (_, rows, _), (y, _) in zip(groups, results):
                 out.index_add_(0, rows, y)
@@ -153,7 +140,7 @@ class _ExpertLayer(torch.autograd.Function):
         batch = ctx.cpu.start(jobs, 0, heavy=True)
         dx = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         dw = torch.zeros(topk_weights.shape, dtype=torch.float32)  # [T, K]
-        with _one_thread():
+        with one_torch_thread():
             results, _ = batch.result()
             for (_, rows, cols), (dx_e, dw_e) in zip(ctx.groups, results):
                 dx.index_add_(0, rows, dx_e)

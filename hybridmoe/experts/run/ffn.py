@@ -4,12 +4,15 @@ expert ran never changes a bit of the result)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 
 from hybridmoe import invariance, native, tuning
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.native import quant as quant_kernels
+from hybridmoe.native.threads import one_torch_thread
 from hybridmoe.quant.tensor import QTensor, native_applies
 from hybridmoe.quant.tensor import linear as qlinear
 
@@ -110,8 +113,9 @@ def combine_grouped(
     (docs/notes/2026-11-24-measurements-in-code.md, "FEW_TOKENS")."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     if x.shape[0] > tuning.FEW_TOKENS:
-        for (_, rows, cols), y in zip(groups, ys):
-            out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())  # [n, H]
+        with one_torch_thread() if x.is_cpu else nullcontext():  # native/threads.py says why
+            for (_, rows, cols), y in zip(groups, ys):
+                out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())
         return out.to(x.dtype)
     rows = torch.cat([g[1] for g in groups])  # [T*K], grouped by expert
     cols = torch.cat([g[2] for g in groups])  # [T*K]
