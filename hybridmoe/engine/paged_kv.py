@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -200,7 +199,7 @@ class PagedKVContext:
         pools = self.cache.layer_pools(layer, entries)
         if self.slots.device != pools[0].device:  # the pools live on an accelerator: once a step
             self.slots = self.slots.to(pools[0].device)
-        with one_torch_thread() if pools[0].is_cpu else nullcontext():
+        with one_torch_thread(pools[0].is_cpu):
             for pool, e in zip(pools, entries):
                 pool.index_copy_(0, self.slots, e.to(pool.dtype))
         return pools

@@ -42,14 +42,15 @@ def kernels_only() -> Iterator[None]:
 
 
 @contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Within: torch's ops on one thread (this thread's OpenMP count), for a layer's small ops
-    beside the native kernels: on the shared 2-core machine a second OpenMP thread turned a 15 us
-    index_add_ into 10 ms, waiting for a descheduled core (docs/notes/2026-11-24-finetune.md), and
-    a 512-token prefill's KV writes (index_copy_) took 100-160 ms on two threads against 20 on one
-    (docs/notes/2026-12-07-bf16-prefill.md). Copies and in-order sums: the same bits either way."""
+def one_torch_thread(on: bool = True) -> Iterator[None]:
+    """Within (if `on`: a caller's tensors on the CPU): torch's ops on one thread (this thread's
+    OpenMP count), for a layer's small ops beside the native kernels: on the shared 2-core machine
+    a second OpenMP thread turned a 15 us index_add_ into 10 ms, waiting for a descheduled core
+    (docs/notes/2026-11-24-finetune.md), and a 512-token prefill's KV writes (index_copy_) took
+    100-160 ms on two threads against 20 on one (docs/notes/2026-12-07-bf16-prefill.md). Copies
+    and in-order sums: the same bits either way."""
     before = torch.get_num_threads()
-    if before == 1:
+    if not on or before == 1:
         yield
         return
     torch.set_num_threads(1)

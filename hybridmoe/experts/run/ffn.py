@@ -4,8 +4,6 @@ expert ran never changes a bit of the result)."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 
@@ -35,13 +33,20 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     if isinstance(w.gate_up, QTensor) or isinstance(w.down, QTensor):
         gate, up = qlinear(x, w.gate_up).chunk(2, dim=-1)  # [n, I] each
         return qlinear(F.silu(gate) * up, w.down)  # [n, H]
-    rows = x.numel() if invariance.active() else native.MAX_ROWS  # hybridmoe/invariance.py
-    if native.applies(x, w.gate_up, w.down, max_rows=rows):
+    if bf16_kernels_take(x, w.gate_up, w.down):
         return native.expert(x, w.gate_up, w.down).to(torch.bfloat16)  # [n, H]
     gate, up = F.linear(x.to(w.gate_up.dtype), w.gate_up).chunk(
         2, dim=-1
     )  # [n, I] each, views of [n, 2I]
     return F.linear(F.silu(gate) * up, w.down)  # [n, H]
+
+
+def bf16_kernels_take(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether expert_ffn gives rows x [n, H] through bf16 weights to the bf16 kernels: up to
+    native.MAX_ROWS (decode), any count where each row is computed as if alone
+    (hybridmoe/invariance.py), so that a row's bits never depend on the rows beside it."""
+    rows = x.shape[0] if invariance.active() else native.MAX_ROWS
+    return native.applies(x, *weights, max_rows=rows)
 
 
 def blocks_together(inputs: list[tuple[torch.Tensor, ExpertWeights]]) -> bool:
@@ -60,9 +65,8 @@ def blocks_together(inputs: list[tuple[torch.Tensor, ExpertWeights]]) -> bool:
             continue
         if blocks:
             ok = x.dtype == x0.dtype and native_applies(x, w.gate_up, w.down)
-        else:  # expert_ffn's rows: any count where each row is computed as if alone
-            rows = x.numel() if invariance.active() else native.MAX_ROWS
-            ok = native.applies(x, w.gate_up, w.down, max_rows=rows)
+        else:
+            ok = bf16_kernels_take(x, w.gate_up, w.down)
         if not ok:
             return False
         checked.add(id(x))
@@ -113,7 +117,7 @@ def combine_grouped(
     (docs/notes/2026-11-24-measurements-in-code.md, "FEW_TOKENS")."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     if x.shape[0] > tuning.FEW_TOKENS:
-        with one_torch_thread() if x.is_cpu else nullcontext():  # native/threads.py says why
+        with one_torch_thread(x.is_cpu):  # native/threads.py says why
             for (_, rows, cols), y in zip(groups, ys):
                 out.index_add_(0, rows, y.float() * topk_weights[rows, cols, None].float())
         return out.to(x.dtype)

@@ -24,11 +24,12 @@ from typing import Protocol
 
 import torch
 
-from hybridmoe import invariance, native
+from hybridmoe import native
 from hybridmoe.experts.plan.shape import ExpertShape
 from hybridmoe.experts.run.cpu_pool import CPUExperts
 from hybridmoe.experts.run.expert_grad import TrainLoRA, expert_layer
 from hybridmoe.experts.run.ffn import (
+    bf16_kernels_take,
     blocks_together,
     combine_grouped,
     combine_token,
@@ -339,8 +340,7 @@ def mix_tokens(table, blocks: bool, ids, weights, x, inter: int, workers: int):
     weights [T, K] fp32, contiguous."""
     if blocks and x.dtype in (torch.bfloat16, torch.float32):
         return quant_kernels.moe_tokens(table, ids, weights, x, inter, workers)
-    rows = x.shape[0] if invariance.active() else native.MAX_ROWS
-    if not blocks and native.applies(x, max_rows=rows):
+    if not blocks and bf16_kernels_take(x):
         return native.moe_tokens(table, ids, weights, x, inter, workers)
     return None
 
