@@ -207,8 +207,9 @@ def test_decode_batches_on_bf16_experts_run_in_the_loop_where_rows_are_alone(
     arch, tmp_path, monkeypatch
 ):
     """With every row computed as if alone (the serving default), a decode step of several
-    sequences on plain bf16 experts (Qwen2-MoE's shared block, Qwen3-MoE's) runs in the loop, one
-    token's experts a call: the same logits at every pass and the same tokens as the layers."""
+    sequences on plain bf16 experts (Qwen2-MoE's shared block, one token a call; Qwen3-MoE's, each
+    expert once for the step's tokens) runs in the loop: the same logits at every pass and the
+    same tokens as the layers."""
     build_tiny(arch, tmp_path / arch, seed=3)
     model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
     tokens, logits, looped = batch_run(model, monkeypatch, True, deterministic_greedy)

@@ -1377,7 +1377,7 @@ int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const u
    run on emptied caches (~0.1-0.3 ms a layer; docs/notes/2026-12-06-decode-layers-in-one-call.md). Here
    consecutive layers run in one call, each as the calls it replaces, in their order and with their bits:
    hm_decoder_attention_bf16 (with the router's product), route_row (layers/moe.py softmax_topk), then the
-   experts (quant.c's hm_qmoe_tokens through a pointer, or hm_moe_token_bf16) and the residual sum as
+   experts (quant.c's hm_qmoe_tokens through a pointer, or hm_moe_tokens_bf16) and the residual sum as
    torch rounds it, or a Qwen2-MoE block's hm_shared_moe_token_bf16. A layer is DL_FIELDS int64 fields (the
    enum below; floats as their bits). */
 enum {
@@ -1410,8 +1410,9 @@ static double now_s(void) {
    look-ahead reads it); ids, w [L, T, K]: each router's choice; secs [L]: each layer's experts' time. The
    step's attention arguments as hm_decoder_attention_bf16 takes them; threads: its threads, workers: the
    experts'; qmoe, isa: quant.c's hm_qmoe_tokens and its path (experts in blocks: the T tokens in one
-   call; plain bf16 experts: one call a token, which the caller asks for only where each token is
-   computed as if alone). Returns the number of layers done: L, or fewer where a router's logit was not
+   call; plain bf16 experts too, each expert's tokens' rows gathered (hm_moe_tokens_bf16: each token's
+   bits as alone, which the caller asks for only where each token is computed as if alone); a Qwen2-MoE
+   block with its shared expert one call a token). Returns the number of layers done: L, or fewer where a router's logit was not
    finite or a call found no memory for its scratch; x_out is then the
    input of the first layer not done, which the caller runs its own way (its attention writes the same
    K and V again). */
@@ -1450,7 +1451,9 @@ long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const 
         const int64_t *experts = (const int64_t *)f[DL_EXPERTS];
         if (f[DL_KIND] == DL_QUANT) { /* every token in one call, as the runtime mixes them */
             status = qmoe(experts, E, lid, lw, T, K, h, 1, H, f[DL_INTER], workers, isa, out);
-        } else { /* plain bf16 experts: one token a call, as each is computed alone (the caller's rule) */
+        } else if (f[DL_KIND] == DL_BF16 && T > 1) { /* plain bf16 experts: each read once for the tokens */
+            status = hm_moe_tokens_bf16(experts, E, lid, lw, T, K, h, H, f[DL_INTER], workers, out);
+        } else { /* one token a call */
             for (long t = 0; t < T && !status; t++)
                 status = f[DL_KIND] == DL_SHARED
                              ? hm_shared_moe_token_bf16(experts, lid + t * K, lw + t * K, K, h + t * H, H, f[DL_INTER],
