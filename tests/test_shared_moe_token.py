@@ -1,6 +1,6 @@
-"""native.shared_moe_token (bf16.c hm_shared_moe_token_bf16): a Qwen2-MoE block's decode token after
-its router, with the layer's residual sum, against torch's ops one by one; its silu and sigmoid
-against torch's on every bf16 value."""
+"""native.shared_moe_token (bf16.c hm_shared_moe_token_bf16, hm_shared_moe_tokens_bf16): a
+Qwen2-MoE block's decode tokens after its router, with the layer's residual sum, against torch's
+ops one by one; its silu and sigmoid against torch's on every bf16 value."""
 
 from __future__ import annotations
 
@@ -59,6 +59,44 @@ def test_a_shared_moe_token_is_torchs_block_and_residual_sum(hidden, inter, shar
     ref = resid + (routed + torch.sigmoid(row[:, 3:4]) * y)
     got = native.shared_moe_token(table, ids, weights, x, inter, (row, 3, down), resid, workers)
     assert got.dtype == BF16 and torch.equal(got, ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("tokens", [2, 5, 9])
+def test_a_step_of_several_tokens_gives_each_its_bits_alone(tokens, workers):
+    """T tokens in one call (each expert read once for its tokens, the shared expert's down over
+    the T rows) give each token the bits of its own call and of torch's block; an expert id
+    outside the table is refused."""
+    hidden, inter, shared, k = 576, 48, 768, 8
+    gen = torch.Generator().manual_seed(tokens + 10 * workers)
+    x, resid = bf16(tokens, hidden, gen=gen), bf16(tokens, hidden, gen=gen)
+    store, table = experts_of(hidden, inter, 16, gen)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:k] for _ in range(tokens)])  # [T, K]
+    weights = torch.rand(tokens, k, generator=gen)  # [T, K] fp32
+    rows = bf16(tokens, 5 + 2 * shared, gen=gen, scale=2.0)  # [T, N]
+    down = bf16(hidden, shared, gen=gen, scale=0.05)  # [H, S]
+    got = native.shared_moe_token(table, ids, weights, x, inter, (rows, 3, down), resid, workers)
+    for t in range(tokens):
+        one = slice(t, t + 1)
+        alone = native.shared_moe_token(
+            table, ids[one], weights[one], x[one], inter, (rows[one], 3, down), resid[one], 1
+        )
+        assert torch.equal(got[one], alone)
+        routed = combine_token(
+            x[one],
+            experts_ffn([(x[one], store[e]) for e in ids[t].tolist()], 1),
+            weights[one],
+            ids[one],
+        )
+        gate, up = rows[one, 4 : 4 + shared], rows[one, 4 + shared : 4 + 2 * shared]
+        ref = resid[one] + (
+            routed + torch.sigmoid(rows[one, 3:4]) * F.linear(F.silu(gate) * up, down)
+        )
+        assert torch.equal(got[one], ref)
+    ids[tokens - 1, 0] = 16
+    with pytest.raises(ValueError, match="outside"):
+        native.shared_moe_token(table, ids, weights, x, inter, (rows, 3, down), resid, workers)
 
 
 def _call(row, down, hidden):

@@ -407,7 +407,7 @@ static void token_jobs(const int64_t *experts, const int64_t *ids, const float *
 }
 
 /* One token's routed experts from the router's choice as it stands (token_jobs' arguments), mixed as
-   hm_experts_mix_bf16 mixes them; the scratch is made here. Returns 0, or -1 if out of memory. */
+   hm_experts_mix_bf16 mixes them; the scratch is made here. Returns 0, -1 for K > 64, -2 no memory. */
 int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K, const uint16_t *x, long H,
                       long I, int threads, uint16_t *out) {
     if (K > 64) return -1;
@@ -416,7 +416,7 @@ int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w
     uint16_t *h = malloc(sizeof(uint16_t) * K * I);
     if (!y || !h) {
         free(y), free(h);
-        return -1;
+        return -2;
     }
     token_jobs(experts, ids, w, K, x, H, I, y, h, e, ws);
     hm_experts_mix_bf16(e, K, H, I, threads, ws, out);
@@ -435,9 +435,11 @@ int hm_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w
    (hybridmoe/invariance.py): there, a prefill's grouping, gathers and sums in torch took ~0.1 s of the
    demo's 1.3 s at one thread, and index_add_ alone 0.2 s at two, woken onto OpenMP's threads beside
    this pool's. experts: [E, 2] as hm_moe_token_bf16's; ids [T, K] int64 and w [T, K] fp32 as the
-   router gives them. Returns 0, -1 for an id outside [0, E) or K > 64, -2 no memory. */
-int hm_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
-                       const uint16_t *x, long H, long I, int threads, uint16_t *out) {
+   router gives them; also: a product whose units run in the experts' region beside their gate and up
+   rows (a shared expert's down: hm_shared_moe_tokens_bf16), or NULL. Returns 0, -1 for an id outside
+   [0, E) or K > 64, -2 no memory. */
+static int moe_tokens_with(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
+                           const uint16_t *x, long H, long I, gemm_call *also, int threads, uint16_t *out) {
     if (K > 64 || K < 1 || T < 1) return -1;
     for (long i = 0; i < T * K; i++)
         if (ids[i] < 0 || ids[i] >= E) return -1;
@@ -460,7 +462,7 @@ int hm_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const
                                        xg + at * H, H, count, y + at * H, gu + at * 2 * I, h + at * I};
         }
         for (long i = 0; i < R; i++) memcpy(xg + slot[i] * H, x + (i / K) * H, sizeof(uint16_t) * (size_t)H);
-        experts_with(e, n, H, I, NULL, threads);
+        experts_with(e, n, H, I, also, threads);
         mix_call c = {ids, w, K, H, 1, y, slot, out, T};
         mix_tokens(&c, threads);
     }
@@ -468,6 +470,12 @@ int hm_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const
     free(slot);
     free(e);
     return status;
+}
+
+/* moe_tokens_with, nothing beside. */
+int hm_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
+                       const uint16_t *x, long H, long I, int threads, uint16_t *out) {
+    return moe_tokens_with(experts, E, ids, w, T, K, x, H, I, NULL, threads, out);
 }
 
 /* silu(g) and sigmoid(g) of a bf16 value as torch computes them on bf16 tensors: in fp32 with expf,
@@ -485,8 +493,8 @@ static inline float sigmoid_bf16(uint16_t g) { return round_bf16(1.0f / (1.0f + 
    rounded to bf16 as torch rounds it on bf16 tensors. routed: the token's experts (token_jobs'
    arguments; x [H] their input) mixed as hm_moe_token_bf16 mixes them; gu [1 + 2S] bf16: the shared
    expert's gate logit, then its gate and up rows of x; down [H, S] bf16. The shared expert's down
-   rows are shared out with the experts' gate and up rows in one region. Returns 0, or -1 if out of
-   memory. */
+   rows are shared out with the experts' gate and up rows in one region. Returns 0, -1 for K > 64, -2
+   no memory. */
 int hm_shared_moe_token_bf16(const int64_t *experts, const int64_t *ids, const float *w, long K, const uint16_t *x,
                              long H, long I, const uint16_t *gu, const uint16_t *down, long S,
                              const uint16_t *resid, int threads, uint16_t *out) {
@@ -496,7 +504,7 @@ int hm_shared_moe_token_bf16(const int64_t *experts, const int64_t *ids, const f
     uint16_t *h = malloc(sizeof(uint16_t) * (K * I + S + 2 * H)), *hs = h + K * I, *ys = hs + S, *routed = ys + H;
     if (!y || !h) {
         free(y), free(h);
-        return -1;
+        return -2;
     }
     const float s = sigmoid_bf16(gu[0]);
     gu++;
@@ -511,6 +519,34 @@ int hm_shared_moe_token_bf16(const int64_t *experts, const int64_t *ids, const f
         out[i] = bf16(f32(resid[i]) + round_bf16(f32(routed[i]) + round_bf16(s * f32(ys[i]))));
     free(y), free(h);
     return 0;
+}
+
+/* hm_shared_moe_token_bf16 for T tokens, each with its bits: x [T, H] the experts' input, ids and w [T, K] as
+   the router gives them, gu: token t's shared gate logit, then its gate and up rows [2S], at gu + t * ldg;
+   resid and out [T, H]. The routed experts as hm_moe_tokens_bf16 runs them (each expert read once for its
+   tokens' rows, gathered) and the shared expert's down product over the T rows in the same region: a
+   serving step's batch, where one token a call read every expert once per token. Returns 0, -1 for an
+   id outside [0, E) or K > 64, -2 no memory. */
+int hm_shared_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids, const float *w, long T, long K,
+                              const uint16_t *x, long H, long I, const uint16_t *gu, long ldg, const uint16_t *down,
+                              long S, const uint16_t *resid, int threads, uint16_t *out) {
+    uint16_t *hs = malloc(sizeof(uint16_t) * (size_t)(T * (S + 2 * H))), *ys = hs + T * S, *routed = ys + T * H;
+    if (!hs) return -2;
+    for (long t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * ldg + 1;
+        for (long i = 0; i < S; i++) hs[t * S + i] = bf16(silu_bf16(g[i]) * f32(g[S + i])); /* [T, S] */
+    }
+    out_bf16 b = {ys, H, NULL}; /* [T, H]: down(hs), F.linear's rounding */
+    gemm_call shared = {down, hs, S, 0, H, S, T, unit_rows(S), NULL, &b};
+    atomic_init(&shared.next, 0);
+    const int status = moe_tokens_with(experts, E, ids, w, T, K, x, H, I, &shared, threads, routed);
+    for (long t = 0; t < T && !status; t++) {
+        const float s = sigmoid_bf16(gu[t * ldg]);
+        for (long i = t * H; i < (t + 1) * H; i++)
+            out[i] = bf16(f32(resid[i]) + round_bf16(f32(routed[i]) + round_bf16(s * f32(ys[i]))));
+    }
+    free(hs);
+    return status;
 }
 
 /* ---- Decode attention: one query token per sequence over its paged bf16 K/V history. ----
@@ -1378,7 +1414,7 @@ int hm_decoder_attention_bf16(const attn_block *a, const uint16_t *in_w, const u
    consecutive layers run in one call, each as the calls it replaces, in their order and with their bits:
    hm_decoder_attention_bf16 (with the router's product), route_row (layers/moe.py softmax_topk), then the
    experts (quant.c's hm_qmoe_tokens through a pointer, or hm_moe_tokens_bf16) and the residual sum as
-   torch rounds it, or a Qwen2-MoE block's hm_shared_moe_token_bf16. A layer is DL_FIELDS int64 fields (the
+   torch rounds it, or a Qwen2-MoE block's hm_shared_moe_tokens_bf16. A layer is DL_FIELDS int64 fields (the
    enum below; floats as their bits). */
 enum {
     DL_ATTN, DL_IN_W, DL_POST_W, DL_NORM_EPS, DL_SCALE, DL_QK_EPS, /* hm_decoder_attention_bf16's */
@@ -1410,9 +1446,9 @@ static double now_s(void) {
    look-ahead reads it); ids, w [L, T, K]: each router's choice; secs [L]: each layer's experts' time. The
    step's attention arguments as hm_decoder_attention_bf16 takes them; threads: its threads, workers: the
    experts'; qmoe, isa: quant.c's hm_qmoe_tokens and its path (experts in blocks: the T tokens in one
-   call; plain bf16 experts too, each expert's tokens' rows gathered (hm_moe_tokens_bf16: each token's
-   bits as alone, which the caller asks for only where each token is computed as if alone); a Qwen2-MoE
-   block with its shared expert one call a token). Returns the number of layers done: L, or fewer where a router's logit was not
+   call; plain bf16 experts too, with or without a shared expert, each expert's tokens' rows gathered
+   (hm_moe_tokens_bf16, hm_shared_moe_tokens_bf16: each token's bits as alone, which the caller asks
+   for only where each token is computed as if alone). Returns the number of layers done: L, or fewer where a router's logit was not
    finite or a call found no memory for its scratch; x_out is then the
    input of the first layer not done, which the caller runs its own way (its attention writes the same
    K and V again). */
@@ -1451,16 +1487,14 @@ long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const 
         const int64_t *experts = (const int64_t *)f[DL_EXPERTS];
         if (f[DL_KIND] == DL_QUANT) { /* every token in one call, as the runtime mixes them */
             status = qmoe(experts, E, lid, lw, T, K, h, 1, H, f[DL_INTER], workers, isa, out);
-        } else if (f[DL_KIND] == DL_BF16 && T > 1) { /* plain bf16 experts: each read once for the tokens */
-            status = hm_moe_tokens_bf16(experts, E, lid, lw, T, K, h, H, f[DL_INTER], workers, out);
-        } else { /* one token a call */
-            for (long t = 0; t < T && !status; t++)
-                status = f[DL_KIND] == DL_SHARED
-                             ? hm_shared_moe_token_bf16(experts, lid + t * K, lw + t * K, K, h + t * H, H, f[DL_INTER],
-                                                        row + t * N + E, (const uint16_t *)f[DL_DOWN], f[DL_S],
-                                                        x + t * H, workers, out + t * H)
-                             : hm_moe_token_bf16(experts, lid + t * K, lw + t * K, K, h + t * H, H, f[DL_INTER],
-                                                 workers, out + t * H);
+        } else if (f[DL_KIND] == DL_SHARED) { /* plain bf16 experts and a shared expert */
+            status = T == 1 ? hm_shared_moe_token_bf16(experts, lid, lw, K, h, H, f[DL_INTER], row + E,
+                                                       (const uint16_t *)f[DL_DOWN], f[DL_S], x, workers, out)
+                            : hm_shared_moe_tokens_bf16(experts, E, lid, lw, T, K, h, H, f[DL_INTER], row + E, N,
+                                                        (const uint16_t *)f[DL_DOWN], f[DL_S], x, workers, out);
+        } else { /* plain bf16 experts, each read once for the step's tokens */
+            status = T == 1 ? hm_moe_token_bf16(experts, lid, lw, K, h, H, f[DL_INTER], workers, out)
+                            : hm_moe_tokens_bf16(experts, E, lid, lw, T, K, h, H, f[DL_INTER], workers, out);
         }
         if (!status) {
             if (f[DL_KIND] == DL_SHARED) /* the block's call made the residual sum */

@@ -89,6 +89,10 @@ SIGNATURES = {
     #     long K, const uint16_t *x, long H, long I, const uint16_t *gu, const uint16_t *down,
     #     long S, const uint16_t *resid, int threads, uint16_t *out)
     "hm_shared_moe_token_bf16": ([P, P, P, N, P, N, N, P, P, N, P, INT, P], INT),
+    # int hm_shared_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids,
+    #     const float *w, long T, long K, const uint16_t *x, long H, long I, const uint16_t *gu,
+    #     long ldg, const uint16_t *down, long S, const uint16_t *resid, int threads, uint16_t *out)
+    "hm_shared_moe_tokens_bf16": ([P, N, P, P, N, N, P, N, N, P, N, P, N, P, INT, P], INT),
     # void hm_linear_bf16(const uint16_t *W, const uint16_t *X, long ldx, const uint16_t *bias,
     #                     uint16_t *Y, long ldy, long O, long I, long M, int threads)
     "hm_linear_bf16": ([P, P, N, P, P, N, N, N, N, INT], None),
@@ -342,29 +346,30 @@ def shared_moe_token(
     resid: torch.Tensor,
     workers: int,
 ) -> torch.Tensor:
-    """resid + (routed + sigmoid(gate) * down(silu(g) * u)) [1, H] bf16 for one token: a Qwen2-MoE
-    block after its router, with the decoder layer's residual sum (models/qwen2_moe.py's bits).
-    routed: `moe_tokens`' arguments (x [1, H] the block's input); shared = (a [1, N] bf16 row
-    holding the shared expert's gate logit at `at` and its gate and up rows [2S] right after,
-    at, down [H, S] bf16); resid [1, H] bf16."""
+    """resid + (routed + sigmoid(gate) * down(silu(g) * u)) [T, H] bf16 for T decode tokens: a
+    Qwen2-MoE block after its router, with the decoder layer's residual sum (models/qwen2_moe.py's
+    bits, each token's as if alone). routed: `moe_tokens`' arguments (x [T, H] the block's input);
+    shared = (rows [T, N] bf16, contiguous, each holding the shared expert's gate logit at `at`
+    and its gate and up rows [2S] right after, at, down [H, S] bf16); resid [T, H] bf16. One token
+    takes hm_shared_moe_token_bf16, more hm_shared_moe_tokens_bf16 (each expert read once for its
+    tokens)."""
     row, at, down = shared
     hidden, s = down.shape
-    out = torch.empty(1, hidden, dtype=torch.bfloat16)  # [1, H]
-    status = library().hm_shared_moe_token_bf16(
-        table.data_ptr(),
-        ids.data_ptr(),
-        weights.data_ptr(),
-        ids.shape[1],
-        x.data_ptr(),
-        hidden,
-        inter,
-        row.data_ptr() + 2 * at,
-        down.data_ptr(),
-        s,
-        resid.data_ptr(),
-        workers,
-        out.data_ptr(),
-    )
+    tokens = x.shape[0]
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)  # [T, H]
+    ptrs = (ids.data_ptr(), weights.data_ptr())
+    tail = (row.data_ptr() + 2 * at, down.data_ptr(), s, resid.data_ptr(), workers, out.data_ptr())
+    if tokens == 1:
+        args = (table.data_ptr(), *ptrs, ids.shape[1], x.data_ptr(), hidden, inter)
+        status = library().hm_shared_moe_token_bf16(*args, *tail)
+    else:
+        args = (table.data_ptr(), table.shape[0], *ptrs, tokens, ids.shape[1], x.data_ptr())
+        gu = (row.data_ptr() + 2 * at, row.shape[1])
+        status = library().hm_shared_moe_tokens_bf16(*args, hidden, inter, *gu, *tail[1:])
+    if status == -1:
+        raise ValueError(
+            f"shared_moe_token: an expert id outside [0, {table.shape[0]}) or top-k > 64"
+        )
     if status != 0:
         raise MemoryError("shared_moe_token: no memory for its scratch")
     return out
