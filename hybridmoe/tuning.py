@@ -16,10 +16,6 @@ WORKERS_MIN_BYTES = 32 << 20
 # above, the [T*K, H] terms outgrow the cache and a call per expert is faster.
 FEW_TOKENS = 32
 
-# Hidden size below which one torch thread decodes faster than two (the per-op work is too small
-# to split); the CLI's default thread count.
-WIDE_MODEL = 1024
-
 # Share of the memory available at load (MemAvailable) that a GGUF file's blocks may take when they
 # are copied into the process's own memory in 2 MB pages (loader/free_memory.py CopyBudget,
 # native/huge_pages.py; Q4_K rearranged into rows of eights there): the rest is left for the page

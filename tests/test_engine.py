@@ -10,6 +10,7 @@ from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.engine.sampler import SamplingParams
 from hybridmoe.loader import load_model
+from hybridmoe.native.threads import kernel_threads
 from tests.tiny import build_tiny
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -172,10 +173,12 @@ class HeldPrefill:
         self.model, self.forward = model, model.forward
         self.hold, self.release, self.held = False, threading.Event(), threading.Event()
         self.threads = set()  # names of the threads that ran passes
+        self.passes = []  # (thread name, new tokens, the kernels' threads) of every pass, in order
         model.forward = self
 
     def __call__(self, ids, *a, **kw):
         self.threads.add(threading.current_thread().name)
+        self.passes.append((threading.current_thread().name, len(ids), kernel_threads()))
         if self.hold and len(ids) > 1:
             self.held.set()
             assert self.release.wait(timeout=30), "the prefill pass was never released"
@@ -205,7 +208,7 @@ def decoding_and_held(eng, held, short, long, steps):
     after `steps` steps."""
     outs = {}
     a = eng.add_request(short, GREEDY)
-    collect(outs, eng.step())  # short's prefill: started and, with nothing to decode, waited for
+    collect(outs, eng.step())  # short's prefill: with nothing to decode, on the engine's thread
     assert outs == {a: outs[a]} and len(outs[a]) == 1
     held.hold = True
     b = eng.add_request(long, GREEDY)
@@ -244,11 +247,36 @@ def test_a_request_aborted_while_its_prefill_is_in_flight_frees_its_blocks_after
     assert eng.blocks.num_free == eng.blocks.num_blocks and eng.metrics.requests_aborted == 1
 
 
-def test_overlap_prefill_is_refused_where_two_passes_cannot_run_at_once(pair):
-    _, model = pair
+def test_beside_a_prefill_pass_decode_takes_one_thread_and_a_pass_alone_takes_them_all(pair):
+    """overlap_prefill with torch at two threads: a prefill pass with nothing to decode runs on
+    the engine's thread on both, a decode pass beside a prefill pass in flight on one (the prefill
+    thread, on one, has the other core), a decode pass alone on both; each request still gets
+    transformers' tokens."""
+    ref, model = pair
+    short, long = random_prompts(2, seed=9, lo=8, hi=30)
     torch.set_num_threads(2)
     try:
-        with pytest.raises(ValueError, match="threads to 1"):
-            engine(model, overlap_prefill=True)
+        eng = engine(model, overlap_prefill=True)
+        with HeldPrefill(model) as held:
+            outs, a, b = decoding_and_held(eng, held, short, long, steps=3)
+            during = list(held.passes)
+            held.release.set()
+            run_to_end(eng, outs)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
+    me = threading.current_thread().name
+    assert during[0] == (me, len(short), 2)  # short's prefill, alone
+    assert {t for name, n, t in during[1:] if name == me} == {1}  # short decoding beside long's
+    assert {t for name, n, t in held.passes if name != me} == {1}  # the prefill thread
+    both = [t for name, n, t in held.passes if name == me and n == 2]  # both decoding, alone
+    assert both and set(both) == {2}
+    assert outs == {a: hf_greedy(ref, short, 12), b: hf_greedy(ref, long, 12)}
+
+
+def test_overlap_prefill_is_refused_where_two_passes_cannot_run_at_once(pair, monkeypatch):
+    """A model whose expert runtime keeps per-pass state (not reentrant: the hybrid runtime)."""
+    _, model = pair
+    monkeypatch.setattr(type(model), "reentrant", property(lambda self: False))
+    with pytest.raises(ValueError, match="two forward passes at once"):
+        engine(model, overlap_prefill=True)

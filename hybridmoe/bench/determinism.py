@@ -93,7 +93,7 @@ def run(args) -> int:
     from hybridmoe.demo.cache import ensure_demo_model
     from hybridmoe.loader import load_model, load_tokenizer
 
-    torch.set_num_threads(1)  # as serve runs the demo model (hidden 576 < tuning.WIDE_MODEL)
+    torch.set_num_threads(1)  # as serve runs a pass beside another (prefill beside decode)
     path = ensure_demo_model()
     tok = load_tokenizer(path)
     model = load_model(path, dtype=torch.bfloat16, progress=False)

@@ -12,7 +12,6 @@ from typing import get_args, get_type_hints
 
 from hybridmoe.errors import UserError
 from hybridmoe.quant.formats import QUANTIZE_TO
-from hybridmoe.tuning import WIDE_MODEL
 
 # --dtype names -> torch dtype names (torch is imported only when a model is loaded)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -81,8 +80,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: 1 for models narrower than "
-        f"{WIDE_MODEL} hidden units, else all cores)",
+        help="CPU threads for torch and the native kernels (default: all cores)",
     )
     add_runtime_options(p)
 
@@ -293,7 +291,7 @@ def load_from_args(args: argparse.Namespace):
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads {args.threads}: give a positive number of threads")
     path = model_path(args)
-    torch.set_num_threads(args.threads or default_threads(path))
+    torch.set_num_threads(args.threads or available_cores())
     tokenizer = load_tokenizer(path, args.tokenizer)
     model = load_model(
         path,
@@ -332,14 +330,6 @@ def compute_dtype(name: str):
     from hybridmoe.native import cpu_has_native_bf16
 
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def default_threads(path: str) -> int:
-    """All cores, except for narrow models whose per-op work is too small to split."""
-    from hybridmoe.loader import model_config
-
-    hidden = model_config(path).get("hidden_size", default=WIDE_MODEL)
-    return 1 if hidden < WIDE_MODEL else available_cores()
 
 
 def available_cores() -> int:

@@ -69,8 +69,8 @@ def add_parser(sub) -> None:
         "--overlap-prefill",
         choices=("auto", "on", "off"),
         default="auto",
-        help="prefill prompts on a second core while the first decodes (auto: on with the CPU "
-        "expert runtime, one torch thread and at least two cores)",
+        help="prefill prompts on a second core while the first decodes, every core to a pass "
+        "that runs alone (auto: on with the CPU expert runtime and at least two cores)",
     )
     g.add_argument(
         "--deterministic",
@@ -107,8 +107,8 @@ def overlap_prefill(args, model) -> bool:
     fits = overlap_unsupported(model) is None and available_cores() >= 2
     if args.overlap_prefill == "on" and not fits:
         raise UserError(
-            "--overlap-prefill on needs the CPU expert runtime (no GPU options), --threads 1 and "
-            "at least two cores; leave it at auto"
+            "--overlap-prefill on needs the CPU expert runtime (no GPU options) and at least two "
+            "cores; leave it at auto"
         )
     return fits
 

@@ -59,8 +59,10 @@ class EngineConfig:
     # None: one count for every pass.
     prefill_threads: int | None = None
     threads_from_tokens: int = 64
-    # Prefill chunks on a second thread (one torch thread each) while this one decodes. Needs a
-    # model whose forward may run twice at once (the plain CPU expert runtime) and one torch thread.
+    # Prefill chunks on a second thread while this one decodes, one torch thread each; a pass that
+    # runs alone (a decode pass with no prefill in flight, a prefill pass with nothing to decode)
+    # takes this thread's count. Needs a model whose forward may run twice at once (the plain CPU
+    # expert runtime).
     overlap_prefill: bool = False
     # The prefix cache beyond the pool (engine/prefix_cache/): any of these turns it on.
     prefix_cache_ram: str | None = field(

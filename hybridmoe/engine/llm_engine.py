@@ -248,7 +248,7 @@ class LLMEngine:
             n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1
         )
         try:
-            logits = self.runner.run(batch)  # [n, V]
+            logits = self.runner.run(batch, beside=self._prefilling())  # [n, V]
         except Exception:
             log.exception("a forward pass failed; running its sequences one at a time")
             return self._one_by_one(batch)
@@ -262,7 +262,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             one, t0 = Batch([seq], [n]), time.perf_counter()
             try:
-                logits = self.runner.run(one)  # [1 or 0, V]
+                logits = self.runner.run(one, beside=self._prefilling())  # [1 or 0, V]
             except Exception as e:
                 log.exception("request %s failed in the forward pass", seq.request_id)
                 self.fail(seq.request_id)
@@ -277,14 +277,17 @@ class LLMEngine:
 
         The decode tokens are scheduled first (their blocks reserved), then, if the prefill thread
         is free, a pass of prefill chunks and admissions starts there; neither may preempt a
-        sequence of the other. The prefill pass's results are taken when it has finished: after this
-        step's decode pass, or at once when there is nothing to decode (then this step waits for
-        it).
+        sequence of the other. With nothing to decode, that pass runs on this thread instead, on
+        every core. A decode pass beside a prefill pass in flight takes one core, alone every
+        core. The prefill pass's results are taken when it has finished: after this step's decode
+        pass, or at once when there is nothing to decode (then this step waits for it).
         """
         flying = self._in_flight.pinned if self._in_flight else frozenset()
         decode = self.scheduler.schedule(prefill=False, pinned=flying)
         if self._in_flight is None:
             batch = self.scheduler.schedule(decode=False, pinned=frozenset(decode.seqs))
+            if batch and not decode:
+                return self._pass(batch)
             if batch:
                 self._mark_scheduled(batch, time.perf_counter())
                 self._in_flight = _Pass(batch, self.runner.start(batch), frozenset(batch.seqs))
@@ -292,6 +295,10 @@ class LLMEngine:
         if self._in_flight is not None and (self._in_flight.future.done() or not decode):
             outputs += self._finish_prefill()
         return outputs
+
+    def _prefilling(self) -> bool:
+        """Whether a prefill pass is running on the prefill thread (overlap_prefill) now."""
+        return self._in_flight is not None and not self._in_flight.future.done()
 
     def _finish_prefill(self) -> list[RequestOutput]:
         flight, self._in_flight = self._in_flight, None

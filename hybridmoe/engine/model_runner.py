@@ -29,19 +29,12 @@ from hybridmoe.native.threads import kernels_only
 
 
 def overlap_unsupported(model) -> str | None:
-    """Why `model` cannot run a prefill pass beside a decode pass here
-    (EngineConfig.overlap_prefill), or None when it can: its expert runtime must allow two forward
-    passes at once, and this thread must run torch on one thread (each pass has a core to
-    itself)."""
+    """Why `model` cannot run a prefill pass beside a decode pass (EngineConfig.overlap_prefill),
+    or None when it can: its expert runtime must allow two forward passes at once."""
     if not model.reentrant:
         return (
             "the model's expert runtime cannot run two forward passes at once (the plain CPU "
             "runtime can)"
-        )
-    if torch.get_num_threads() != 1:
-        return (
-            "decode and prefill run on one core each; set torch's threads to 1 (it is "
-            f"{torch.get_num_threads()})"
         )
     return None
 
@@ -83,12 +76,15 @@ class ModelRunner:
                 1, "hybridmoe-prefill", initializer=torch.set_num_threads, initargs=(1,)
             )
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, beside: bool = False) -> torch.Tensor:
         """One forward pass over `batch` on this thread: logits [n, V], one row per sequence whose
-        every token is then in the cache, in batch order."""
+        every token is then in the cache, in batch order. `beside`: a prefill pass is in flight on
+        the prefill thread (overlap_prefill), which has a core of its own: this pass takes one
+        torch thread, where alone it takes this thread's count (every core, as the CLI sets it)."""
         inputs = self._inputs(batch)
         decode = decode_rows(batch, inputs.ctx.starts)
-        with self._threads(len(inputs.ids)), self._decode_threads(len(inputs.ids), len(decode)):
+        threads = self._threads(len(inputs.ids), beside)
+        with threads, self._decode_threads(len(inputs.ids), len(decode)):
             return self._run(inputs, decode)
 
     def start(self, batch: Batch) -> Future:
@@ -139,11 +135,15 @@ class ModelRunner:
             yield
 
     @contextmanager
-    def _threads(self, num_tokens: int):
-        """Run a pass of `num_tokens` new tokens with the thread count configured for its size."""
-        want = self.config.prefill_threads
-        before = torch.get_num_threads()
-        if want is None or num_tokens < self.config.threads_from_tokens or want == before:
+    def _threads(self, num_tokens: int, beside: bool = False):
+        """Run a pass of `num_tokens` new tokens with the thread count configured for its size, or
+        on one thread `beside` a prefill pass in flight."""
+        before, want = torch.get_num_threads(), self.config.prefill_threads
+        if beside:
+            want = 1
+        elif want is None or num_tokens < self.config.threads_from_tokens:
+            want = before
+        if want == before:
             yield
             return
         torch.set_num_threads(want)  # per-thread OpenMP setting, ~1 us: cheap to change every pass

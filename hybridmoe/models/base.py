@@ -25,6 +25,7 @@ from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import Rotary, rope_parameters
 from hybridmoe.native import quant as quant_kernels
 from hybridmoe.native.huge_pages import arena
+from hybridmoe.native.threads import kernel_threads
 from hybridmoe.quant.formats import FORMATS, suits
 from hybridmoe.quant.tensor import QTensor, for_kernels
 
@@ -190,7 +191,9 @@ class CausalLM(nn.Module):
         is kept, and made again when its key changes (_plan_key: what a step can change) or the
         model does (_changed: weights placed or loaded, routing replayed, train/eval)."""
         key = self._plan_key(x, cos_sin, ctx)
-        at = (start, x.shape[0])  # a plan for each count of rows: serving's batches vary
+        # a plan for each count of rows and of threads: serving's batches vary, and its decode
+        # passes take one core beside a prefill pass, every core alone
+        at = (start, x.shape[0], kernel_threads())
         kept = self._plans.get(at)
         # a plan points to attention tables, which a table made anywhere may have freed; a layer
         # not taken points to nothing
