@@ -220,31 +220,38 @@ def test_decode_batches_on_bf16_experts_run_in_the_loop_where_rows_are_alone(
 
 
 @needs_kernels
-def test_the_loop_leaves_batches_and_prompts_to_the_layers(tmp_path, monkeypatch):
-    """Plain bf16 experts (Qwen2-MoE's shared block here) where rows are not computed alone (the
-    fastest kernel for each pass's size): only a pass of one decode token runs in the loop; the
-    engine's passes with a prompt chunk or several sequences' tokens go through the layers."""
-    build_tiny("qwen2_moe", tmp_path / "m", seed=3)
-    model = load_model(tmp_path / "m", dtype=torch.bfloat16, progress=False)
-    passes, looped = [], []
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_decode_batches_run_in_the_loop_where_rows_are_not_alone_and_prompts_do_not(
+    arch, tmp_path, monkeypatch
+):
+    """Plain bf16 experts (Qwen2-MoE's shared block, Qwen3-MoE's) where rows are not computed
+    alone (the fastest kernel for each pass's size): a decode step of several sequences, up to
+    native.MAX_ROWS, takes the bf16 kernels on either path, and runs in the loop with the layers'
+    logits at every pass; the passes with a prompt chunk go through the layers."""
+    build_tiny(arch, tmp_path / arch, seed=3)
+    model = load_model(tmp_path / arch, dtype=torch.bfloat16, progress=False)
+    passes, in_loop = [], set()  # (new tokens, decode tokens) of each pass; the passes looped
     forward, layers_of = CausalLM.forward, CausalLM._decode_layers
 
-    def counted(self, input_ids, *args, **kwargs):
-        passes.append(len(input_ids))
-        return forward(self, input_ids, *args, **kwargs)
+    def counted(self, input_ids, positions, ctx, decode_rows=()):
+        passes.append((len(input_ids), len(decode_rows)))
+        return forward(self, input_ids, positions, ctx, decode_rows)
 
     def layers(self, x, cos_sin, ctx, start=0):
         done, out = layers_of(self, x, cos_sin, ctx, start)
         if done:
-            looped.append(len(passes) - 1)  # the pass it ran in
+            in_loop.add(len(passes) - 1)
         return done, out
 
     monkeypatch.setattr(CausalLM, "forward", counted)
     monkeypatch.setattr(CausalLM, "_decode_layers", layers)
-    with torch.inference_mode():
-        batch_greedy(model)()
-    assert looped and all(passes[i] == 1 for i in looped)
-    assert any(rows > 1 for rows in passes)  # and passes of several rows ran, their own way
+    tokens, logits, looped = batch_run(model, monkeypatch, True)
+    tokens_off, logits_off, _ = batch_run(model, monkeypatch, False)
+    assert tokens == tokens_off and len(logits) == len(logits_off) > 20
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_off))
+    assert 1 in looped and max(looped) > 1  # steps of one sequence and of several
+    assert any(n > d for n, d in passes)  # passes with prompt chunks ran, none in the loop
+    assert in_loop and all(passes[i][0] == passes[i][1] for i in in_loop)
 
 
 def deterministic_greedy(model):

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe import invariance, native
+from hybridmoe import native
 from hybridmoe.experts.run.expert_grad import TrainLoRA
+from hybridmoe.experts.run.ffn import bf16_kernels_take
 from hybridmoe.experts.run.lora import ExpertLoRA, RowLoRA
 from hybridmoe.experts.run.runtime import mix_tokens
 from hybridmoe.layers import lora
@@ -243,8 +244,9 @@ class SparseMoE(nn.Module):
         no gradients, the router's own choice, no adapter on the router or the experts; else None
         (which row dtypes the kernels take: mix_tokens). With `rows`, several rows too where the
         experts are in blocks (the runtime's one call for any count: quant_kernels.moe_tokens) or
-        where each row is computed as if alone (invariance.active(): then a row's bits are those of
-        one token's native call). Checked on every layer of every step."""
+        where mix_tokens gives plain bf16 experts' rows to the bf16 kernels (ffn.bf16_kernels_take:
+        up to native.MAX_ROWS, any count where each row is computed as if alone). Checked on every
+        layer of every step."""
         if (
             (x.shape[0] != 1 and not rows)
             or self.replay is not None
@@ -256,8 +258,8 @@ class SparseMoE(nn.Module):
         ):
             return None
         experts = self.runtime.token_experts(self.layer)
-        if experts is not None and x.shape[0] != 1 and not (experts[2] or invariance.active()):
-            return None  # plain bf16 experts: a token a call, each row's bits where rows are alone
+        if experts is not None and x.shape[0] != 1 and not (experts[2] or bf16_kernels_take(x)):
+            return None  # plain bf16 experts: the rows mix_tokens gives the bf16 kernels
         return experts
 
     def expert_lora(self, num_rows: int) -> RowLoRA | TrainLoRA | None:
