@@ -70,11 +70,49 @@ def test_gemm_takes_strided_rows_and_leading_dimensions():
 
 @needs_kernels
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """Every count of rows, past one panel of x rows (bf16.c PANEL, 64) too."""
     gen = torch.Generator().manual_seed(4)
-    w, x = bf16(9, 200, gen=gen), bf16(native.MAX_ROWS, 200, gen=gen)
+    w, x = bf16(9, 200, gen=gen), bf16(130, 200, gen=gen)
     alone = torch.cat([native.gemm(x[i : i + 1], w) for i in range(len(x))])  # [M, 9]
-    for m in range(2, native.MAX_ROWS + 1):
+    for m in [*range(2, native.MAX_ROWS + 1), 63, 64, 65, 127, 130]:
         assert torch.equal(native.gemm(x[:m], w), alone[:m])
+
+
+def bf16_with_exponents(shape, lo: int, hi: int, gen, signed: bool = True) -> torch.Tensor:
+    """bf16 values of random mantissa (and sign, if `signed`) whose exponent field is in [lo, hi]
+    (0: subnormal)."""
+    n = int(torch.Size(shape).numel())
+    sign_mantissa = torch.randint(0, 1 << 16, (n,), generator=gen) & (0x807F if signed else 0x7F)
+    exponent = torch.randint(lo, hi + 1, (n,), generator=gen) << 7
+    return (sign_mantissa | exponent).to(torch.int16).view(torch.bfloat16).view(shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "kind, w_exp, x_exp",
+    [
+        ("wide", (0, 190), (0, 190)),
+        ("near the subnormals", (0, 12), (110, 135)),  # products and sums around 2^-126
+        ("overflowing", (200, 254), (150, 190)),  # sums past the largest float
+    ],
+)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_for_any_bf16_values(kind, w_exp, x_exp):
+    """One x row takes vdpbf16ps, several take two fma a pair with MXCSR's DAZ and FTZ (bf16.c
+    PAIRS): the same bits for every kind of bf16 value, subnormal inputs, products and sums below
+    the normal range and sums that overflow included (NaN where both give NaN)."""
+    gen = torch.Generator().manual_seed(len(kind))
+    signed = kind != "overflowing"  # else +inf and -inf would make every sum NaN
+    w = bf16_with_exponents((9, 100), *w_exp, gen=gen, signed=signed)
+    x = bf16_with_exponents((native.MAX_ROWS, 100), *x_exp, gen=gen, signed=signed)
+    alone = torch.cat([native.gemm(x[i : i + 1], w) for i in range(len(x))])  # [M, 9]
+    if kind == "overflowing":
+        assert alone.isinf().any()
+    else:
+        assert (alone.isfinite() & (alone != 0)).any()
+    for m in range(2, native.MAX_ROWS + 1):
+        got, want = native.gemm(x[:m], w), alone[:m]
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), m
 
 
 def swiglu_reference(x, gate_up, down):
