@@ -163,6 +163,20 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
    from 8 rows the products are bound by vdpbf16ps, not the stream). Every accumulator sums the same chunks in the
    same order either way, so a row's result does not depend on the batch it came in. Missing weight
    rows (j >= c) re-read row o and are not stored. */
+/* Rows m .. m+R-1, columns o .. o+c-1 of Y (or of B's bf16 rows) from their accumulators: each the sum of its
+   16 lanes (hsum4's tree). */
+ALWAYS_INLINE void store_rows(__m512 acc[4][4], const int R, long m, long o, long c, float *Y, long ldy,
+                              const out_bf16 *B) {
+    for (int r = 0; r < R; r++) {
+        __m128 s = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+        if (B) {
+            store_bf16(B, s, m + r, o, c);
+            continue;
+        }
+        _mm_mask_storeu_ps(Y + (m + r) * ldy + o, (__mmask8)((1u << c) - 1), s);
+    }
+}
+
 ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16_t *X, long ldx, long m,
                          const int R, const int PF, float *Y, long ldy, const out_bf16 *B) {
     const uint16_t *x[4], *w[4];
@@ -203,29 +217,99 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
         if (tail) PAIRS(_mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
         _mm_setcsr(csr);
     }
-    for (int r = 0; r < R; r++) {
-        __m128 s = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-        if (B) {
-            store_bf16(B, s, m + r, o, c);
-            continue;
-        }
-        _mm_mask_storeu_ps(Y + (m + r) * ldy + o, (__mmask8)((1u << c) - 1), s);
-    }
+    store_rows(acc, R, m, o, c, Y, ldy, B);
 }
 #undef CHUNK
 #undef PAIRS
 
-/* Y[m, o] = sum_i W[o, i] X[m, i] for m < M, o < O.  W: [O, I] bf16 row-major; X: [M, I] bf16 with
-   rows ldx apart; Y: [M, O] fp32 with rows ldy apart. */
+/* Rows of bf16 widened for the fma pairs: each chunk of 32 values as 16 fp32 of its odd elements, then 16 of
+   its even ones (a tail's missing values 0, as block()'s masked loads give them), L = 32 per chunk floats a
+   row. The many-row products below read their operands ready, so that their loop is loads and fma alone. */
+ALWAYS_INLINE void widen32(__m512i x, float *out) {
+    _mm512_store_ps(out, _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000))));
+    _mm512_store_ps(out + 16, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+}
+
+ALWAYS_INLINE void widen_row(const uint16_t *v, long I, float *out) {
+    const long tail = I % 32, end = I - tail;
+    for (long i = 0; i < end; i += 32) widen32(_mm512_loadu_si512(v + i), out + i);
+    if (tail) widen32(_mm512_maskz_loadu_epi16((__mmask32)((1ULL << tail) - 1), v + end), out + end);
+}
+
+/* block() for R x rows from widened rows: weight row j at w[j], x row r at x + r * L; PAIRS' arithmetic. */
+ALWAYS_INLINE void block_wide(const float *const w[4], const float *x, long L, long o, long c, long m, const int R,
+                              float *Y, long ldy, const out_bf16 *B) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | FTZ_DAZ);
+    for (long q = 0; q < L; q += 32) {
+        __m512 wo[4], we[4];
+        for (int j = 0; j < 4; j++) wo[j] = _mm512_load_ps(w[j] + q), we[j] = _mm512_load_ps(w[j] + q + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 xo = _mm512_load_ps(x + r * L + q), xe = _mm512_load_ps(x + r * L + q + 16);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(we[j], xe, _mm512_fmadd_ps(wo[j], xo, acc[r][j]));
+        }
+    }
+    _mm_setcsr(csr);
+    store_rows(acc, R, m, o, c, Y, ldy, B);
+}
+
+/* This thread's scratch for widened rows, grown as asked and kept for the thread's life (the pool's threads
+   and the engine's live as long as the process: (PANEL + 4) rows of the widest product, 1.1 MB at 4096
+   columns); NULL if out of memory, and the product takes block() instead. */
+static float *wide_scratch(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        free(buf);
+        cap = 0;
+        buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (!buf) return NULL;
+        cap = floats;
+    }
+    return buf;
+}
+
 /* x rows a panel: many x rows (a prefill chunk's) go through every weight row a panel at a time, so that the
-   panel's rows (64 x 2048 bf16: 256 KB) stay in L2 while the weights pass, instead of all the rows passing
-   L2 again for every four weight rows (512 x 2048 x 768, one thread: 14.7 -> 12.8 ms; 64 and 128 alike,
-   32 slower). Each output is still one block()'s. */
+   panel's rows stay in L2 while the weights pass, instead of all the rows passing L2 again for every four
+   weight rows (512 x 2048 x 768, one thread: 14.7 -> 12.8 ms; 64 and 128 alike, 32 slower). */
 #define PANEL 64
+/* From this many x rows a product reads its operands widened (widen_row: each x panel once, each four weight
+   rows once a panel), so that its loop is loads and fma alone: one thread, 512 x 576 x 576 2.7 -> 2.4 ms,
+   512 x 768 x 2048 13.3 -> 11.3 ms. Below, where the weights stream from RAM for a few rows (decode
+   batches), widening them first slowed the stream (4 rows of 768 x 2048: 11.6 -> 8.7 GB/s), and block()
+   widens in registers. */
+#define WIDE_FROM 16
+
+/* Y[m, o] = sum_i W[o, i] X[m, i] for m < M, o < O.  W: [O, I] bf16 row-major; X: [M, I] bf16 with
+   rows ldx apart; Y: [M, O] fp32 with rows ldy apart. Each output is one block()'s or block_wide()'s, the
+   same bits: one x row's vdpbf16ps, several rows' fma pairs. */
 static void gemm_to(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M,
                     const out_bf16 *B) {
+    const long L = (I + 31) / 32 * 32;
+    float *xw = M >= WIDE_FROM ? wide_scratch((size_t)((PANEL + 4) * L)) : NULL;
     for (long m0 = 0; m0 < M; m0 += PANEL) {
         const long M1 = M - m0 < PANEL ? M : m0 + PANEL;
+        if (xw) { /* widened */
+            float *ww = xw + PANEL * L;
+            for (long m = m0; m < M1; m++) widen_row(X + m * ldx, I, xw + (m - m0) * L);
+            for (long o = 0; o < O; o += 4) {
+                const long c = O - o < 4 ? O - o : 4;
+                const float *w[4];
+                for (long j = 0; j < c; j++) widen_row(W + (o + j) * I, I, ww + j * L);
+                for (int j = 0; j < 4; j++) w[j] = ww + (j < c ? j : 0) * L; /* missing rows: row o again */
+                long m = m0;
+                for (; m + 4 <= M1; m += 4) block_wide(w, xw + (m - m0) * L, L, o, c, m, 4, Y, ldy, B);
+                switch (M1 - m) {
+                case 3: block_wide(w, xw + (m - m0) * L, L, o, c, m, 3, Y, ldy, B); break;
+                case 2: block_wide(w, xw + (m - m0) * L, L, o, c, m, 2, Y, ldy, B); break;
+                case 1: block_wide(w, xw + (m - m0) * L, L, o, c, m, 1, Y, ldy, B); break;
+                }
+            }
+            continue;
+        }
         for (long o = 0; o < O; o += 4) {
             long c = O - o < 4 ? O - o : 4, m = m0;
             for (; m + 4 <= M1; m += 4) block(W, I, o, c, X, ldx, m, 4, m == m0, Y, ldy, B);
