@@ -151,7 +151,8 @@ def test_expert_matches_swiglu_with_one_bf16_rounding(m, hidden, inter):
 @needs_kernels
 @pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize(
-    "rows, cols, m", [(1536, 2048, 1), (1536, 576, 5), (49, 100, 3), (3, 1, 1)]
+    "rows, cols, m",
+    [(1536, 2048, 1), (1536, 576, 5), (49, 100, 3), (3, 1, 1), (1537, 576, 70), (202, 100, 16)],
 )
 def test_gemm_on_threads_gives_one_threads_bits(rows, cols, m, workers):
     gen = torch.Generator().manual_seed(rows + cols + m)
@@ -161,7 +162,9 @@ def test_gemm_on_threads_gives_one_threads_bits(rows, cols, m, workers):
 
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows, cols, m", [(1536, 576, 1), (1537, 100, 5), (3, 1, 2)])
+@pytest.mark.parametrize(
+    "rows, cols, m", [(1536, 576, 1), (1537, 100, 5), (3, 1, 2), (1537, 100, 70)]
+)
 def test_linear_in_one_call_is_the_fp32_product_plus_bias_rounded_once(rows, cols, m, threads):
     """native.linear (bias added and rounded in C, on the pool's threads for a large weight) gives
     the bits of gemm's fp32 product + the bias in fp32, rounded by torch."""
