@@ -1576,10 +1576,11 @@ static double now_s(void) {
    look-ahead reads it); ids, w [L, T, K]: each router's choice; secs [L]: each layer's experts' time. The
    step's attention arguments as hm_decoder_attention_bf16 takes them; threads: its threads, workers: the
    experts'; qmoe, isa: quant.c's hm_qmoe_tokens and its path (experts in blocks: the T tokens in one
-   call; plain bf16 experts too, with or without a shared expert, each expert's tokens' rows gathered
-   (hm_moe_tokens_bf16, hm_shared_moe_tokens_bf16: each token's bits as alone, which the caller asks
-   for only where each token is computed as if alone). Returns the number of layers done: L, or fewer where a router's logit was not
-   finite or a call found no memory for its scratch; x_out is then the
+   call; plain bf16 experts too, with or without a shared expert, each expert's tokens' rows gathered:
+   hm_moe_tokens_bf16, hm_shared_moe_tokens_bf16, each token's bits as alone, which the caller asks for
+   where the runtime's mix_tokens gives those rows to the bf16 kernels). Returns the number of layers
+   done: L, or fewer where a router's logit was not finite or a call found no memory for its scratch;
+   x_out is then the
    input of the first layer not done, which the caller runs its own way (its attention writes the same
    K and V again). */
 long hm_decode_layers_bf16(const int64_t *layers, long L, long T, long H, const uint16_t *X, const float *C,
