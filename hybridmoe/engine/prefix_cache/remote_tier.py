@@ -55,7 +55,7 @@ class RemoteTier:
             return False, None
         try:
             return True, future.result(timeout=self.timeout)
-        except FutureTimeout:
+        except (FutureTimeout, TimeoutError):  # the wait's, or the store's own (one in 3.11+)
             self.stats.timeouts += 1
             why = f"no answer in {self.timeout:g} s"
         except Exception as e:  # the store's own errors: connection refused, reset, full...
