@@ -115,6 +115,32 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_for_any_bf16_values(kin
         assert bool(same.all()), m
 
 
+@needs_kernels
+@pytest.mark.parametrize(
+    "kind, w_exp, x_exp",
+    [("wide", (0, 190), (0, 190)), ("near the subnormals", (0, 12), (110, 135))],
+)
+def test_several_rows_give_the_same_bits_on_fma_pairs_and_on_vdpbf16ps(kind, w_exp, x_exp):
+    """Products of several rows take fma pairs where the library's check at load found them giving
+    this CPU's vdpbf16ps bits, else vdpbf16ps (bf16.c hm_fma_pairs_check): both paths, in registers
+    (8 rows) and widened (70 rows), give the same bits."""
+    from hybridmoe.native import bf16 as kernels
+
+    gen = torch.Generator().manual_seed(len(kind) + 7)
+    w = bf16_with_exponents((9, 100), *w_exp, gen=gen)
+    x = bf16_with_exponents((70, 100), *x_exp, gen=gen)
+    on = kernels.use_fma_pairs(True)
+    try:
+        pairs = [native.gemm(x[:m], w) for m in (8, 70)]
+        assert not kernels.use_fma_pairs(False)
+        plain = [native.gemm(x[:m], w) for m in (8, 70)]
+    finally:
+        assert kernels.use_fma_pairs(True) == on
+    for got, want in zip(pairs, plain):
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        assert bool(same.all())
+
+
 def swiglu_reference(x, gate_up, down):
     """[M, H] in float64 with the kernel's one bf16 rounding of silu(g) * u."""
     g, u = (x.double() @ gate_up.double().t()).chunk(2, dim=-1)  # [M, I] each

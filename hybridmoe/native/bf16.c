@@ -116,6 +116,49 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
    the products and not the stream bound the time, 16 vdpbf16ps (32 cycles) become 32 fma and 16
    widenings (24). Tested bit for bit against vdpbf16ps on every kind of bf16 value (tests/test_native.py). */
 #define FTZ_DAZ 0x8040u
+/* Whether products of several rows take the fma pairs: on where hm_fma_pairs_check found them giving this
+   CPU's vdpbf16ps bits (Intel's definition of it; another CPU's could differ), else vdpbf16ps (CHUNK). */
+static int fma_pairs;
+
+/* vdpbf16ps against the fma pairs on vectors that tell them apart (ordinary values, tiny exponents that
+   need DAZ and FTZ, arbitrary bits): 1 where every lane of every sum agrees (NaN with NaN). Sets the flag. */
+__attribute__((target("avx512f,avx512bf16,avx512bw"))) int hm_fma_pairs_check(void) {
+    uint32_t seed = 12345u;
+    int same = 1;
+    const unsigned csr = _mm_getcsr();
+    for (int trial = 0; trial < 64 && same; trial++) {
+        __m512 acc = _mm512_setzero_ps(), e = _mm512_setzero_ps();
+        for (int k = 0; k < 64; k++) {
+            uint16_t a[32], b[32];
+            for (int i = 0; i < 32; i++) {
+                seed = seed * 1664525u + 1013904223u;
+                const uint32_t r = seed >> 8;
+                const int kind = trial % 3;
+                const uint16_t exp_a = kind == 1 ? (uint16_t)(r % 12) : (uint16_t)(110 + r % 34);
+                const uint16_t exp_b = kind == 1 ? (uint16_t)(115 + (r >> 5) % 20) : (uint16_t)(110 + (r >> 5) % 34);
+                a[i] = kind == 2 ? (uint16_t)r : (uint16_t)((r & 0x807F) | (exp_a << 7));
+                b[i] = kind == 2 ? (uint16_t)(r >> 3) : (uint16_t)(((r >> 9) & 0x807F) | (exp_b << 7));
+            }
+            const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b), hi = _mm512_set1_epi32((int)0xFFFF0000);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
+            _mm_setcsr(csr | FTZ_DAZ);
+            e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(va, hi)),
+                                _mm512_castsi512_ps(_mm512_and_si512(vb, hi)), e);
+            e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(va, 16)),
+                                _mm512_castsi512_ps(_mm512_slli_epi32(vb, 16)), e);
+            _mm_setcsr(csr);
+        }
+        const __mmask16 nan = _mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q);
+        const __mmask16 eq = _mm512_cmpeq_epi32_mask(_mm512_castps_si512(acc), _mm512_castps_si512(e));
+        same = (__mmask16)(eq | nan) == (__mmask16)0xFFFF;
+    }
+    fma_pairs = same;
+    return same;
+}
+
+/* The fma pairs on (1) where hm_fma_pairs_check passed, or off (0: vdpbf16ps for every row count). */
+void hm_set_fma_pairs(int on) { fma_pairs = on; }
+
 #define PAIRS(LOAD_W, LOAD_X)                                                                     \
     do {                                                                                          \
         const __m512i hi_ = _mm512_set1_epi32((int)0xFFFF0000);                                   \
@@ -203,7 +246,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     } else {
         const char *next = (const char *)(W + (o + 4) * I);  /* the next block's 8 I bytes, 256 a chunk */
         const unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr | FTZ_DAZ);
+        if (fma_pairs) _mm_setcsr(csr | FTZ_DAZ);
         for (long i = 0; i < end; i += 32) {
             if (PF)
                 for (int b = 0; b < 256; b += 64) {
@@ -212,10 +255,16 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
                     _mm_prefetch(next + 8 * I + 8 * i + b, _MM_HINT_T1);
 #endif
                 }
-            PAIRS(_mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
+            if (fma_pairs)
+                PAIRS(_mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
+            else
+                for (int j = 0; j < 4; j++) CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
         }
-        if (tail) PAIRS(_mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
-        _mm_setcsr(csr);
+        if (tail && fma_pairs) PAIRS(_mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
+        if (tail && !fma_pairs)
+            for (int j = 0; j < 4; j++)
+                CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
+        if (fma_pairs) _mm_setcsr(csr);
     }
     store_rows(acc, R, m, o, c, Y, ldy, B);
 }
@@ -289,7 +338,7 @@ static float *wide_scratch(size_t floats) {
 static void gemm_to(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M,
                     const out_bf16 *B) {
     const long L = (I + 31) / 32 * 32;
-    float *xw = M >= WIDE_FROM ? wide_scratch((size_t)((PANEL + 4) * L)) : NULL;
+    float *xw = M >= WIDE_FROM && fma_pairs ? wide_scratch((size_t)((PANEL + 4) * L)) : NULL;
     for (long m0 = 0; m0 < M; m0 += PANEL) {
         const long M1 = M - m0 < PANEL ? M : m0 + PANEL;
         if (xw) { /* widened */

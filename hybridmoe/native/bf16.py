@@ -119,6 +119,10 @@ SIGNATURES = {
     # int hm_amx_permit(void); void hm_set_amx(int on): the decode attention on AMX tiles
     "hm_amx_permit": ([], INT),
     "hm_set_amx": ([INT], None),
+    # int hm_fma_pairs_check(void); void hm_set_fma_pairs(int on): products of several rows as fma
+    # pairs with vdpbf16ps's bits, where this CPU's vdpbf16ps is Intel's definition of it
+    "hm_fma_pairs_check": ([], INT),
+    "hm_set_fma_pairs": ([INT], None),
 }
 
 
@@ -137,10 +141,24 @@ def cpu_has_native_bf16() -> bool:
 def library():
     """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
     lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
+    if lib is not None:
+        _FMA_PAIRS.append(bool(lib.hm_fma_pairs_check()))  # and on where it passed
     if lib is not None and env.amx_enabled() and amx_permitted(lib):
         lib.hm_set_amx(1)
         _AMX_ON[0] = True
     return lib
+
+
+_FMA_PAIRS: list[bool] = []  # whether this CPU's vdpbf16ps passed hm_fma_pairs_check
+
+
+def use_fma_pairs(on: bool) -> bool:
+    """Products of several rows as fma pairs (on: where this CPU's vdpbf16ps gives their bits, which
+    the library checks when it loads) or on vdpbf16ps (off); the same bits either way. Returns
+    whether they are on now."""
+    lib = library()
+    state = [False]
+    return switch(lib, "hm_set_fma_pairs", state, on, lambda: _FMA_PAIRS[0])
 
 
 def cpu_has_amx() -> bool:
