@@ -116,6 +116,7 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
    the products and not the stream bound the time, 16 vdpbf16ps (32 cycles) become 32 fma and 16
    widenings (24). Tested bit for bit against vdpbf16ps on every kind of bf16 value (tests/test_native.py). */
 #define FTZ_DAZ 0x8040u
+#define RC_BITS 0x6000u /* MXCSR's rounding control, cleared: to nearest even, as vdpbf16ps rounds */
 /* Whether products of several rows take the fma pairs: on where hm_fma_pairs_check found them giving this
    CPU's vdpbf16ps bits (Intel's definition of it; another CPU's could differ), else vdpbf16ps (CHUNK). */
 static int fma_pairs;
@@ -141,7 +142,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) int hm_fma_pairs_check(vo
             }
             const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b), hi = _mm512_set1_epi32((int)0xFFFF0000);
             acc = _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
-            _mm_setcsr(csr | FTZ_DAZ);
+            _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
             e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(va, hi)),
                                 _mm512_castsi512_ps(_mm512_and_si512(vb, hi)), e);
             e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(va, 16)),
@@ -246,7 +247,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     } else {
         const char *next = (const char *)(W + (o + 4) * I);  /* the next block's 8 I bytes, 256 a chunk */
         const unsigned csr = _mm_getcsr();
-        if (fma_pairs) _mm_setcsr(csr | FTZ_DAZ);
+        if (fma_pairs) _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
         for (long i = 0; i < end; i += 32) {
             if (PF)
                 for (int b = 0; b < 256; b += 64) {
@@ -292,7 +293,7 @@ ALWAYS_INLINE void block_wide(const float *const w[4], const float *x, long L, l
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | FTZ_DAZ);
+    _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
     for (long q = 0; q < L; q += 32) {
         __m512 wo[4], we[4];
         for (int j = 0; j < 4; j++) wo[j] = _mm512_load_ps(w[j] + q), we[j] = _mm512_load_ps(w[j] + q + 16);
