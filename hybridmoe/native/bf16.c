@@ -111,12 +111,19 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
 /* acc[r][j] += W[o + j, i..i+32) . X[m + r, i..i+32) for every r < R and j < 4 as CHUNK gives it, with
    two fma a pair instead of one vdpbf16ps: vdpbf16ps adds the odd bf16 products, then the even ones,
    each exact in fp32 and rounded once (an fma of the widened values), inputs and results that are
-   subnormal taken as zero (MXCSR's DAZ and FTZ, which the caller sets: FTZ_DAZ). On this Intel core
+   subnormal taken as zero (MXCSR's DAZ and FTZ, which the caller sets: pairs_mode). On this Intel core
    vdpbf16ps issues once in two cycles and zmm fma on two ports each cycle, so for several x rows, where
    the products and not the stream bound the time, 16 vdpbf16ps (32 cycles) become 32 fma and 16
    widenings (24). Tested bit for bit against vdpbf16ps on every kind of bf16 value (tests/test_native.py). */
 #define FTZ_DAZ 0x8040u
 #define RC_BITS 0x6000u /* MXCSR's rounding control, cleared: to nearest even, as vdpbf16ps rounds */
+/* MXCSR set for the fma pairs (DAZ, FTZ, to nearest even); returns what it was, to be set back. */
+static inline unsigned pairs_mode(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
+    return csr;
+}
+
 /* Whether products of several rows take the fma pairs: on where hm_fma_pairs_check found them giving this
    CPU's vdpbf16ps bits (Intel's definition of it; another CPU's could differ), else vdpbf16ps (CHUNK). */
 static int fma_pairs;
@@ -126,7 +133,7 @@ static int fma_pairs;
 __attribute__((target("avx512f,avx512bf16,avx512bw"))) int hm_fma_pairs_check(void) {
     uint32_t seed = 12345u;
     int same = 1;
-    const unsigned csr = _mm_getcsr();
+    const unsigned csr = pairs_mode(); /* vdpbf16ps does not read MXCSR */
     for (int trial = 0; trial < 64 && same; trial++) {
         __m512 acc = _mm512_setzero_ps(), e = _mm512_setzero_ps();
         for (int k = 0; k < 64; k++) {
@@ -142,17 +149,16 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) int hm_fma_pairs_check(vo
             }
             const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b), hi = _mm512_set1_epi32((int)0xFFFF0000);
             acc = _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
-            _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
             e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(va, hi)),
                                 _mm512_castsi512_ps(_mm512_and_si512(vb, hi)), e);
             e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(va, 16)),
                                 _mm512_castsi512_ps(_mm512_slli_epi32(vb, 16)), e);
-            _mm_setcsr(csr);
         }
         const __mmask16 nan = _mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q);
         const __mmask16 eq = _mm512_cmpeq_epi32_mask(_mm512_castps_si512(acc), _mm512_castps_si512(e));
         same = (__mmask16)(eq | nan) == (__mmask16)0xFFFF;
     }
+    _mm_setcsr(csr);
     fma_pairs = same;
     return same;
 }
@@ -176,6 +182,15 @@ void hm_set_fma_pairs(int on) { fma_pairs = on; }
             for (int j = 0; j < 4; j++)                                                           \
                 acc[r][j] = _mm512_fmadd_ps(we[j], xe, _mm512_fmadd_ps(wo[j], xo, acc[r][j]));    \
         }                                                                                         \
+    } while (0)
+
+/* One chunk of several x rows: the fma pairs where they are on (pairs_mode set), else vdpbf16ps. */
+#define SEVERAL(LOAD_W, LOAD_X)                                                                   \
+    do {                                                                                          \
+        if (fma_pairs)                                                                            \
+            PAIRS(LOAD_W, LOAD_X);                                                                \
+        else                                                                                      \
+            for (int j = 0; j < 4; j++) CHUNK(j, LOAD_W, LOAD_X);                                 \
     } while (0)
 
 /* How far ahead (bytes) a one-row product asks for its weights as non-temporal (prefetchnta): a decode
@@ -246,8 +261,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
         }
     } else {
         const char *next = (const char *)(W + (o + 4) * I);  /* the next block's 8 I bytes, 256 a chunk */
-        const unsigned csr = _mm_getcsr();
-        if (fma_pairs) _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
+        const unsigned csr = fma_pairs ? pairs_mode() : 0;
         for (long i = 0; i < end; i += 32) {
             if (PF)
                 for (int b = 0; b < 256; b += 64) {
@@ -256,21 +270,16 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
                     _mm_prefetch(next + 8 * I + 8 * i + b, _MM_HINT_T1);
 #endif
                 }
-            if (fma_pairs)
-                PAIRS(_mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
-            else
-                for (int j = 0; j < 4; j++) CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
+            SEVERAL(_mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
         }
-        if (tail && fma_pairs) PAIRS(_mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
-        if (tail && !fma_pairs)
-            for (int j = 0; j < 4; j++)
-                CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
+        if (tail) SEVERAL(_mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
         if (fma_pairs) _mm_setcsr(csr);
     }
     store_rows(acc, R, m, o, c, Y, ldy, B);
 }
 #undef CHUNK
 #undef PAIRS
+#undef SEVERAL
 
 /* Rows of bf16 widened for the fma pairs: each chunk of 32 values as 16 fp32 of its odd elements, then 16 of
    its even ones (a tail's missing values 0, as block()'s masked loads give them), L = 32 per chunk floats a
@@ -292,8 +301,7 @@ ALWAYS_INLINE void block_wide(const float *const w[4], const float *x, long L, l
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
+    const unsigned csr = pairs_mode();
     for (long q = 0; q < L; q += 32) {
         __m512 wo[4], we[4];
         for (int j = 0; j < 4; j++) wo[j] = _mm512_load_ps(w[j] + q), we[j] = _mm512_load_ps(w[j] + q + 16);

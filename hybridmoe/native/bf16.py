@@ -142,7 +142,8 @@ def library():
     """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
     lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
     if lib is not None:
-        _FMA_PAIRS.append(bool(lib.hm_fma_pairs_check()))  # and on where it passed
+        _FMA_PAIRS.append(bool(lib.hm_fma_pairs_check()))  # on where it passed
+        _FMA_ON[0] = _FMA_PAIRS[0]
     if lib is not None and env.amx_enabled() and amx_permitted(lib):
         lib.hm_set_amx(1)
         _AMX_ON[0] = True
@@ -150,6 +151,7 @@ def library():
 
 
 _FMA_PAIRS: list[bool] = []  # whether this CPU's vdpbf16ps passed hm_fma_pairs_check
+_FMA_ON = [False]  # what bf16.c's hm_set_fma_pairs was last told
 
 
 def use_fma_pairs(on: bool) -> bool:
@@ -157,8 +159,7 @@ def use_fma_pairs(on: bool) -> bool:
     the library checks when it loads) or on vdpbf16ps (off); the same bits either way. Returns
     whether they are on now."""
     lib = library()
-    state = [False]
-    return switch(lib, "hm_set_fma_pairs", state, on, lambda: _FMA_PAIRS[0])
+    return switch(lib, "hm_set_fma_pairs", _FMA_ON, on, lambda: _FMA_PAIRS[0])
 
 
 def cpu_has_amx() -> bool:
