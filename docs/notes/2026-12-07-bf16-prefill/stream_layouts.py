@@ -6,12 +6,12 @@ multiplied; TILED 0 keeps W's layout, 1 stores the lines in tile order). Builds 
 import ctypes
 import os
 import subprocess
-import time
 
 import torch
 
 from hybridmoe.native import bf16 as nb
 from hybridmoe.native.huge_pages import arena
+from one_row_rates import one_row_rates
 
 here = os.path.dirname(os.path.abspath(__file__))
 libs = {}
@@ -29,15 +29,5 @@ nat = nb.library()
 O, I, n = 49152, 576, 6
 ws = [arena().copy((torch.randn(O, I) * 0.05).bfloat16()) for _ in range(n)]
 x, y = torch.randn(1, I).bfloat16(), torch.empty(1, O)
-res = {}
-for _ in range(3):
-    t0 = time.perf_counter()
-    for w in ws:
-        nat.hm_gemm_bf16(w.data_ptr(), x.data_ptr(), I, y.data_ptr(), O, O, I, 1)
-    res.setdefault("row kernel", []).append(n * 2 * O * I / (time.perf_counter() - t0) / 1e9)
-    for k, lib in libs.items():
-        t0 = time.perf_counter()
-        for w in ws:
-            lib.amx1(w.data_ptr(), x.data_ptr(), y.data_ptr(), O, I)
-        res.setdefault(k, []).append(n * 2 * O * I / (time.perf_counter() - t0) / 1e9)
+res = one_row_rates(nat, libs, ws, ws, x, y, 3)
 print({k: round(max(v), 2) for k, v in res.items()})

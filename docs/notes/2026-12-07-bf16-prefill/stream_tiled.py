@@ -6,12 +6,12 @@ tile-loaded LAG KB behind; PF0/PF1 the T0/T1 distances). Builds into /tmp."""
 import ctypes
 import os
 import subprocess
-import time
 
 import torch
 
 from hybridmoe.native import bf16 as nb
 from hybridmoe.native.huge_pages import arena
+from one_row_rates import one_row_rates
 
 here = os.path.dirname(os.path.abspath(__file__))
 variants = {f"tiled pf{p}": ("stream_tiled.c", dict(PF=p)) for p in (0, 1, 2, 3)}
@@ -33,16 +33,8 @@ for O, I in [(49152, 576), (4096, 2048), (1536, 2048)]:
     ws = [arena().copy((torch.randn(O, I) * 0.05).bfloat16()) for _ in range(n)]
     wt = [arena().copy(w.view(O // 16, 16, I // 32, 32).permute(0, 2, 1, 3).contiguous().view(O, I)) for w in ws]
     x, y = torch.randn(1, I).bfloat16(), torch.empty(1, O)
-    res, err = {}, 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for w in ws:
-            nat.hm_gemm_bf16(w.data_ptr(), x.data_ptr(), I, y.data_ptr(), O, O, I, 1)
-        res.setdefault("row kernel", []).append(n * 2 * O * I / (time.perf_counter() - t0) / 1e9)
-        for k, lib in libs.items():
-            t0 = time.perf_counter()
-            for w in wt:
-                lib.amx1(w.data_ptr(), x.data_ptr(), y.data_ptr(), O, I)
-            res.setdefault(k, []).append(n * 2 * O * I / (time.perf_counter() - t0) / 1e9)
-            err = max(err, float((y - x.float() @ ws[-1].float().T).abs().max()))
-    print(O, I, {k: round(sorted(v)[len(v) // 2], 2) for k, v in res.items()}, "largest error", err)
+    err = [0.0]
+    def check(y):
+        err[0] = max(err[0], float((y - x.float() @ ws[-1].float().T).abs().max()))
+    res = one_row_rates(nat, libs, ws, wt, x, y, 5, check)
+    print(O, I, {k: round(sorted(v)[len(v) // 2], 2) for k, v in res.items()}, "largest error", err[0])
