@@ -261,6 +261,9 @@ def test_beside_a_prefill_pass_decode_takes_one_thread_and_a_pass_alone_takes_th
             outs, a, b = decoding_and_held(eng, held, short, long, steps=3)
             during = list(held.passes)
             held.release.set()
+            # the pass done before the next step, so that short, 4 of 12 tokens in, still has
+            # steps to take beside long (stepping at once, it could finish alone first)
+            assert eng._in_flight.future.exception(timeout=30) is None
             run_to_end(eng, outs)
         assert torch.get_num_threads() == 2
     finally:
