@@ -29,7 +29,7 @@ from tests.halves import (
 from tests.tiny import batch_greedy, build_tiny, build_wide_mixtral
 
 needs_bf16 = pytest.mark.skipif(
-    not native.cpu_has_avx512_bf16(), reason="the attention half needs a CPU with AVX512-BF16"
+    not native.cpu_has_avx512(), reason="the attention half needs a CPU with AVX-512 (F, BW, VL)"
 )
 needs_quant = pytest.mark.skipif(
     kernels.best_isa() == 0, reason="needs AVX2 for the integer kernels"
@@ -113,7 +113,7 @@ def test_a_moe_half_in_blocks_gives_the_layers_bits(name, dtype, threads, gguf, 
     """SparseMoE.decoder_half with experts in blocks (hm_qmoe_tokens) against the modules through
     the runtime, on every decode step's input of every layer, for bf16 and fp32 tokens."""
     model = load_model(gguf(name), dtype=dtype, progress=False)
-    attention_native = dtype == torch.bfloat16 and native.cpu_has_avx512_bf16()
+    attention_native = dtype == torch.bfloat16 and native.available()
     decoder_halves_checked(model, SparseMoE, monkeypatch, threads, fused_first=attention_native)
 
 

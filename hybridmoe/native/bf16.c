@@ -24,6 +24,58 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+#define FTZ_DAZ 0x8040u
+#define RC_BITS 0x6000u /* MXCSR's rounding control, cleared: to nearest even, as vdpbf16ps rounds */
+/* MXCSR set for the fma pairs (DAZ, FTZ, to nearest even); returns what it was, to be set back. */
+static inline unsigned pairs_mode(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
+    return csr;
+}
+
+/* ---- The two AVX512-BF16 instructions the kernels use, or their definitions in AVX512F ----
+
+   Built for a CPU with AVX512-BF16 (Intel's Cooper Lake, Sapphire Rapids and later, AMD's Zen 4), the
+   kernels use vdpbf16ps and vcvtneps2bf16. Built with -DEMULATE_BF16 (native/bf16.py: AVX-512 CPUs without
+   it, Intel's Skylake-SP, Cascade Lake and Ice Lake), each is written out as Intel's manual defines it, so
+   that both builds give the same bits (tests/test_bf16_isa.py compares them on every kind of value):
+   - dpbf16(acc, a, b): acc plus the odd bf16 products, then plus the even ones, each product exact in fp32
+     and rounded once (an fma of the values widened, which is exact), subnormal inputs and results taken as
+     zero, rounding to nearest even: vdpbf16ps reads no MXCSR, the fma pairs need pairs_mode set, which the
+     loops around them set and restore (DP_BEGIN, DP_END; nothing in the native build), so that the floats
+     around those loops keep the caller's mode in both builds;
+   - cvtne(x): fp32 to bf16 rounded to nearest even, NaN made quiet, zero and subnormal values to a zero of
+     their sign. */
+#ifdef EMULATE_BF16
+#define EMULATED 1
+typedef __m512i bh512;
+ALWAYS_INLINE __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
+ALWAYS_INLINE __m256i cvtne(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7f800000)),
+                              _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(0x00800000)),
+                              _mm512_and_si512(hi, _mm512_set1_epi32(0x8000)));
+    return _mm512_cvtepi32_epi16(r);
+}
+#define DP_BEGIN const unsigned dp_csr_ = pairs_mode();
+#define DP_END _mm_setcsr(dp_csr_);
+#else
+#define EMULATED 0
+typedef __m512bh bh512;
+#define dpbf16(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
+#define cvtne(x) ((__m256i)_mm512_cvtneps_pbh(x))
+#define DP_BEGIN
+#define DP_END
+#endif
+
 /* exp(x) in fp32 for x <= 104 (the softmax's x <= 0, silu_mul_row's -g): x = n ln2 + r, e^r by Cephes'
    expf polynomial (relative error ~2e-7), times 2^n by vscalefps (0 far below, inf far above). */
 ALWAYS_INLINE __m512 exp512(__m512 x) {
@@ -100,12 +152,21 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
     _mm_mask_storeu_epi16(B->Y + m * B->ldy + o, k, _mm_cvtepi32_epi16(r));
 }
 
+/* out[0..n) = cvtne(x[0..n)): the rounding the attention's bf16 outputs take, for tests to hold each build's
+   against the other and against Intel's definition on every kind of value. */
+void hm_round_bf16(const float *x, long n, uint16_t *out) {
+    for (long i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        _mm256_mask_storeu_epi16(out + i, m, cvtne(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+}
+
 /* acc[r][j] += W[o + j, i..i+32) . X[m + r, i..i+32) for one chunk of 32 columns (k: the columns that
    exist, for the row's tail). */
 #define CHUNK(J, LOAD_W, LOAD_X)                                                               \
     do {                                                                                       \
-        __m512bh wv = (__m512bh)LOAD_W;                                                        \
-        for (int r = 0; r < R; r++) acc[r][J] = _mm512_dpbf16_ps(acc[r][J], wv, (__m512bh)LOAD_X); \
+        bh512 wv = (bh512)LOAD_W;                                                        \
+        for (int r = 0; r < R; r++) acc[r][J] = dpbf16(acc[r][J], wv, (bh512)LOAD_X); \
     } while (0)
 
 /* acc[r][j] += W[o + j, i..i+32) . X[m + r, i..i+32) for every r < R and j < 4 as CHUNK gives it, with
@@ -115,21 +176,17 @@ ALWAYS_INLINE void store_bf16(const out_bf16 *B, __m128 s, long m, long o, long 
    vdpbf16ps issues once in two cycles and zmm fma on two ports each cycle, so for several x rows, where
    the products and not the stream bound the time, 16 vdpbf16ps (32 cycles) become 32 fma and 16
    widenings (24). Tested bit for bit against vdpbf16ps on every kind of bf16 value (tests/test_native.py). */
-#define FTZ_DAZ 0x8040u
-#define RC_BITS 0x6000u /* MXCSR's rounding control, cleared: to nearest even, as vdpbf16ps rounds */
-/* MXCSR set for the fma pairs (DAZ, FTZ, to nearest even); returns what it was, to be set back. */
-static inline unsigned pairs_mode(void) {
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr((csr & ~RC_BITS) | FTZ_DAZ);
-    return csr;
-}
 
 /* Whether products of several rows take the fma pairs: on where hm_fma_pairs_check found them giving this
    CPU's vdpbf16ps bits (Intel's definition of it; another CPU's could differ), else vdpbf16ps (CHUNK). */
 static int fma_pairs;
 
 /* vdpbf16ps against the fma pairs on vectors that tell them apart (ordinary values, tiny exponents that
-   need DAZ and FTZ, arbitrary bits): 1 where every lane of every sum agrees (NaN with NaN). Sets the flag. */
+   need DAZ and FTZ, arbitrary bits): 1 where every lane of every sum agrees (NaN with NaN). Sets the flag.
+   Built without the instruction (EMULATE_BF16), the fma pairs are its definition: 1. */
+#if EMULATED
+int hm_fma_pairs_check(void) { return fma_pairs = 1; }
+#else
 __attribute__((target("avx512f,avx512bf16,avx512bw"))) int hm_fma_pairs_check(void) {
     uint32_t seed = 12345u;
     int same = 1;
@@ -148,7 +205,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) int hm_fma_pairs_check(vo
                 b[i] = kind == 2 ? (uint16_t)(r >> 3) : (uint16_t)(((r >> 9) & 0x807F) | (exp_b << 7));
             }
             const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b), hi = _mm512_set1_epi32((int)0xFFFF0000);
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
+            acc = _mm512_dpbf16_ps(acc, (bh512)va, (bh512)vb);
             e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(va, hi)),
                                 _mm512_castsi512_ps(_mm512_and_si512(vb, hi)), e);
             e = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(va, 16)),
@@ -162,6 +219,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw"))) int hm_fma_pairs_check(vo
     fma_pairs = same;
     return same;
 }
+#endif
 
 /* The fma pairs on (1) where hm_fma_pairs_check passed, or off (0: vdpbf16ps for every row count). */
 void hm_set_fma_pairs(int on) { fma_pairs = on; }
@@ -247,6 +305,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     const long tail = I % 32, end = I - tail;
     const __mmask32 k = (__mmask32)((1ULL << tail) - 1);
     if (R == 1) {
+        DP_BEGIN
         for (int j = 0; j < 4; j++) {
             for (long i = 0; i < end; i += 32) {
 #if WEIGHTS_NTA
@@ -259,9 +318,11 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
             }
             if (tail) CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
         }
+        DP_END
     } else {
         const char *next = (const char *)(W + (o + 4) * I);  /* the next block's 8 I bytes, 256 a chunk */
-        const unsigned csr = fma_pairs ? pairs_mode() : 0;
+        const int mode = fma_pairs || EMULATED; /* the fma pairs, or the emulated vdpbf16ps of CHUNK */
+        const unsigned csr = mode ? pairs_mode() : 0;
         for (long i = 0; i < end; i += 32) {
             if (PF)
                 for (int b = 0; b < 256; b += 64) {
@@ -273,7 +334,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
             SEVERAL(_mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
         }
         if (tail) SEVERAL(_mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
-        if (fma_pairs) _mm_setcsr(csr);
+        if (mode) _mm_setcsr(csr);
     }
     store_rows(acc, R, m, o, c, Y, ldy, B);
 }
@@ -781,14 +842,16 @@ __attribute__((noinline)) static void scores_block(const uint16_t *q, long n, co
     for (long h = 0; h < n; h++, q += d, S += ldp) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
                a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+        DP_BEGIN
         for (long i = 0; i < d; i += 32) {
             __mmask32 m = mask32(d - i);
-            __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + i);
-#define DOT(J) a##J = _mm512_dpbf16_ps(a##J, qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k + off[J] + i))
+            bh512 qv = (bh512)_mm512_maskz_loadu_epi16(m, q + i);
+#define DOT(J) a##J = dpbf16(a##J, qv, (bh512)_mm512_maskz_loadu_epi16(m, k + off[J] + i))
             DOT(0), DOT(1), DOT(2), DOT(3), DOT(4), DOT(5), DOT(6), DOT(7);
             DOT(8), DOT(9), DOT(10), DOT(11), DOT(12), DOT(13), DOT(14), DOT(15);
 #undef DOT
         }
+        DP_END
         a0 = pairs(a0, a1), a2 = pairs(a2, a3), a4 = pairs(a4, a5), a6 = pairs(a6, a7);
         a8 = pairs(a8, a9), a10 = pairs(a10, a11), a12 = pairs(a12, a13), a14 = pairs(a14, a15);
         a0 = pairs(a0, a2), a4 = pairs(a4, a6), a8 = pairs(a8, a10), a12 = pairs(a12, a14);
@@ -951,7 +1014,7 @@ AMX_TARGET static void values_amx(const float *S, long ldp, long R, long G, long
                         for (int half = 0; half < 2; half++) {
                             __m512 x = _mm512_maskz_loadu_ps(mask16(end - l0 - 16 * half), p + 16 * half);
                             for (int t = 0; t < 3; t++) {
-                                __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+                                __m256i b = cvtne(x);
                                 _mm256_storeu_si256((__m256i *)(Ap + (t * 16 + i) * 32 + 16 * half), b);
                                 x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
                             }
@@ -1099,7 +1162,7 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
             __mmask16 m = mask16(dv - c);
             __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, O + i * dv + c), _mm512_set1_ps(inv[i]));
             if (out_bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)outs[r] + h * dv + c, m, (__m256i)_mm512_cvtneps_pbh(y));
+                _mm256_mask_storeu_epi16((uint16_t *)outs[r] + h * dv + c, m, cvtne(y));
             else
                 _mm512_mask_storeu_ps((float *)outs[r] + h * dv + c, m, y);
         }
@@ -1218,16 +1281,18 @@ ALWAYS_INLINE void qk_tile(const uint16_t *Q, long dp, const uint16_t *Kt, float
     __m512 acc[12][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const uint16_t *K1 = Kt + dp * 16;
+    DP_BEGIN
     for (long c = 0; c < dp / 2; c++) {
-        __m512bh k0 = (__m512bh)_mm512_loadu_si512(Kt + c * 32), k1 = (__m512bh)_mm512_loadu_si512(K1 + c * 32);
+        bh512 k0 = (bh512)_mm512_loadu_si512(Kt + c * 32), k1 = (bh512)_mm512_loadu_si512(K1 + c * 32);
         for (int r = 0; r < R; r++) {
             uint32_t pair;
             memcpy(&pair, Q + r * dp + 2 * c, 4);
-            __m512bh qb = (__m512bh)_mm512_set1_epi32((int)pair);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+            bh512 qb = (bh512)_mm512_set1_epi32((int)pair);
+            acc[r][0] = dpbf16(acc[r][0], qb, k0);
+            acc[r][1] = dpbf16(acc[r][1], qb, k1);
         }
     }
+    DP_END
     for (int r = 0; r < R; r++) {
         _mm512_storeu_ps(S + r * BK, acc[r][0]);
         _mm512_storeu_ps(S + r * BK + 16, acc[r][1]);
@@ -1375,7 +1440,7 @@ int hm_prefill_attention_bf16(const uint16_t *Q, long ldq, long ldqh, const uint
                     __mmask16 mk = mask16(dv - c);
                     __m512 y = _mm512_mul_ps(_mm512_loadu_ps(O + r * dvp + c), inv);
                     if (out_bf16)
-                        _mm256_mask_storeu_epi16((uint16_t *)out + at + c, mk, (__m256i)_mm512_cvtneps_pbh(y));
+                        _mm256_mask_storeu_epi16((uint16_t *)out + at + c, mk, cvtne(y));
                     else
                         _mm512_mask_storeu_ps((float *)out + at + c, mk, y);
                 }

@@ -1,10 +1,13 @@
-"""The bf16 kernels of bf16.c, for decode and attention on CPUs with AVX512-BF16.
+"""The bf16 kernels of bf16.c, for decode and attention on CPUs with AVX-512.
 
 A decode step multiplies a few rows (one per sequence) by every weight, so decode speed is the speed
 at which weights stream from RAM; oneDNN's bf16 path reads them at about half of what one core can
 and pays ~15 us a call (docs/benchmarks.md#decode-speed). The kernels read each weight once for up
-to MAX_ROWS rows. They need AVX512-BF16 and a C compiler (build.py); without either, or with
-HYBRIDMOE_NATIVE=0, `available()` is False and callers keep torch's path.
+to MAX_ROWS rows. bf16.c is built one of two ways (`isa()`): with AVX512-BF16's instructions where
+the CPU has them, else with those two instructions written out in AVX512F (Intel's Skylake-SP,
+Cascade Lake, Ice Lake), the same bits either way; HYBRIDMOE_BF16_ISA (env.py) picks a narrower one.
+Without AVX-512 (with BW and VL) or a C compiler (build.py), or with HYBRIDMOE_NATIVE=0,
+`available()` is False and callers keep torch's path.
 
 Used by layers/ (dense projections, layers/linear.py; decode and prefill attention,
 layers/attention.py) and experts/ (expert FFNs).
@@ -31,6 +34,19 @@ FLAGS += ["-pthread", "-ffp-contract=off"]
 # caches of the Python between kernels), into L1 and L2 elsewhere (Intel: 1.5x the read rate);
 # bf16.c, NTA_AHEAD
 FLAGS += [f"-DWEIGHTS_NTA={int(cpu_vendor() == 'AuthenticAMD')}"]
+
+# The builds, as isa() numbers them: FLAGS (AVX512-BF16's instructions), or FLAGS with those
+# instructions' definitions in AVX512F instead (bf16.c, EMULATE_BF16): flags()
+EMULATED, NATIVE = 1, 2
+_ISAS = {"avx512bf16": NATIVE, "avx512f": EMULATED, "off": 0}
+
+
+def flags(build: int) -> list[str]:
+    """The compiler flags of a build (NATIVE or EMULATED)."""
+    if build == NATIVE:
+        return FLAGS
+    return [f for f in FLAGS if f != "-mavx512bf16"] + ["-DEMULATE_BF16"]
+
 
 # Rows up to which the kernels take a call: one thread, weights from RAM, they beat oneDNN's bf16
 # linear at every row count up to 32 and are about even at 48, where they turn compute-bound
@@ -123,12 +139,34 @@ SIGNATURES = {
     # pairs with vdpbf16ps's bits, where this CPU's vdpbf16ps is Intel's definition of it
     "hm_fma_pairs_check": ([], INT),
     "hm_set_fma_pairs": ([INT], None),
+    # void hm_round_bf16(const float *x, long n, uint16_t *out): vcvtneps2bf16 or its definition
+    "hm_round_bf16": ([P, N, P], None),
 }
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """What these kernels need; without it torch's path runs."""
+    """AVX512-BF16: the kernels' own build (else their instructions are emulated)."""
     return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_avx512() -> bool:
+    """What these kernels need (AVX512F with BW and VL); without it torch's path runs."""
+    return best_isa() > 0
+
+
+def best_isa() -> int:
+    """The widest build this CPU runs: NATIVE with AVX512-BF16, EMULATED with AVX512F, BW and VL
+    alone, else 0 (torch's path)."""
+    if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
+        return 0
+    return NATIVE if cpu_has_avx512_bf16() else EMULATED
+
+
+def isa() -> int:
+    """The build in use: HYBRIDMOE_BF16_ISA's (avx512bf16, avx512f, off), capped at what the CPU
+    runs."""
+    wanted = _ISAS.get(env.bf16_isa() or "", NATIVE)
+    return min(wanted, best_isa())
 
 
 def cpu_has_native_bf16() -> bool:
@@ -140,11 +178,13 @@ def cpu_has_native_bf16() -> bool:
 @lru_cache(maxsize=1)
 def library():
     """The compiled kernels, or None where they cannot run here (see the module's docstring)."""
-    lib = load(SOURCE, FLAGS, SIGNATURES, HEADERS) if cpu_has_avx512_bf16() else None
+    build = isa()
+    lib = load(SOURCE, flags(build), SIGNATURES, HEADERS) if build else None
     if lib is not None:
-        _FMA_PAIRS.append(bool(lib.hm_fma_pairs_check()))  # on where it passed
+        _FMA_PAIRS[:] = [bool(lib.hm_fma_pairs_check())]  # on where it passed
         _FMA_ON[0] = _FMA_PAIRS[0]
-    if lib is not None and env.amx_enabled() and amx_permitted(lib):
+    _AMX_ON[0] = False
+    if lib is not None and env.amx_enabled() and _amx_allowed(lib):
         lib.hm_set_amx(1)
         _AMX_ON[0] = True
     return lib
@@ -156,8 +196,8 @@ _FMA_ON = [False]  # what bf16.c's hm_set_fma_pairs was last told
 
 def use_fma_pairs(on: bool) -> bool:
     """Products of several rows as fma pairs (on: where this CPU's vdpbf16ps gives their bits, which
-    the library checks when it loads) or on vdpbf16ps (off); the same bits either way. Returns
-    whether they are on now."""
+    the library checks when it loads) or on vdpbf16ps (off; in the EMULATED build, its definition);
+    the same bits either way. Returns whether they are on now."""
     lib = library()
     return switch(lib, "hm_set_fma_pairs", _FMA_ON, on, lambda: _FMA_PAIRS[0])
 
@@ -183,7 +223,12 @@ def use_amx(on: bool) -> bool:
     only where the CPU has them and the process was granted them (HYBRIDMOE_AMX=0 starts with
     them off). Returns whether they are on now."""
     lib = library()
-    return switch(lib, "hm_set_amx", _AMX_ON, on, lambda: amx_permitted(lib))
+    return switch(lib, "hm_set_amx", _AMX_ON, on, lambda: _amx_allowed(lib))
+
+
+def _amx_allowed(lib) -> bool:
+    """The tiles with the native build alone: the emulated one stands for a CPU without them."""
+    return isa() == NATIVE and amx_permitted(lib)
 
 
 def amx_active() -> bool:

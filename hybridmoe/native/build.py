@@ -67,6 +67,13 @@ def _compile(source: Path, flags: list[str], out: Path) -> None:
             os.unlink(tmp)
 
 
+def library_path(source: Path, flags: list[str], headers: tuple[Path, ...] = ()) -> Path:
+    """Where `load` keeps `source` built with `flags`: named by a hash of the sources and flags."""
+    text = b"".join(p.read_bytes() for p in (source, *headers))
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    return user_cache_dir() / "native" / f"{source.stem}-{key}.so"
+
+
 def load(
     source: Path,
     flags: list[str],
@@ -79,9 +86,7 @@ def load(
     kernels are switched off (HYBRIDMOE_NATIVE=0) or no compiler can build them."""
     if not env.native_enabled():
         return None
-    text = b"".join(p.read_bytes() for p in (source, *headers))
-    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
-    path = user_cache_dir() / "native" / f"{source.stem}-{key}.so"
+    path = library_path(source, flags, headers)
     try:
         if not path.exists():
             _compile(source, flags, path)

@@ -1,0 +1,199 @@
+"""The bf16 kernels' two builds (native/bf16.py isa()): with AVX512-BF16's instructions, and with
+those instructions written out in AVX512F for AVX-512 CPUs without them (bf16.c EMULATE_BF16). The
+emulated build holds no bf16 instruction; its rounding is Intel's definition of vcvtneps2bf16 on
+every kind of value; where the CPU has the instructions, its dot products give theirs bit for bit
+on every kind of value, and a whole run of a model (prefill and decode attention, products, the
+decode loop, batch invariance on and off) gives every logit the native build gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridmoe.native import bf16 as kernels
+from hybridmoe.native.build import library_path, load
+from tests.tiny import build_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_avx512 = pytest.mark.skipif(
+    kernels.best_isa() == 0, reason="the bf16 kernels need AVX-512 (F, BW, VL)"
+)
+needs_bf16 = pytest.mark.skipif(
+    kernels.best_isa() < kernels.NATIVE,
+    reason="the native build, the reference here, needs a CPU with AVX512-BF16",
+)
+
+
+def build(isa: int):
+    lib = load(kernels.SOURCE, kernels.flags(isa), kernels.SIGNATURES, kernels.HEADERS)
+    assert lib is not None, "the bf16 kernels did not build"
+    return lib
+
+
+def runnable_builds() -> list[int]:
+    return [isa for isa in (kernels.EMULATED, kernels.NATIVE) if isa <= kernels.best_isa()]
+
+
+def test_the_build_follows_the_cpu_and_the_switch(monkeypatch):
+    monkeypatch.setattr(
+        kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl"})
+    )
+    assert kernels.best_isa() == kernels.EMULATED  # Skylake-SP, Cascade Lake, Ice Lake
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx2", "fma"}))
+    assert kernels.best_isa() == 0  # no BW/VL: torch's path
+    flags = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    for wanted, isa in [(None, 2), ("avx512bf16", 2), ("avx512f", 1), ("off", 0), ("junk", 2)]:
+        if wanted is None:
+            monkeypatch.delenv("HYBRIDMOE_BF16_ISA", raising=False)
+        else:
+            monkeypatch.setenv("HYBRIDMOE_BF16_ISA", wanted)
+        assert kernels.isa() == isa, wanted
+    assert "-mavx512bf16" in kernels.flags(kernels.NATIVE)
+    emulated = kernels.flags(kernels.EMULATED)
+    assert "-mavx512bf16" not in emulated and "-DEMULATE_BF16" in emulated
+
+
+@needs_avx512
+def test_the_emulated_build_holds_no_bf16_instruction():
+    """objdump of the emulated library: no vdpbf16ps, vcvtneps2bf16 or vcvtne2ps2bf16 (the AMX
+    tile functions' tdpbf16ps runs only on AMX CPUs, which the native build serves)."""
+    build(kernels.EMULATED)
+    path = library_path(kernels.SOURCE, kernels.flags(kernels.EMULATED), kernels.HEADERS)
+    text = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "hm_gemm_bf16" in text and "vfmadd" in text  # the disassembly is there
+    assert not re.search(r"\bv(dpbf16ps|cvtneps2bf16|cvtne2ps2bf16)\b", text)
+    native = library_path(kernels.SOURCE, kernels.flags(kernels.NATIVE), kernels.HEADERS)
+    if native.exists():  # the test can fail: the native build does hold them
+        text = subprocess.run(["objdump", "-d", str(native)], capture_output=True, text=True).stdout
+        assert re.search(r"\bvdpbf16ps\b", text) and re.search(r"\bvcvtneps2bf16\b", text)
+
+
+def values_of_every_kind(n: int, seed: int) -> np.ndarray:
+    """fp32 bit patterns: arbitrary bits, zeros and subnormals of both signs, the smallest and
+    largest normals, infinities, quiet and signalling NaNs, and rounding ties (low half 0x8000)."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    special = [0, 0x80000000, 1, 0x807FFFFF, 0x007FFFFF, 0x00800000, 0x80800000, 0x7F7FFFFF]
+    special += [0x7F7F8000, 0x7F7F7FFF, 0x7F800000, 0xFF800000, 0x7F800001, 0x7FC00000, 0xFFFFFFFF]
+    special += [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00808000, 0x0080FFFF, 0x7FBFFFFF]
+    ties = (bits & 0xFFFF0000) | 0x8000
+    tiny = bits & 0x80FFFFFF  # exponents 0 and 1: subnormals and the smallest normals
+    return np.concatenate([np.array(special, dtype=np.uint32), bits, ties, tiny])
+
+
+def intels_rounding(bits: np.ndarray) -> np.ndarray:
+    """convert_fp32_to_bfloat16 of Intel's manual (VCVTNEPS2BF16): zero and subnormal values to
+    a zero of their sign, NaN to its upper half with the quiet bit set, else to nearest even."""
+    mag, hi = bits & 0x7FFFFFFF, bits >> 16
+    rounded = (bits.astype(np.uint64) + 0x7FFF + (hi & 1)) >> 16
+    out = np.where(mag > 0x7F800000, hi | 0x40, rounded.astype(np.uint32))
+    out = np.where(mag < 0x00800000, hi & 0x8000, out)
+    return out.astype(np.uint16)
+
+
+@needs_avx512
+@pytest.mark.parametrize("isa", runnable_builds())
+def test_the_rounding_is_intels_definition(isa):
+    bits = values_of_every_kind(100_003, seed=isa)
+    x = torch.from_numpy(bits.view(np.float32).copy())
+    out = torch.empty(len(bits), dtype=torch.int16)
+    build(isa).hm_round_bf16(x.data_ptr(), len(bits), out.data_ptr())
+    assert np.array_equal(out.numpy().view(np.uint16), intels_rounding(bits))
+
+
+def bf16_of_every_kind(shape, kind: str, gen) -> torch.Tensor:
+    """bf16 tensors of ordinary values; of tiny ones (exponents near the bottom, subnormal ones
+    among them: with the partner's from huge_partner, products and sums about fp32's smallest
+    normal, where DAZ and FTZ decide); of huge ones (products past fp32's largest); or of
+    arbitrary bits (NaN and inf among them)."""
+    if kind == "ordinary":
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    r = torch.randint(0, 2**16, shape, generator=gen, dtype=torch.int32)
+    exponents = {"tiny": (0, 12), "partner": (115, 135), "huge": (190, 254)}
+    if kind == "arbitrary":
+        bits = r
+    else:
+        lo, hi = exponents[kind]
+        bits = (r & 0x807F) | (torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32) << 7)
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+PARTNER = {"ordinary": "ordinary", "tiny": "partner", "huge": "huge", "arbitrary": "arbitrary"}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaN equal to NaN (the two builds' NaNs may carry other payloads)."""
+    nan = torch.isnan(a)
+    return bool(
+        torch.equal(nan, torch.isnan(b))
+        and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+    )
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", list(PARTNER))
+def test_the_emulated_products_are_vdpbf16ps_bit_for_bit(kind):
+    """hm_gemm_bf16 at 1 row (vdpbf16ps or its emulation), 3 and 9 (the fma pairs, or vdpbf16ps with
+    them off), 20 and 70 (widened operands), one and two threads, against the native build."""
+    native, emulated = build(kernels.NATIVE), build(kernels.EMULATED)
+    assert native.hm_fma_pairs_check() == 1 and emulated.hm_fma_pairs_check() == 1
+    gen = torch.Generator().manual_seed(len(kind))
+    for n, k in [(37, 100), (8, 64), (5, 31)]:
+        w = bf16_of_every_kind((n, k), kind, gen)
+        for rows in (1, 3, 9, 20, 70):
+            x = bf16_of_every_kind((rows, k), PARTNER[kind], gen)
+            outs = []
+            for lib, pairs, threads in [
+                (native, 0, 1), (native, 1, 1), (emulated, 0, 1), (emulated, 1, 1), (emulated, 1, 2)
+            ]:  # fmt: skip
+                lib.hm_set_fma_pairs(pairs)
+                y = torch.full((rows, n), 7.0)
+                args = (w.data_ptr(), x.data_ptr(), k, y.data_ptr(), n, n, k, rows)
+                lib.hm_gemm_bf16_mt(*args, threads) if threads > 1 else lib.hm_gemm_bf16(*args)
+                outs.append(y)
+            native.hm_set_fma_pairs(1)
+            for y in outs[1:]:
+                assert same_bits(outs[0], y), (kind, n, k, rows)
+    if kind == "ordinary":  # and the bits are a product's
+        ref = x.double() @ w.double().t()
+        assert torch.allclose(outs[0].double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def whole_run(path: Path, isa: str) -> dict:
+    env = dict(os.environ, HYBRIDMOE_BF16_ISA=isa, HYBRIDMOE_AMX="0")  # AMX scores round otherwise
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.bf16_isa_run", str(path)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_a_whole_run_on_the_emulated_build_gives_the_native_bits(arch, tmp_path):
+    """Six prompts of 1 to 70 tokens through the engine, batch invariance on and off, in processes
+    of their own: the same bits in every logits row and the same tokens; torch's path (off) gives
+    other bits, so the digest tells paths apart."""
+    build_tiny(arch, tmp_path / arch)
+    native, emulated, off = (
+        whole_run(tmp_path / arch, i) for i in ("avx512bf16", "avx512f", "off")
+    )
+    assert (native["isa"], emulated["isa"], off["isa"]) == (2, 1, 0)
+    assert native["rows"] == emulated["rows"] == 120
+    assert emulated["digest"] == native["digest"] and emulated["tokens"] == native["tokens"]
+    assert off["digest"] != native["digest"]
