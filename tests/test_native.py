@@ -129,13 +129,15 @@ def test_several_rows_give_the_same_bits_on_fma_pairs_and_on_vdpbf16ps(kind, w_e
     gen = torch.Generator().manual_seed(len(kind) + 7)
     w = bf16_with_exponents((9, 100), *w_exp, gen=gen)
     x = bf16_with_exponents((70, 100), *x_exp, gen=gen)
-    on = kernels.use_fma_pairs(True)
+    before = kernels.fma_pairs_active()  # the default: on where they pass and pay (bf16.py)
     try:
+        on = kernels.use_fma_pairs(True)
         pairs = [native.gemm(x[:m], w) for m in (8, 70)]
         assert not kernels.use_fma_pairs(False)
         plain = [native.gemm(x[:m], w) for m in (8, 70)]
     finally:
-        assert kernels.use_fma_pairs(True) == on
+        kernels.use_fma_pairs(before)
+    assert on == kernels._FMA_PAIRS[0]
     for got, want in zip(pairs, plain):
         same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
         assert bool(same.all())

@@ -181,8 +181,9 @@ def library():
     build = isa()
     lib = load(SOURCE, flags(build), SIGNATURES, HEADERS) if build else None
     if lib is not None:
-        _FMA_PAIRS[:] = [bool(lib.hm_fma_pairs_check())]  # on where it passed
-        _FMA_ON[0] = _FMA_PAIRS[0]
+        _FMA_PAIRS[:] = [bool(lib.hm_fma_pairs_check())]  # permitted where it passed
+        _FMA_ON[0] = _FMA_PAIRS[0] and FMA_PAIRS_PAY
+        lib.hm_set_fma_pairs(int(_FMA_ON[0]))
     _AMX_ON[0] = False
     if lib is not None and env.amx_enabled() and _amx_allowed(lib):
         lib.hm_set_amx(1)
@@ -193,6 +194,14 @@ def library():
 _FMA_PAIRS: list[bool] = []  # whether this CPU's vdpbf16ps passed hm_fma_pairs_check
 _FMA_ON = [False]  # what bf16.c's hm_set_fma_pairs was last told
 
+# Whether the fma pairs beat vdpbf16ps in products of several rows, by the CPU's vendor (as
+# WEIGHTS_NTA): on Intel's cores vdpbf16ps issues once in two cycles and zmm fma on two ports (a
+# Sapphire Rapids-class VM: 512 x 576 x 576 3.35 -> 2.3 ms, docs/notes/2026-12-07-fma-pairs.md); on
+# AMD's Zen 5 (an EPYC VM, one thread) vdpbf16ps took 0.39-0.54x the pairs' time from 16 rows on
+# (4096 x 2048 from RAM, 512-row products from cache), 0.84-0.89x at 12-15 rows, 1.04-1.14x at 3-6
+# (docs/notes/2026-12-07-bf16-emulated.md). Zen 4 is not measured.
+FMA_PAIRS_PAY = cpu_vendor() != "AuthenticAMD"
+
 
 def use_fma_pairs(on: bool) -> bool:
     """Products of several rows as fma pairs (on: where this CPU's vdpbf16ps gives their bits, which
@@ -200,6 +209,12 @@ def use_fma_pairs(on: bool) -> bool:
     the same bits either way. Returns whether they are on now."""
     lib = library()
     return switch(lib, "hm_set_fma_pairs", _FMA_ON, on, lambda: _FMA_PAIRS[0])
+
+
+def fma_pairs_active() -> bool:
+    """Whether products of several rows take the fma pairs now."""
+    library()
+    return _FMA_ON[0]
 
 
 def cpu_has_amx() -> bool:
