@@ -197,3 +197,21 @@ def test_a_whole_run_on_the_emulated_build_gives_the_native_bits(arch, tmp_path)
     assert native["rows"] == emulated["rows"] == 120
     assert emulated["digest"] == native["digest"] and emulated["tokens"] == native["tokens"]
     assert off["digest"] != native["digest"]
+
+
+def test_dtype_auto_is_bf16_wherever_the_bf16_kernels_run(monkeypatch):
+    """--dtype auto: bf16 with bf16 in hardware, or with the kernels (emulated where the CPU lacks
+    AVX512-BF16); fp32 where torch alone would run bf16."""
+    from hybridmoe import native
+    from hybridmoe.cli.options import compute_dtype
+
+    for hardware, kernels_run, want in [
+        (True, True, torch.bfloat16),
+        (False, True, torch.bfloat16),  # Cascade Lake: the emulated build
+        (True, False, torch.bfloat16),  # no compiler: oneDNN's bf16
+        (False, False, torch.float32),
+    ]:
+        monkeypatch.setattr(native, "cpu_has_native_bf16", lambda h=hardware: h)
+        monkeypatch.setattr(native, "available", lambda k=kernels_run: k)
+        assert compute_dtype("auto") == want, (hardware, kernels_run)
+        assert compute_dtype("float32") == torch.float32

@@ -74,7 +74,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         choices=["auto", *sorted(DTYPES)],
         default="auto",
         help="weights and compute dtype (auto: bfloat16 where the CPU multiplies bf16 natively, "
-        "AVX512-BF16 or AMX, else float32)",
+        "AVX512-BF16 or AMX, or where hybridmoe's bf16 kernels run (AVX-512), else float32)",
     )
     g.add_argument(
         "--threads",
@@ -321,15 +321,18 @@ def check_vocabulary(tokenizer, model, given: str | None) -> None:
 def compute_dtype(name: str):
     """--dtype's value as a torch dtype. auto is bf16 on CPUs with bf16 dot products: there a bf16
     matrix product runs ~4x faster than fp32 on one core and decode reads half the bytes, for a
-    small loss in quality (docs/benchmarks.md#demo-model-quality). Elsewhere bf16 would be emulated,
+    small loss in quality (docs/benchmarks.md#demo-model-quality). It is bf16 too where the bf16
+    kernels run with their instructions emulated (AVX-512 without AVX512-BF16, native/bf16.py): on
+    the demo model, on a stand-in for such a CPU, decode ran ~4x and prefill ~2x fp32's speed
+    (docs/benchmarks.md#bf16-kernels-without-avx512-bf16). Elsewhere torch would emulate bf16,
     slower than fp32."""
     import torch
 
     if name != "auto":
         return getattr(torch, DTYPES[name])
-    from hybridmoe.native import cpu_has_native_bf16
+    from hybridmoe import native
 
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if native.cpu_has_native_bf16() or native.available() else torch.float32
 
 
 def available_cores() -> int:

@@ -258,8 +258,10 @@ void hm_set_fma_pairs(int on) { fma_pairs = on; }
    and 512 bytes ahead measured alike, 1 KB and more slower (docs/notes/2026-11-25-decode-two-threads.md).
    That was on AMD's Zen 4. On an Intel core (a Sapphire Rapids-class VM) the same prefetch held the product
    to 8.2 GB/s from RAM, and asking for the lines 512 bytes ahead into L1 and 4 KB ahead into L2 read 12.8
-   (14.7 -> 23.3 GB/s at two threads; docs/notes/2026-12-06-one-token-streams.md): the library is built for
-   one or the other by the CPU's vendor (native/bf16.py, WEIGHTS_NTA). */
+   (14.7 -> 23.3 GB/s at two threads; docs/notes/2026-12-06-one-token-streams.md), and so did AMD's Zen 5
+   (an EPYC VM: 4096 x 576 from RAM 21 -> 30 GB/s, the demo's decode +35% at one thread;
+   docs/notes/2026-12-07-bf16-emulated.md): the library is built for one or the other by the CPU's vendor
+   and family (native/bf16.py, WEIGHTS_NTA). */
 #define NTA_AHEAD 512
 #define FAR_AHEAD 4096
 #ifndef WEIGHTS_NTA

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, F, N, P, cpu_flags, cpu_vendor, load, switch
+from hybridmoe.native.build import INT, F, N, P, cpu_family, cpu_flags, cpu_vendor, load, switch
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
@@ -30,10 +30,12 @@ HEADERS = tuple(Path(__file__).with_name(h) for h in ("pool.h", "rows.h", "mix.h
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
 # -ffp-contract=off: the floats as written (rows.h); the kernels ask for their FMAs by name
 FLAGS += ["-pthread", "-ffp-contract=off"]
-# How a one-row product asks for the weights it streams: non-temporal on AMD (Zen 4: keeps the
-# caches of the Python between kernels), into L1 and L2 elsewhere (Intel: 1.5x the read rate);
-# bf16.c, NTA_AHEAD
-FLAGS += [f"-DWEIGHTS_NTA={int(cpu_vendor() == 'AuthenticAMD')}"]
+# How a one-row product asks for the weights it streams: non-temporal on AMD's Zen 4 (family 25:
+# keeps the caches of the Python between kernels), into L1 and L2 elsewhere (Intel: 1.5x the read
+# rate; AMD's Zen 5, family 26, an EPYC VM: the demo's decode at one thread 71-77 -> 94-110 tok/s,
+# at two 116-120 -> 120-132, docs/notes/2026-12-07-bf16-emulated.md); bf16.c, NTA_AHEAD
+WEIGHTS_NTA = cpu_vendor() == "AuthenticAMD" and cpu_family() == 25
+FLAGS += [f"-DWEIGHTS_NTA={int(WEIGHTS_NTA)}"]
 
 # The builds, as isa() numbers them: FLAGS (AVX512-BF16's instructions), or FLAGS with those
 # instructions' definitions in AVX512F instead (bf16.c, EMULATE_BF16): flags()

@@ -41,6 +41,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo("flags").split())
 
 
+def cpu_family() -> int:
+    """The CPU's family number from /proc/cpuinfo (AMD: 25 for Zen 3 and 4, 26 for Zen 5); -1
+    where unknown."""
+    family = _cpuinfo("cpu family")
+    return int(family) if family.isdigit() else -1
+
+
 def cpu_vendor() -> str:
     """The CPU's vendor (GenuineIntel, AuthenticAMD, ...) from /proc/cpuinfo; "" elsewhere."""
     return _cpuinfo("vendor_id")
