@@ -1,3 +1,5 @@
+"""The decode attention of one sequence (9/3 heads of 64, the demo's), one thread: the native build
+against the emulated one."""
 import time, statistics, torch
 from hybridmoe.native import bf16 as k
 from hybridmoe.native.build import load
@@ -20,17 +22,3 @@ for L in (128, 640, 2048):
                 ts.append(time.perf_counter() - t)
             res.setdefault(n, []).append(statistics.median(ts))
     print(L, {n: f"{min(v)*1e6:.1f} us" for n, v in res.items()})
-# one-row products of the demo's shapes, from cache and (rotating) from RAM
-for N, K in ((576, 576), (192, 576), (1536, 576), (49152, 576)):
-    copies = max(1, (64 << 20) // (2 * N * K))
-    ws = [torch.randn(N, K).bfloat16() for _ in range(min(copies, 64))]
-    x = torch.randn(1, K).bfloat16(); y = torch.empty(1, N)
-    res = {}
-    for rnd in range(3):
-        for n, lib in libs.items():
-            ts = []
-            for r in range(400):
-                w = ws[r % len(ws)]; t = time.perf_counter()
-                lib.hm_gemm_bf16(w.data_ptr(), x.data_ptr(), K, y.data_ptr(), N, N, K, 1); ts.append(time.perf_counter() - t)
-            res.setdefault(n, []).append(statistics.median(ts))
-    print(N, K, len(ws), {n: f"{min(v)*1e6:.1f} us" for n, v in res.items()})
