@@ -165,8 +165,8 @@ void hm_round_bf16(const float *x, long n, uint16_t *out) {
    exist, for the row's tail). */
 #define CHUNK(J, LOAD_W, LOAD_X)                                                               \
     do {                                                                                       \
-        bh512 wv = (bh512)LOAD_W;                                                        \
-        for (int r = 0; r < R; r++) acc[r][J] = dpbf16(acc[r][J], wv, (bh512)LOAD_X); \
+        bh512 wv = (bh512)LOAD_W;                                                              \
+        for (int r = 0; r < R; r++) acc[r][J] = dpbf16(acc[r][J], wv, (bh512)LOAD_X);          \
     } while (0)
 
 /* acc[r][j] += W[o + j, i..i+32) . X[m + r, i..i+32) for every r < R and j < 4 as CHUNK gives it, with
@@ -178,7 +178,8 @@ void hm_round_bf16(const float *x, long n, uint16_t *out) {
    widenings (24). Tested bit for bit against vdpbf16ps on every kind of bf16 value (tests/test_native.py). */
 
 /* Whether products of several rows take the fma pairs: on where hm_fma_pairs_check found them giving this
-   CPU's vdpbf16ps bits (Intel's definition of it; another CPU's could differ), else vdpbf16ps (CHUNK). */
+   CPU's vdpbf16ps bits (Intel's definition of it; another CPU's could differ) and they beat it (Intel's
+   cores, not AMD's: native/bf16.py FMA_PAIRS_PAY sets it), else vdpbf16ps (CHUNK). */
 static int fma_pairs;
 
 /* vdpbf16ps against the fma pairs on vectors that tell them apart (ordinary values, tiny exponents that
