@@ -136,11 +136,19 @@ ALWAYS_INLINE void prefetch_far(const uint8_t *p, long bytes) {
    of the one-token Q4_K_X8 product leaves the lines just ahead to the hardware, which on an Intel core
    (a Sapphire Rapids-class VM, ~13 GB/s a core) asked for them too late; asked for here, the product read
    a 1.2 GB set of 4096 x 2048 matrices at 9.98 GB/s against 8.51 (docs/notes/2026-12-06-one-token-streams.md).
-   The two-row products of Q6_K and blocks of 32 read no faster with it. */
+   The two-row products of Q6_K and blocks of 32 read no faster with it. On AMD's Zen 5 (an EPYC VM, ~39 GB/s
+   a core) the near requests slowed the same product from RAM instead: 768 x 2048 29.5 -> 21.8 GB/s,
+   4096 x 2048 35.0 -> 24.3 (docs/notes/2026-12-07-bf16-emulated.md), so the library asks for them on Intel's
+   cores alone (native/quant.py, NEAR_PREFETCH by vendor). */
 #define NEAR 512
+#ifndef NEAR_PREFETCH
+#define NEAR_PREFETCH 1
+#endif
 ALWAYS_INLINE void prefetch_near_far(const uint8_t *p, long bytes) {
     for (long c = 0; c < bytes; c += 64) {
+#if NEAR_PREFETCH
         _mm_prefetch((const char *)p + NEAR + c, _MM_HINT_T0);
+#endif
         _mm_prefetch((const char *)p + FAR + c, _MM_HINT_T1);
     }
 }
