@@ -26,9 +26,9 @@ HEADERS = tuple(Path(__file__).with_name(h) for h in ("pool.h", "rows.h", "mix.h
 # no global ISA flags (each path has its own target attribute); floats exactly as written, so that
 # both paths round alike; the worker threads of pool.h
 FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
-# Whether one-token K-quant products ask for the weights just ahead into L1 as well as further ahead
-# into L2: on Intel's cores, which asked too late for them otherwise; on AMD's Zen 5 the near requests
-# cost a product from RAM a quarter of its rate (quant.c, NEAR_PREFETCH)
+# Whether one-token K-quant products ask for the weights just ahead into L1 as well as further
+# ahead into L2: on Intel's cores, which asked too late for them otherwise; on AMD's Zen 5 the near
+# requests cost a product from RAM a quarter of its rate (quant.c, NEAR_PREFETCH)
 FLAGS += [f"-DNEAR_PREFETCH={int(cpu_vendor() != 'AuthenticAMD')}"]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
