@@ -92,8 +92,8 @@ def is_valid(body: dict) -> bool:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             return False
-        if name == "top_k" and not isinstance(v, int):
-            return False
+        if name == "top_k" and not (isinstance(v, int) or v.is_integer()):
+            return False  # JSON has one kind of number: 0.0 is the integer 0 (protocol._number)
         b = LIMITS[name]
         if v < b.get("ge", -math.inf) or v <= b.get("gt", -math.inf) or v > b.get("le", math.inf):
             return False
