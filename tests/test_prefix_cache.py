@@ -112,6 +112,21 @@ def test_blocks_evicted_from_a_small_pool_come_back_from_ram(tiny):
     eng.close()
 
 
+def test_a_prompt_tail_of_one_token_counts_as_prefill(tiny):
+    """A prompt whose blocks all hit but its last token: that token is prefill work (the metric
+    had counted it as a decode token, so a replica reported no prefill for it)."""
+    ref, model, _ = tiny[3]
+    p = prompt(41, seed=6)  # 10 blocks of 4 and one token
+    eng = engine(model, prefix_cache_ram="1MB")
+    assert eng.generate([p], GREEDY) == [hf_greedy(ref, p)]
+    m = eng.metrics
+    assert (m.prefill_tokens, m.decode_tokens) == (41, GREEDY.max_tokens - 1)
+    assert eng.generate([p], GREEDY) == [hf_greedy(ref, p)]
+    assert eng.blocks.hit_tokens == 40
+    assert (m.prefill_tokens, m.decode_tokens) == (42, 2 * (GREEDY.max_tokens - 1))
+    eng.close()
+
+
 def test_a_restarted_engine_serves_the_prefix_from_disk_with_the_entries_it_computed(
     tiny, tmp_path
 ):

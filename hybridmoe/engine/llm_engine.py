@@ -244,9 +244,7 @@ class LLMEngine:
         """One forward pass over `batch` on this thread: run the model, then sample and account."""
         t0 = time.perf_counter()
         self._mark_scheduled(batch, t0)
-        decode_tokens = sum(
-            n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_uncomputed == 1
-        )
+        decode_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.is_decoding)
         try:
             logits = self.runner.run(batch, beside=self._prefilling())  # [n, V]
         except Exception:
@@ -268,7 +266,7 @@ class LLMEngine:
                 self.fail(seq.request_id)
                 outputs.append(RequestOutput(seq.request_id, [], "", finished=True, error=f"{e}"))
                 continue
-            decode = n if seq.num_uncomputed == 1 else 0
+            decode = n if seq.is_decoding else 0
             outputs += self._postprocess(one, logits, time.perf_counter() - t0, decode)
         return outputs
 

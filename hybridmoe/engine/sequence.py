@@ -61,6 +61,12 @@ class Sequence:
         return self.num_uncomputed > 1
 
     @property
+    def is_decoding(self) -> bool:
+        """Whether its one uncomputed token is one it sampled (a decode step's), not the last of a
+        prompt whose other tokens came from the prefix cache (prefill, as the metrics count it)."""
+        return self.num_uncomputed == 1 and bool(self.output_ids)
+
+    @property
     def max_tokens(self) -> int:
         return min(self.params.max_tokens, self.max_len - len(self.prompt_ids))
 
