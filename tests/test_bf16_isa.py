@@ -20,6 +20,7 @@ import torch
 
 from hybridmoe.native import bf16 as kernels
 from hybridmoe.native.build import library_path, load
+from tests.bf16_bits import bf16_with_exponents, same_bits
 from tests.tiny import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,37 +116,27 @@ def test_the_rounding_is_intels_definition(isa):
     assert np.array_equal(out.numpy().view(np.uint16), intels_rounding(bits))
 
 
-def bf16_of_every_kind(shape, kind: str, gen) -> torch.Tensor:
-    """bf16 tensors of ordinary values; of tiny ones (exponents near the bottom, subnormal ones
-    among them: with the partner's from huge_partner, products and sums about fp32's smallest
-    normal, where DAZ and FTZ decide); of huge ones (products past fp32's largest); or of
-    arbitrary bits (NaN and inf among them)."""
+# bf16 exponent fields of each kind of value: tiny (subnormal ones among them) against a partner
+# that puts products and sums about fp32's smallest normal, where DAZ and FTZ decide; huge, whose
+# products pass fp32's largest; arbitrary bits (NaN and inf among them) as (0, 255)
+EXPONENTS = {
+    "tiny": ((0, 11), (115, 134)),
+    "huge": ((190, 253), (190, 253)),
+    "arbitrary": ((0, 255), (0, 255)),
+}
+
+
+def operands(kind: str, w_shape, x_shape, gen):
+    """Weights and x rows of one kind: ordinary N(0, 1) values, or the exponents of EXPONENTS."""
     if kind == "ordinary":
-        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
-    r = torch.randint(0, 2**16, shape, generator=gen, dtype=torch.int32)
-    exponents = {"tiny": (0, 12), "partner": (115, 135), "huge": (190, 254)}
-    if kind == "arbitrary":
-        bits = r
-    else:
-        lo, hi = exponents[kind]
-        bits = (r & 0x807F) | (torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32) << 7)
-    return bits.to(torch.int16).view(torch.bfloat16)
-
-
-PARTNER = {"ordinary": "ordinary", "tiny": "partner", "huge": "huge", "arbitrary": "arbitrary"}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bits, NaN equal to NaN (the two builds' NaNs may carry other payloads)."""
-    nan = torch.isnan(a)
-    return bool(
-        torch.equal(nan, torch.isnan(b))
-        and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
-    )
+        return (torch.randn(*s, generator=gen).to(torch.bfloat16) for s in (w_shape, x_shape))
+    (w_lo, w_hi), (x_lo, x_hi) = EXPONENTS[kind]
+    w = bf16_with_exponents(w_shape, w_lo, w_hi, gen)
+    return w, bf16_with_exponents(x_shape, x_lo, x_hi, gen)
 
 
 @needs_bf16
-@pytest.mark.parametrize("kind", list(PARTNER))
+@pytest.mark.parametrize("kind", ["ordinary", *EXPONENTS])
 def test_the_emulated_products_are_vdpbf16ps_bit_for_bit(kind):
     """hm_gemm_bf16 at 1 row (vdpbf16ps or its emulation), 3 and 9 (the fma pairs, or vdpbf16ps with
     them off), 20 and 70 (widened operands), one and two threads, against the native build."""
@@ -153,9 +144,9 @@ def test_the_emulated_products_are_vdpbf16ps_bit_for_bit(kind):
     assert native.hm_fma_pairs_check() == 1 and emulated.hm_fma_pairs_check() == 1
     gen = torch.Generator().manual_seed(len(kind))
     for n, k in [(37, 100), (8, 64), (5, 31)]:
-        w = bf16_of_every_kind((n, k), kind, gen)
+        w, x70 = operands(kind, (n, k), (70, k), gen)
         for rows in (1, 3, 9, 20, 70):
-            x = bf16_of_every_kind((rows, k), PARTNER[kind], gen)
+            x = x70[:rows]
             outs = []
             for lib, pairs, threads in [
                 (native, 0, 1), (native, 1, 1), (emulated, 0, 1), (emulated, 1, 1), (emulated, 1, 2)

@@ -20,6 +20,7 @@ from hybridmoe.experts.run.ffn import (
 )
 from hybridmoe.experts.run.store import ExpertWeights
 from hybridmoe.layers.linear import THREADED_NATIVE_ROWS, linear
+from tests.bf16_bits import bf16_with_exponents, same_bits
 
 needs_kernels = pytest.mark.skipif(
     not native.cpu_has_avx512(), reason="needs a CPU with AVX-512 (F, BW, VL)"
@@ -78,15 +79,6 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(native.gemm(x[:m], w), alone[:m])
 
 
-def bf16_with_exponents(shape, lo: int, hi: int, gen, signed: bool = True) -> torch.Tensor:
-    """bf16 values of random mantissa (and sign, if `signed`) whose exponent field is in [lo, hi]
-    (0: subnormal)."""
-    n = int(torch.Size(shape).numel())
-    sign_mantissa = torch.randint(0, 1 << 16, (n,), generator=gen) & (0x807F if signed else 0x7F)
-    exponent = torch.randint(lo, hi + 1, (n,), generator=gen) << 7
-    return (sign_mantissa | exponent).to(torch.int16).view(torch.bfloat16).view(shape)
-
-
 @needs_kernels
 @pytest.mark.parametrize(
     "kind, w_exp, x_exp",
@@ -111,8 +103,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_for_any_bf16_values(kin
         assert (alone.isfinite() & (alone != 0)).any()
     for m in range(2, native.MAX_ROWS + 1):
         got, want = native.gemm(x[:m], w), alone[:m]
-        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-        assert bool(same.all()), m
+        assert same_bits(got, want), m
 
 
 @needs_kernels
@@ -139,8 +130,7 @@ def test_several_rows_give_the_same_bits_on_fma_pairs_and_on_vdpbf16ps(kind, w_e
         kernels.use_fma_pairs(before)
     assert on == kernels._FMA_PAIRS[0]
     for got, want in zip(pairs, plain):
-        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-        assert bool(same.all())
+        assert same_bits(got, want)
 
 
 def swiglu_reference(x, gate_up, down):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, F, N, P, cpu_family, cpu_flags, cpu_vendor, load, switch
+from hybridmoe.native.build import INT, F, N, P, cpu_family, cpu_flags, cpu_is_amd, load, switch
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
@@ -34,7 +34,7 @@ FLAGS += ["-pthread", "-ffp-contract=off"]
 # keeps the caches of the Python between kernels), into L1 and L2 elsewhere (Intel: 1.5x the read
 # rate; AMD's Zen 5, family 26, an EPYC VM: the demo's decode at one thread 71-77 -> 94-110 tok/s,
 # at two 116-120 -> 120-132, docs/notes/2026-12-07-bf16-emulated.md); bf16.c, NTA_AHEAD
-WEIGHTS_NTA = cpu_vendor() == "AuthenticAMD" and cpu_family() == 25
+WEIGHTS_NTA = cpu_is_amd() and cpu_family() == 25
 FLAGS += [f"-DWEIGHTS_NTA={int(WEIGHTS_NTA)}"]
 
 # The builds, as isa() numbers them: FLAGS (AVX512-BF16's instructions), or FLAGS with those
@@ -202,7 +202,7 @@ _FMA_ON = [False]  # what bf16.c's hm_set_fma_pairs was last told
 # AMD's Zen 5 (an EPYC VM, one thread) vdpbf16ps took 0.39-0.54x the pairs' time from 16 rows on
 # (4096 x 2048 from RAM, 512-row products from cache), 0.84-0.89x at 12-15 rows, 1.04-1.14x at 3-6
 # (docs/notes/2026-12-07-bf16-emulated.md). Zen 4 is not measured.
-FMA_PAIRS_PAY = cpu_vendor() != "AuthenticAMD"
+FMA_PAIRS_PAY = not cpu_is_amd()
 
 
 def use_fma_pairs(on: bool) -> bool:

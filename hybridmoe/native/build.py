@@ -53,6 +53,12 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+def cpu_is_amd() -> bool:
+    """Whether the CPU is AMD's: some kernels ask for their data another way there (bf16.py,
+    quant.py, each with its measurements)."""
+    return cpu_vendor() == "AuthenticAMD"
+
+
 def _compile(source: Path, flags: list[str], out: Path) -> None:
     """cc FLAGS source -o out, through a temporary file in out's directory and a rename."""
     cc = env.c_compiler()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, N, P, cpu_flags, cpu_vendor, load, switch
+from hybridmoe.native.build import INT, N, P, cpu_flags, cpu_is_amd, load, switch
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -29,7 +29,7 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 # Whether one-token K-quant products ask for the weights just ahead into L1 as well as further
 # ahead into L2: on Intel's cores, which asked too late for them otherwise; on AMD's Zen 5 the near
 # requests cost a product from RAM a quarter of its rate (quant.c, NEAR_PREFETCH)
-FLAGS += [f"-DNEAR_PREFETCH={int(cpu_vendor() != 'AuthenticAMD')}"]
+FLAGS += [f"-DNEAR_PREFETCH={int(not cpu_is_amd())}"]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
