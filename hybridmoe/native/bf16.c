@@ -829,6 +829,9 @@ ALWAYS_INLINE __mmask16 mask16(long n) { return n >= 16 ? (__mmask16)0xffff : n 
    (interleaved A/B, 1 thread, cold: 32/4 heads of 128 3320 -> 3187 us, 9/3 of 64 833 -> 756 us; alike
    at 512 and 2048): 32 rows of 32/4 heads of 128 (1 KB each) are 32 KB, most of L1. */
 #define AHEAD 8  /* positions */
+ALWAYS_INLINE void prefetch_part(const uint16_t *row, long bytes) {
+    for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T0);
+}
 ALWAYS_INLINE void prefetch_rows(const uint16_t *base, long ld, const long *slots, long l0, long l1, long row_bytes) {
     for (long l = l0; l < l1; l++) {
         const char *row = (const char *)(base + slots[l] * ld);
@@ -837,12 +840,15 @@ ALWAYS_INLINE void prefetch_rows(const uint16_t *base, long ld, const long *slot
 }
 
 /* S[h][0..16) = scale q_h . k_j for the n query heads at q (rows d apart; S rows ldp apart) and the
-   16 key rows at k + off[j] (d elements each). Out of line, the sums in named variables: inlined into
+   16 key rows at k + off[j] (d elements each); asks for the d elements at k + next[j], j < rows, a
+   share at each head (attend_one). Out of line, the sums in named variables: inlined into
    attend_one with an array of them, GCC kept the array in memory, a store after every vdpbf16ps
    (32/4 heads of 128, warm, 1 thread: 2048 positions 644 -> 600 us, 8192 2582 -> 2425 us). */
 __attribute__((noinline)) static void scores_block(const uint16_t *q, long n, const uint16_t *k, const long *off,
-                                                   long d, float scale, float *S, long ldp) {
+                                                   long d, float scale, float *S, long ldp, const long *next,
+                                                   long rows) {
     for (long h = 0; h < n; h++, q += d, S += ldp) {
+        for (long j = h * rows / n; j < (h + 1) * rows / n; j++) prefetch_part(k + next[j], d * 2);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
                a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
         DP_BEGIN
@@ -1106,15 +1112,22 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
         scores_amx(from, R, G, g1 - g0, K, ldk, slots, Lr, d, runs16, scale, S + h0 * R * ldp, ldp, Qp, Kg,
                    (float *)(Kg + 16 * d));
     } else {
-        /* scores, 16 positions at a time; the block's key rows stay in L1 for every head */
-        prefetch_rows(K, ldk, slots, 0, L < AHEAD ? L : AHEAD, (g1 - g0) * d * 2);
+        /* scores, 16 positions at a time; the block's key rows stay in L1 for every head. The next block's rows
+           are asked for a few at a time, each head of each group a share (scores_block). On AMD's Zen 5, 16 rows
+           asked for at once (prefetch_rows) did little more than none: a plain read of such rows took 59 us asked
+           for in bursts, 63 without and 41 asked for a row at a time, and this call read its rows from RAM at ~6
+           GB/s (the L1's miss buffers full, most likely). One sequence of 576 positions, 32/4 heads of 128, after
+           a 48 MB read, 1 thread: 196 -> 96 us a call, 8192 positions 2479 -> 1048 us
+           (docs/notes/2026-12-07-attention-prefetch.md). */
+        const long ahead = 16;
+        prefetch_rows(K, ldk, slots, 0, L < ahead ? L : ahead, (g1 - g0) * d * 2);
         for (long l0 = 0; l0 < L; l0 += 16) {
-            long off[16];  /* the key rows' offsets in K */
-            prefetch_rows(K, ldk, slots, l0 + AHEAD, l0 + AHEAD + 16 < L ? l0 + AHEAD + 16 : L, (g1 - g0) * d * 2);
+            long off[16], next[16], rows = 0;  /* the key rows' offsets in K: this block's, the one ahead's */
             for (int j = 0; j < 16; j++)  /* past L: position L - 1 again, its scores unused */
                 off[j] = slots[l0 + j < L ? l0 + j : L - 1] * ldk;
+            for (long l = l0 + ahead; l < l0 + ahead + 16 && l < L; l++) next[rows++] = slots[l] * ldk;
             for (long g = g0; g < g1; g++)
-                scores_block(q + g * G * d, G, K + (g - g0) * d, off, d, scale, S + g * G * ldp + l0, ldp);
+                scores_block(q + g * G * d, G, K + (g - g0) * d, off, d, scale, S + g * G * ldp + l0, ldp, next, rows);
         }
     }
     /* softmax numerators exp(s - max) in place; 1 / sum kept per head and row */
@@ -1140,13 +1153,18 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
                    Ap + 3 * 16 * 32);
     } else {
     memset(O + h0 * dv, 0, sizeof(float) * (h1 - h0) * dv);
-    prefetch_rows(V, ldv, slots, 0, L < AHEAD ? L : AHEAD, (g1 - g0) * dv * 2);
+    /* the next block's value rows asked for as the keys' are, a share at each call of weigh_values (calls
+       a group) */
+    const long ahead = 16, calls = (G + 3) / 4 * ((dv + 63) / 64);
+    prefetch_rows(V, ldv, slots, 0, L < ahead ? L : ahead, (g1 - g0) * dv * 2);
     for (long l0 = 0; l0 < L; l0 += 16) {
-        long l1 = l0 + 16 < L ? l0 + 16 : L;
-        prefetch_rows(V, ldv, slots, l0 + AHEAD, l0 + AHEAD + 16 < L ? l0 + AHEAD + 16 : L, (g1 - g0) * dv * 2);
+        long l1 = l0 + 16 < L ? l0 + 16 : L, rows = L - l0 - ahead < 16 ? L - l0 - ahead : 16;
+        if (rows < 0) rows = 0;
         for (long g = g0; g < g1; g++)
-            for (long h = g * G; h < (g + 1) * G; h += 4)
-                for (long c0 = 0; c0 < dv; c0 += 64) {
+            for (long h = g * G, call = 0; h < (g + 1) * G; h += 4)
+                for (long c0 = 0; c0 < dv; c0 += 64, call++) {
+                    for (long j = call * rows / calls; j < (call + 1) * rows / calls; j++)
+                        prefetch_part(V + slots[l0 + ahead + j] * ldv + (g - g0) * dv, dv * 2);
                     float *o = O + h * dv;
                     const float *p = S + h * ldp;
                     const uint16_t *v = V + (g - g0) * dv;
