@@ -131,6 +131,36 @@ def test_products_on_interleaved_rows_keep_the_rows_bits(fmt, n, k):
                     assert torch.equal(got, want), (m, dtype, path, workers)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="needs the quant kernels (any x86-64 CPU)")
+@pytest.mark.parametrize("near,far", [(0, "_MM_HINT_T1"), (1, "_MM_HINT_T1"), (0, "_MM_HINT_NTA")])
+def test_one_token_products_read_the_same_bits_however_the_weights_are_asked_for(near, far):
+    """quant.c is built to ask for a one-token product's weights just ahead into L1 on Intel's cores
+    (NEAR_PREFETCH) and further ahead as non-temporal on AMD's Zen 5 (FAR_HINT), into L2 elsewhere;
+    each build gives the bits of this machine's library, on both paths."""
+    from hybridmoe.native.build import load
+
+    flags = [f for f in kernels.FLAGS if not f.startswith(("-DNEAR_PREFETCH", "-DFAR_HINT"))]
+    other = load(
+        kernels.SOURCE,
+        [*flags, f"-DNEAR_PREFETCH={near}", f"-DFAR_HINT={far}"],
+        kernels.SIGNATURES,
+        kernels.HEADERS,
+    )
+    for fmt in FAMILIES:
+        n, k = odd_rows(fmt) + 3 * INTERLEAVED[fmt].rows, 2048
+        plain = blocks(fmt, n, k, 7)
+        for layout, data in ((FORMATS[fmt], plain), (INTERLEAVED[fmt], interleave(plain, fmt))):
+            x = torch.randn(1, k).to(torch.bfloat16)
+            for path in PATHS:
+                y = torch.empty(1, n)
+                status = other.hm_qlinear(
+                    layout.ggml, data.data_ptr(), data.stride(0), n, k, x.data_ptr(), k, 1, 1,
+                    y.data_ptr(), n, 1, path,
+                )  # fmt: skip
+                assert status == 0
+                assert torch.equal(y, kernels.linear(x, layout.ggml, data, k, path, 1)), (fmt, path)
+
+
 @pytest.fixture
 def tiles_back_on():
     yield

@@ -127,9 +127,18 @@ static long block_elems(int fmt) { return is_k(fmt) ? 256 : 32; }
    Q4_0's nibbles carry an offset of 8. */
 static int offset_of(int fmt) { return rows_fmt(fmt) == Q8_0 ? 128 : rows_fmt(fmt) == Q4_0 ? 8 : 0; }
 
-/* Ask for `bytes` from p + FAR on into L2. */
+/* How the lines FAR ahead are asked for: into L2 (_MM_HINT_T1), or as non-temporal on AMD's Zen 5
+   (_MM_HINT_NTA: native/quant.py, FAR_NTA), where the one-token products read as fast or faster so (Q4_K
+   4096 x 2048 from RAM, 1 thread, 34.5 -> 37.2 GB/s; Q8_0 38.5 -> 39.1) and the weights a decode step
+   streams leave more of the caches' lines to the Python between two kernels (its inputs 71 -> 57 us a
+   step, the final norm 40 -> 33: docs/notes/2026-12-07-attention-prefetch.md). */
+#ifndef FAR_HINT
+#define FAR_HINT _MM_HINT_T1
+#endif
+
+/* Ask for `bytes` from p + FAR on into L2 (or as FAR_HINT says). */
 ALWAYS_INLINE void prefetch_far(const uint8_t *p, long bytes) {
-    for (long c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + FAR + c, _MM_HINT_T1);
+    for (long c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + FAR + c, FAR_HINT);
 }
 
 /* Ask for `bytes` from p + NEAR on into L1 as well as from p + FAR on into L2: a stream read at the pace
@@ -149,7 +158,7 @@ ALWAYS_INLINE void prefetch_near_far(const uint8_t *p, long bytes) {
 #if NEAR_PREFETCH
         _mm_prefetch((const char *)p + NEAR + c, _MM_HINT_T0);
 #endif
-        _mm_prefetch((const char *)p + FAR + c, _MM_HINT_T1);
+        _mm_prefetch((const char *)p + FAR + c, FAR_HINT);
     }
 }
 
