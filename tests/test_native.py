@@ -408,16 +408,18 @@ def test_a_library_exposes_only_the_functions_it_types():
 
 
 @needs_kernels
-@pytest.mark.parametrize("nta", [0, 1])
-def test_one_row_products_read_the_same_bits_however_the_weights_are_asked_for(nta):
-    """bf16.c is built to ask for a one-row product's weights as non-temporal on AMD and into L1/L2
-    elsewhere (WEIGHTS_NTA, by the CPU's vendor); each build gives the bits of a float64-checked
-    product on every machine."""
+@pytest.mark.parametrize("nta,far", [(0, "_MM_HINT_T1"), (1, "_MM_HINT_T1"), (0, "_MM_HINT_NTA")])
+def test_one_row_products_read_the_same_bits_however_the_weights_are_asked_for(nta, far):
+    """bf16.c is built to ask for a one-row product's weights as non-temporal on AMD's Zen 4
+    (WEIGHTS_NTA), into L1 and 4 KB ahead into L2 elsewhere, those 4 KB as non-temporal on Zen 5
+    (FAR_HINT); each build gives the bits of a float64-checked product on every machine."""
     from hybridmoe.native import bf16 as kernels
     from hybridmoe.native.build import load
 
-    flags = [f for f in kernels.flags(kernels.isa()) if not f.startswith("-DWEIGHTS_NTA")]
-    flags.append(f"-DWEIGHTS_NTA={nta}")
+    flags = [
+        f for f in kernels.flags(kernels.isa()) if not f.startswith(("-DWEIGHTS_NTA", "-DFAR_HINT"))
+    ]
+    flags += [f"-DWEIGHTS_NTA={nta}", f"-DFAR_HINT={far}"]
     other = load(kernels.SOURCE, flags, kernels.SIGNATURES, kernels.HEADERS)
     gen = torch.Generator().manual_seed(11 + nta)
     for rows, cols in [(4099, 2048), (7, 100), (1553, 576), (5, 31)]:

@@ -268,6 +268,14 @@ void hm_set_fma_pairs(int on) { fma_pairs = on; }
 #ifndef WEIGHTS_NTA
 #define WEIGHTS_NTA 1
 #endif
+/* How the lines FAR_AHEAD are asked for where WEIGHTS_NTA is 0: into L2 (_MM_HINT_T1), or as non-temporal
+   on AMD's Zen 5 (_MM_HINT_NTA: native/bf16.py, FAR_NTA). There the products read as fast (4096 x 2048
+   from RAM, 1 thread, 36.2 -> 37.0 GB/s; 768 x 2048 35.3 -> 34.4) and the decode step's Python finds more
+   of its lines in the caches: the demo's decode 8.25 -> 7.95 ms a token at one thread, 7.4 -> 6.5 at two
+   (alternating; docs/notes/2026-12-07-attention-prefetch.md; quant.c FAR_HINT likewise). */
+#ifndef FAR_HINT
+#define FAR_HINT _MM_HINT_T1
+#endif
 
 /* Y[m + r, o + j] = sum_i W[o + j, i] X[m + r, i] for r < R, j < c (c <= 4 weight rows left).
    One x row (decode of one sequence: the weights stream from RAM and nothing else counts) reads the
@@ -315,7 +323,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
                 _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_NTA);
 #else
                 _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_T0);
-                _mm_prefetch((const char *)(w[j] + i) + FAR_AHEAD, _MM_HINT_T1);
+                _mm_prefetch((const char *)(w[j] + i) + FAR_AHEAD, FAR_HINT);
 #endif
                 CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
             }
