@@ -1122,11 +1122,11 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
     } else {
         /* scores, 16 positions at a time; the block's key rows stay in L1 for every head. The next block's rows
            are asked for a few at a time, each head of each group a share (scores_block). On AMD's Zen 5, 16 rows
-           asked for at once (prefetch_rows) did little more than none: a plain read of such rows took 59 us asked
-           for in bursts, 63 without and 41 asked for a row at a time, and this call read its rows from RAM at ~6
-           GB/s (the L1's miss buffers full, most likely). One sequence of 576 positions, 32/4 heads of 128, after
-           a 48 MB read, 1 thread: 196 -> 96 us a call, 8192 positions 2479 -> 1048 us
-           (docs/notes/2026-12-07-attention-prefetch.md). */
+           asked for at once (prefetch_rows) did little more than not asking: a plain read of 576 such rows of K
+           and of V with 25 fma a row took 86-89 us asked for in bursts, 96 without and 44-46 asked for a row at a
+           time, and this call read its rows from RAM at ~6 GB/s (the L1's miss buffers full, most likely). One
+           sequence of 576 positions, 32/4 heads of 128, after a 48 MB read, 1 thread: 196 -> 96 us a call, 8192
+           positions 2479 -> 1048 us (docs/notes/2026-12-07-attention-prefetch.md). */
         const long ahead = 16;
         prefetch_rows(K, ldk, slots, 0, L < ahead ? L : ahead, (g1 - g0) * d * 2);
         for (long l0 = 0; l0 < L; l0 += 16) {
