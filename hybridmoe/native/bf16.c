@@ -835,7 +835,8 @@ ALWAYS_INLINE __mmask16 mask16(long n) { return n >= 16 ? (__mmask16)0xffff : n 
    ~85-135 us with it (consecutive / shuffled blocks; 16, 64 or 128 positions ahead did no better).
    On the Intel VM of docs/notes/2026-12-06-one-token-streams.md, 8 ahead beat 32 at 8192 positions
    (interleaved A/B, 1 thread, cold: 32/4 heads of 128 3320 -> 3187 us, 9/3 of 64 833 -> 756 us; alike
-   at 512 and 2048): 32 rows of 32/4 heads of 128 (1 KB each) are 32 KB, most of L1. */
+   at 512 and 2048): 32 rows of 32/4 heads of 128 (1 KB each) are 32 KB, most of L1. The AMX paths ask so;
+   the vdpbf16ps path asks so for its first block only, for every later one a share at a time (attend_one). */
 #define AHEAD 8  /* positions */
 ALWAYS_INLINE void prefetch_part(const uint16_t *row, long bytes) {
     for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T0);

@@ -33,8 +33,8 @@ FLAGS += [f"-DNEAR_PREFETCH={int(not cpu_is_amd())}"]
 # Whether one-token products ask for the weights further ahead as non-temporal rather than into
 # L2: on AMD's Zen 5 (family 26) the products read as fast or faster (Q4_K 4096 x 2048 from RAM
 # 34.5 -> 37.2 GB/s) and the Python between two kernels finds more of its lines in the caches (the
-# 4-layer Q4_K_M file's decode 2-3% faster at one thread); Zen 4 and Intel's cores unmeasured
-# (quant.c, FAR_HINT)
+# 4-layer Q4_K_M file's decode ~4% faster a token at one thread, 15-25% at two); Zen 4 and Intel's
+# cores unmeasured (quant.c, FAR_HINT)
 FAR_NTA = cpu_is_amd() and cpu_family() == 26
 FLAGS += [f"-DFAR_HINT={'_MM_HINT_NTA' if FAR_NTA else '_MM_HINT_T1'}"]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
