@@ -285,19 +285,24 @@ def test_the_torch_fallback_computes_on_interleaved_rows(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
-def test_weights_are_interleaved_in_place_where_avx512_reads_them(fmt, monkeypatch):
+def test_weights_are_interleaved_in_place_where_their_path_reads_them(fmt, monkeypatch):
+    """Every interleaved layout where the AVX-512 path runs; on AVX2 Q4_K's rows in eights alone
+    (its kernel reads them as they lie; the others' rows would be put back); none with the native
+    code off, nor for rows that are not whole groups."""
     f = FORMATS[fmt]
-    data = blocks(fmt, 32, 512, 11)
-    values = QTensor(data.clone(), f, 512).dequantize()
-    kept = for_kernels(QTensor(data, f, 512))
-    if kernels.isa() == kernels.AVX512:
-        assert kept.fmt == INTERLEAVED[fmt] and kept.parts[0].data_ptr() == data.data_ptr()
-    else:
-        assert kept.fmt == f
-    assert torch.equal(kept.dequantize(), values)
-    monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "avx2")  # the AVX2 path reads GGUF's layout
-    assert for_kernels(QTensor(blocks(fmt, 32, 512, 12), f, 512)).fmt == f
-    assert for_kernels(QTensor(blocks(fmt, 36, 512, 12), f, 512)).fmt == f  # not whole eights
+    for path, interleaved in (("avx512", FAMILIES), ("avx2", ("q4_k",)), ("off", ())):
+        monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", path)
+        if path == "avx512" and kernels.isa() != kernels.AVX512:
+            continue  # a CPU without AVX-512 VNNI
+        data = blocks(fmt, 32, 512, 11)
+        values = QTensor(data.clone(), f, 512).dequantize()
+        kept = for_kernels(QTensor(data, f, 512))
+        if fmt in interleaved:
+            assert kept.fmt == INTERLEAVED[fmt] and kept.parts[0].data_ptr() == data.data_ptr()
+        else:
+            assert kept.fmt == f
+        assert torch.equal(kept.dequantize(), values)
+        assert for_kernels(QTensor(blocks(fmt, 36, 512, 12), f, 512)).fmt == f  # not whole eights
 
 
 def test_the_emulated_accelerator_runs_experts_kept_in_eights(tmp_path):

@@ -103,8 +103,9 @@ def test_experts_and_linears_stay_in_their_blocks(tmp_path):
     path = wide_mixtral_gguf(tmp_path, Q.Q4_K)
     model = load_model(path, progress=False)
     w = model.runtime.store.get(0, 1)
-    # Q4_K blocks, in rows of eight where the AVX-512 path reads them (quant/interleave.py)
-    layout = "q4_k_x8" if kernels.isa() == kernels.AVX512 else "q4_k"
+    # Q4_K blocks, in rows of eight where the integer kernels run (AVX-512 or AVX2: both read them
+    # as they lie; quant/interleave.py)
+    layout = "q4_k_x8" if kernels.isa() in (kernels.AVX512, kernels.AVX2) else "q4_k"
     assert (
         isinstance(w.gate_up, QTensor)
         and w.gate_up.fmt.name == layout
