@@ -696,11 +696,12 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
 /* ---- rows in eights (Q4_K_X8, Q5_K_X8, Q6_K_X8) --------------------------------------------------- */
 
 /* The layouts, made at load where the AVX-512 path runs, Q4_K's also where AVX2's does (hm_interleave,
-   called by quant/tensor.py for_kernels; quant/interleave.py turns them back in torch ops): a matrix of Q4_K, Q5_K or Q6_K rows, their
-   number a multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8 row lengths of bytes, rows of
-   exactly K / 256 blocks) hold their super-blocks s side by side at s * 8 * (block bytes). Each piece of
-   a row's block (X8_PIECES: `len` bytes at `at`, in units of `unit` bytes) lies with that piece of the
-   other seven rows, unit i of row r at unit 8i + r, the pieces one after another:
+   called by quant/tensor.py for_kernels; quant/interleave.py turns them back in torch ops): a matrix of
+   Q4_K, Q5_K or Q6_K rows, their number a multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8
+   row lengths of bytes, rows of exactly K / 256 blocks) hold their super-blocks s side by side at
+   s * 8 * (block bytes). Each piece of a row's block (X8_PIECES: `len` bytes at `at`, in units of `unit`
+   bytes) lies with that piece of the other seven rows, unit i of row r at unit 8i + r, the pieces one
+   after another:
      Q4_K (1152 bytes): [0, 16) the rows' d (fp16), [16, 32) their dmin, [32, 128) their 12 scale bytes
        (byte j of row r at 32 + 8j + r), [128, 1152) their nibbles (bytes 8c .. 8c + 7 of row r's qs at
        128 + 64c + 8r);
