@@ -269,7 +269,7 @@ void hm_set_fma_pairs(int on) { fma_pairs = on; }
 #define WEIGHTS_NTA 1
 #endif
 /* How the lines FAR_AHEAD are asked for where WEIGHTS_NTA is 0: into L2 (_MM_HINT_T1), or as non-temporal
-   on AMD's Zen 5 (_MM_HINT_NTA: native/bf16.py, FAR_NTA). There the products read as fast (4096 x 2048
+   on AMD's Zen 5 (_MM_HINT_NTA: native/build.py, far_hint_flag). There the products read as fast (4096 x 2048
    from RAM, 1 thread, 36.2 -> 37.0 GB/s; 768 x 2048 35.3 -> 34.4) and the decode step's Python finds more
    of its lines in the caches: the demo's decode 8.25 -> 7.95 ms a token at one thread, 7.4 -> 6.5 at two
    (alternating; docs/notes/2026-12-07-attention-prefetch.md; quant.c FAR_HINT likewise). */
@@ -842,11 +842,10 @@ ALWAYS_INLINE void prefetch_part(const uint16_t *row, long bytes) {
     for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T0);
 }
 ALWAYS_INLINE void prefetch_rows(const uint16_t *base, long ld, const long *slots, long l0, long l1, long row_bytes) {
-    for (long l = l0; l < l1; l++) {
-        const char *row = (const char *)(base + slots[l] * ld);
-        for (long b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    }
+    for (long l = l0; l < l1; l++) prefetch_part(base + slots[l] * ld, row_bytes);
 }
+/* Positions of the block from l on (the one ahead) that lie before L: 0 to 16. */
+ALWAYS_INLINE long rows_from(long l, long L) { return L - l < 0 ? 0 : L - l < 16 ? L - l : 16; }
 
 /* S[h][0..16) = scale q_h . k_j for the n query heads at q (rows d apart; S rows ldp apart) and the
    16 key rows at k + off[j] (d elements each); asks for the d elements at k + next[j], j < rows, a
@@ -1131,10 +1130,11 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
         const long ahead = 16;
         prefetch_rows(K, ldk, slots, 0, L < ahead ? L : ahead, (g1 - g0) * d * 2);
         for (long l0 = 0; l0 < L; l0 += 16) {
-            long off[16], next[16], rows = 0;  /* the key rows' offsets in K: this block's, the one ahead's */
+            long off[16], next[16];  /* the key rows' offsets in K: this block's, the one ahead's */
+            const long rows = rows_from(l0 + ahead, L);
             for (int j = 0; j < 16; j++)  /* past L: position L - 1 again, its scores unused */
                 off[j] = slots[l0 + j < L ? l0 + j : L - 1] * ldk;
-            for (long l = l0 + ahead; l < l0 + ahead + 16 && l < L; l++) next[rows++] = slots[l] * ldk;
+            for (long j = 0; j < rows; j++) next[j] = slots[l0 + ahead + j] * ldk;
             for (long g = g0; g < g1; g++)
                 scores_block(q + g * G * d, G, K + (g - g0) * d, off, d, scale, S + g * G * ldp + l0, ldp, next, rows);
         }
@@ -1167,8 +1167,7 @@ static void attend_one(const uint16_t *const *qs, void *const *outs, long R, con
     const long ahead = 16, calls = (G + 3) / 4 * ((dv + 63) / 64);
     prefetch_rows(V, ldv, slots, 0, L < ahead ? L : ahead, (g1 - g0) * dv * 2);
     for (long l0 = 0; l0 < L; l0 += 16) {
-        long l1 = l0 + 16 < L ? l0 + 16 : L, rows = L - l0 - ahead < 16 ? L - l0 - ahead : 16;
-        if (rows < 0) rows = 0;
+        const long l1 = l0 + 16 < L ? l0 + 16 : L, rows = rows_from(l0 + ahead, L);
         for (long g = g0; g < g1; g++)
             for (long h = g * G, call = 0; h < (g + 1) * G; h += 4)
                 for (long c0 = 0; c0 < dv; c0 += 64, call++) {

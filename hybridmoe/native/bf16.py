@@ -22,7 +22,18 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, F, N, P, cpu_family, cpu_flags, cpu_is_amd, load, switch
+from hybridmoe.native.build import (
+    INT,
+    F,
+    N,
+    P,
+    cpu_family,
+    cpu_flags,
+    cpu_is_amd,
+    far_hint_flag,
+    load,
+    switch,
+)
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
@@ -36,11 +47,8 @@ FLAGS += ["-pthread", "-ffp-contract=off"]
 # at two 116-120 -> 120-132, docs/notes/2026-12-07-bf16-emulated.md); bf16.c, NTA_AHEAD
 WEIGHTS_NTA = cpu_is_amd() and cpu_family() == 25
 FLAGS += [f"-DWEIGHTS_NTA={int(WEIGHTS_NTA)}"]
-# Whether the lines 4 KB ahead are asked for as non-temporal rather than into L2 where WEIGHTS_NTA
-# is off: on Zen 5 (family 26) as fast a read, and warmer caches for the Python between kernels
-# (the demo's decode -4% a token at one thread, -12% at two; bf16.c, FAR_HINT; quant.py FAR_NTA)
-FAR_NTA = cpu_is_amd() and cpu_family() == 26
-FLAGS += [f"-DFAR_HINT={'_MM_HINT_NTA' if FAR_NTA else '_MM_HINT_T1'}"]
+# How the lines 4 KB ahead are asked for where WEIGHTS_NTA is off (build.py far_hint_flag)
+FLAGS += [far_hint_flag()]
 
 # The builds, as isa() numbers them: FLAGS (AVX512-BF16's instructions), or FLAGS with those
 # instructions' definitions in AVX512F instead (bf16.c, EMULATE_BF16): flags()

@@ -59,6 +59,17 @@ def cpu_is_amd() -> bool:
     return cpu_vendor() == "AuthenticAMD"
 
 
+def far_hint_flag() -> str:
+    """bf16.c's and quant.c's FAR_HINT: how one-token products ask for their weights 4-8 KB ahead.
+    Non-temporal on AMD's Zen 5 (family 26), where the products read as fast or faster so (Q4_K
+    4096 x 2048 from RAM 34.5 -> 37.2 GB/s) and the Python between two kernels finds more of its
+    lines in the caches (the 4-layer Q4_K_M file's decode ~4% faster a token at one thread, 15-25%
+    at two; the demo's 4% and 12%: docs/notes/2026-12-07-attention-prefetch.md); into L2 elsewhere
+    (Zen 4 and Intel's cores unmeasured)."""
+    nta = cpu_is_amd() and cpu_family() == 26
+    return f"-DFAR_HINT={'_MM_HINT_NTA' if nta else '_MM_HINT_T1'}"
+
+
 def _compile(source: Path, flags: list[str], out: Path) -> None:
     """cc FLAGS source -o out, through a temporary file in out's directory and a rename."""
     cc = env.c_compiler()

@@ -128,7 +128,7 @@ static long block_elems(int fmt) { return is_k(fmt) ? 256 : 32; }
 static int offset_of(int fmt) { return rows_fmt(fmt) == Q8_0 ? 128 : rows_fmt(fmt) == Q4_0 ? 8 : 0; }
 
 /* How the lines FAR ahead are asked for: into L2 (_MM_HINT_T1), or as non-temporal on AMD's Zen 5
-   (_MM_HINT_NTA: native/quant.py, FAR_NTA), where the one-token products read as fast or faster so (Q4_K
+   (_MM_HINT_NTA: native/build.py, far_hint_flag), where the one-token products read as fast or faster so (Q4_K
    4096 x 2048 from RAM, 1 thread, 34.5 -> 37.2 GB/s; Q8_0 38.5 -> 39.1) and the weights a decode step
    streams leave more of the caches' lines to the Python between two kernels (its inputs 71 -> 57 us a
    step, the final norm 40 -> 33: docs/notes/2026-12-07-attention-prefetch.md). */

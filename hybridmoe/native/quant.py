@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, N, P, cpu_family, cpu_flags, cpu_is_amd, load, switch
+from hybridmoe.native.build import INT, N, P, cpu_flags, cpu_is_amd, far_hint_flag, load, switch
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -30,13 +30,8 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 # ahead into L2: on Intel's cores, which asked too late for them otherwise; on AMD's Zen 5 the near
 # requests cost a product from RAM a quarter of its rate (quant.c, NEAR_PREFETCH)
 FLAGS += [f"-DNEAR_PREFETCH={int(not cpu_is_amd())}"]
-# Whether one-token products ask for the weights further ahead as non-temporal rather than into
-# L2: on AMD's Zen 5 (family 26) the products read as fast or faster (Q4_K 4096 x 2048 from RAM
-# 34.5 -> 37.2 GB/s) and the Python between two kernels finds more of its lines in the caches (the
-# 4-layer Q4_K_M file's decode ~4% faster a token at one thread, 15-25% at two); Zen 4 and Intel's
-# cores unmeasured (quant.c, FAR_HINT)
-FAR_NTA = cpu_is_amd() and cpu_family() == 26
-FLAGS += [f"-DFAR_HINT={'_MM_HINT_NTA' if FAR_NTA else '_MM_HINT_T1'}"]
+# How one-token products ask for the weights further ahead (build.py far_hint_flag)
+FLAGS += [far_hint_flag()]
 AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct

@@ -136,23 +136,21 @@ AVX2_INTERLEAVED = ("q4_k",)
 
 
 def for_kernels(m: QTensor) -> QTensor:
-    """m in the layout the CPU kernels read fastest: Q4_K, Q5_K and Q6_K rows in eights, Q8_0, Q4_0
-    and Q4_1 rows in sixteens (quant/interleave.py) where the AVX-512 path runs (Q4_K's alone where
-    the AVX2 path runs: AVX2_INTERLEAVED) and every part's rows are whole groups of unpadded rows;
-    else m. The bytes are rearranged in place: a part
-    viewing a model file's copy-on-write map turns its pages into the process's own, in the place of
-    the file's, so resident memory does not grow; but those pages can no longer be dropped, so the
-    loader marks a file's blocks `keep_layout` where they would not fit in the free memory
+    """m in the layout the CPU kernels read fastest: Q4_K, Q5_K and Q6_K rows in eights, Q8_0,
+    Q4_0 and Q4_1 rows in sixteens (quant/interleave.py) where the AVX-512 path runs (Q4_K's
+    alone where the AVX2 path runs: AVX2_INTERLEAVED) and every part's rows are whole groups of
+    unpadded rows; else m. The bytes are rearranged in place: a part viewing a model file's
+    copy-on-write map turns its pages into the process's own, in the place of the file's, so
+    resident memory does not grow; but those pages can no longer be dropped, so the loader marks
+    a file's blocks `keep_layout` where they would not fit in the free memory
     (loader/gguf_file.py)."""
+    path = kernels.isa()
     if (
         m.fmt.name not in INTERLEAVED
         or m.keep_layout
         or m.device.type != "cpu"
         or not kernels.available()
-        or not (
-            kernels.isa() == kernels.AVX512
-            or (kernels.isa() == kernels.AVX2 and m.fmt.name in AVX2_INTERLEAVED)
-        )
+        or not (path == kernels.AVX512 or (path == kernels.AVX2 and m.fmt.name in AVX2_INTERLEAVED))
     ):
         return m
     layout = INTERLEAVED[m.fmt.name]
