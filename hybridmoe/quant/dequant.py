@@ -1,8 +1,13 @@
 """Blocks back to values, in torch ops that run on the CPU and on a GPU alike: the fallback where
 the native kernels do not run, and how an accelerator expands an expert it holds in blocks
-(formats.py gives each layout). data: uint8 [rows, row bytes] -> float32 [rows, cols]."""
+(formats.py gives each layout). data: uint8 [rows, row bytes] -> float32 [rows, cols]. On a CUDA
+GPU with triton (every CUDA build of torch brings it) one kernel computes the same values
+(triton_dequant.py)."""
 
 from __future__ import annotations
+
+import importlib.util
+from functools import cache
 
 import torch
 
@@ -86,10 +91,22 @@ _DEQUANT = {
 }
 
 
-def dequantize(data: torch.Tensor, fmt: Format, cols: int) -> torch.Tensor:
-    """uint8 [rows, row bytes] of `fmt` blocks -> float32 [rows, cols]."""
+@cache
+def triton_present() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def dequantize(
+    data: torch.Tensor, fmt: Format, cols: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """uint8 [rows, row bytes] of `fmt` blocks -> [rows, cols]: float32, or those values in
+    `dtype`."""
+    if data.is_cuda and triton_present():
+        from hybridmoe.quant import triton_dequant
+
+        return triton_dequant.dequantize(data, fmt, cols, dtype)
     rows = data.shape[0]
     if fmt.name in LAYOUTS:
         data = deinterleave(data, fmt.family)
     blocks = data.reshape(rows, cols // fmt.block, fmt.nbytes)
-    return _DEQUANT[fmt.blocks_of](blocks).reshape(rows, cols)
+    return _DEQUANT[fmt.blocks_of](blocks).reshape(rows, cols).to(dtype)

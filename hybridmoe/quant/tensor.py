@@ -101,7 +101,7 @@ class QTensor:
         return self.rows(ids).dequantize(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = [dequantize(p, self.fmt, self.cols).to(dtype) for p in self.parts]
+        values = [dequantize(p, self.fmt, self.cols, dtype) for p in self.parts]
         return values[0] if len(values) == 1 else torch.cat(values)  # [rows, cols]
 
     def to(self, device) -> QTensor:
