@@ -439,7 +439,7 @@ class CUDAAccelerator:
             if ready is not None:
                 self.compute_stream.wait_event(ready)
             self._mark_first()
-            y = expert_ffn(x, self.buffers.weights(buf))  # [n, H]; blocks dequantised by torch
+            y = expert_ffn(x, self.buffers.weights(buf))  # [n, H]; blocks: quant/triton_dequant.py
             x.record_stream(self.compute_stream)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.compute_stream)
