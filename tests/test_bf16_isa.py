@@ -1,9 +1,11 @@
-"""The bf16 kernels' two builds (native/bf16.py isa()): with AVX512-BF16's instructions, and with
-those instructions written out in AVX512F for AVX-512 CPUs without them (bf16.c EMULATE_BF16). The
-emulated build holds no bf16 instruction; its rounding is Intel's definition of vcvtneps2bf16 on
-every kind of value; where the CPU has the instructions, its dot products give theirs bit for bit
-on every kind of value, and a whole run of a model (prefill and decode attention, products, the
-decode loop, batch invariance on and off) gives every logit the native build gives."""
+"""The bf16 kernels' three builds (native/bf16.py isa()): with AVX512-BF16's instructions, with
+those instructions written out in AVX512F for AVX-512 CPUs without them (bf16.c EMULATE_BF16), and
+with every AVX-512 operation written out in AVX2 and FMA for CPUs without AVX-512 (avx2_512.h).
+The emulated builds hold no bf16 instruction, the AVX2 one no AVX-512 register; their rounding is
+Intel's definition of vcvtneps2bf16 on every kind of value; where the CPU has the instructions,
+their dot products give theirs bit for bit on every kind of value, and a whole run of a model
+(prefill and decode attention, products, the decode loop, batch invariance on and off) gives every
+logit the native build gives."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from tests.tiny import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_avx512 = pytest.mark.skipif(
-    kernels.best_isa() == 0, reason="the bf16 kernels need AVX-512 (F, BW, VL)"
+    kernels.best_isa() < kernels.EMULATED, reason="the emulated build needs AVX-512 (F, BW, VL)"
 )
 needs_bf16 = pytest.mark.skipif(
     kernels.best_isa() < kernels.NATIVE,
@@ -40,7 +42,8 @@ def build(isa: int):
 
 
 def runnable_builds() -> list[int]:
-    return [isa for isa in (kernels.EMULATED, kernels.NATIVE) if isa <= kernels.best_isa()]
+    builds = (kernels.AVX2, kernels.EMULATED, kernels.NATIVE)
+    return [isa for isa in builds if isa <= kernels.best_isa()]
 
 
 def test_the_build_follows_the_cpu_and_the_switch(monkeypatch):
@@ -49,10 +52,15 @@ def test_the_build_follows_the_cpu_and_the_switch(monkeypatch):
     )
     assert kernels.best_isa() == kernels.EMULATED  # Skylake-SP, Cascade Lake, Ice Lake
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx2", "fma"}))
-    assert kernels.best_isa() == 0  # no BW/VL: torch's path
-    flags = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+    assert kernels.best_isa() == kernels.AVX2  # no BW/VL (Knights Landing): AVX2's build
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert kernels.best_isa() == kernels.AVX2  # Zen 2 and 3, Alder Lake and later client cores
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))
+    assert kernels.best_isa() == 0  # torch's path
+    flags = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma"})
     monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
-    for wanted, isa in [(None, 2), ("avx512bf16", 2), ("avx512f", 1), ("off", 0), ("junk", 2)]:
+    cases = [(None, 3), ("avx512bf16", 3), ("avx512f", 2), ("avx2", 1), ("off", 0), ("junk", 3)]
+    for wanted, isa in cases:
         if wanted is None:
             monkeypatch.delenv("HYBRIDMOE_BF16_ISA", raising=False)
         else:
@@ -61,6 +69,28 @@ def test_the_build_follows_the_cpu_and_the_switch(monkeypatch):
     assert "-mavx512bf16" in kernels.flags(kernels.NATIVE)
     emulated = kernels.flags(kernels.EMULATED)
     assert "-mavx512bf16" not in emulated and "-DEMULATE_BF16" in emulated
+    avx2 = kernels.flags(kernels.AVX2)
+    assert not [f for f in avx2 if f.startswith("-mavx512")] and "-DAVX2_512" in avx2
+
+
+def disassembly(isa: int) -> str:
+    build(isa)
+    path = library_path(kernels.SOURCE, kernels.flags(isa), kernels.HEADERS)
+    return subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_the_avx2_build_holds_no_avx512_instruction():
+    """objdump of the AVX2 library: no zmm register, no mask register, none of the 16 vector
+    registers only EVEX reaches (the AMX tile functions' instructions run only where the native
+    build serves), and no bf16 instruction; the emulated build does hold zmm registers."""
+    text = disassembly(kernels.AVX2)
+    assert "hm_gemm_bf16" in text and "vfmadd" in text and "ymm" in text
+    assert not re.search(r"%zmm|%k[0-7]|%[xy]mm(1[6-9]|2[0-9]|3[01])\b", text)
+    assert not re.search(r"\bv(dpbf16ps|cvtneps2bf16|cvtne2ps2bf16)\b", text)
+    if kernels.best_isa() >= kernels.EMULATED:  # the test can fail: the AVX-512 builds hold them
+        assert re.search(r"%zmm", disassembly(kernels.EMULATED))
 
 
 @needs_avx512
@@ -140,8 +170,9 @@ def operands(kind: str, w_shape, x_shape, gen):
 def test_the_emulated_products_are_vdpbf16ps_bit_for_bit(kind):
     """hm_gemm_bf16 at 1 row (vdpbf16ps or its emulation), 3 and 9 (the fma pairs, or vdpbf16ps with
     them off), 20 and 70 (widened operands), one and two threads, against the native build."""
-    native, emulated = build(kernels.NATIVE), build(kernels.EMULATED)
+    native, emulated, avx2 = (build(i) for i in (kernels.NATIVE, kernels.EMULATED, kernels.AVX2))
     assert native.hm_fma_pairs_check() == 1 and emulated.hm_fma_pairs_check() == 1
+    assert avx2.hm_fma_pairs_check() == 1
     gen = torch.Generator().manual_seed(len(kind))
     for n, k in [(37, 100), (8, 64), (5, 31)]:
         w, x70 = operands(kind, (n, k), (70, k), gen)
@@ -149,7 +180,8 @@ def test_the_emulated_products_are_vdpbf16ps_bit_for_bit(kind):
             x = x70[:rows]
             outs = []
             for lib, pairs, threads in [
-                (native, 0, 1), (native, 1, 1), (emulated, 0, 1), (emulated, 1, 1), (emulated, 1, 2)
+                (native, 0, 1), (native, 1, 1), (emulated, 0, 1), (emulated, 1, 1), (emulated, 1, 2),
+                (avx2, 0, 1), (avx2, 1, 1), (avx2, 1, 2),
             ]:  # fmt: skip
                 lib.hm_set_fma_pairs(pairs)
                 y = torch.full((rows, n), 7.0)
@@ -176,17 +208,18 @@ def whole_run(path: Path, isa: str) -> dict:
 
 @needs_bf16
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-def test_a_whole_run_on_the_emulated_build_gives_the_native_bits(arch, tmp_path):
+def test_a_whole_run_on_the_emulated_builds_gives_the_native_bits(arch, tmp_path):
     """Six prompts of 1 to 70 tokens through the engine, batch invariance on and off, in processes
-    of their own: the same bits in every logits row and the same tokens; torch's path (off) gives
-    other bits, so the digest tells paths apart."""
+    of their own: the same bits in every logits row and the same tokens on the AVX512F and the AVX2
+    builds; torch's path (off) gives other bits, so the digest tells paths apart."""
     build_tiny(arch, tmp_path / arch)
-    native, emulated, off = (
-        whole_run(tmp_path / arch, i) for i in ("avx512bf16", "avx512f", "off")
+    native, emulated, avx2, off = (
+        whole_run(tmp_path / arch, i) for i in ("avx512bf16", "avx512f", "avx2", "off")
     )
-    assert (native["isa"], emulated["isa"], off["isa"]) == (2, 1, 0)
-    assert native["rows"] == emulated["rows"] == 120
-    assert emulated["digest"] == native["digest"] and emulated["tokens"] == native["tokens"]
+    assert (native["isa"], emulated["isa"], avx2["isa"], off["isa"]) == (3, 2, 1, 0)
+    assert native["rows"] == emulated["rows"] == avx2["rows"] == 120
+    for run in (emulated, avx2):
+        assert run["digest"] == native["digest"] and run["tokens"] == native["tokens"]
     assert off["digest"] != native["digest"]
 
 

@@ -10,6 +10,9 @@
    hybridmoe/native/__init__.py. */
 
 #include <immintrin.h>
+#ifdef AVX2_512
+#include "avx2_512.h" /* the AVX-512 operations below on AVX2 and FMA */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,6 +52,7 @@ static inline unsigned pairs_mode(void) {
 #ifdef EMULATE_BF16
 #define EMULATED 1
 typedef __m512i bh512;
+#define BH(x) (x) /* a vector's bits as bh512: they are one already */
 ALWAYS_INLINE __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
     const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
     acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)), acc);
@@ -70,6 +74,7 @@ ALWAYS_INLINE __m256i cvtne(__m512 x) {
 #else
 #define EMULATED 0
 typedef __m512bh bh512;
+#define BH(x) ((bh512)(x))
 #define dpbf16(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
 #define cvtne(x) ((__m256i)_mm512_cvtneps_pbh(x))
 #define DP_BEGIN
@@ -165,8 +170,8 @@ void hm_round_bf16(const float *x, long n, uint16_t *out) {
    exist, for the row's tail). */
 #define CHUNK(J, LOAD_W, LOAD_X)                                                               \
     do {                                                                                       \
-        bh512 wv = (bh512)LOAD_W;                                                              \
-        for (int r = 0; r < R; r++) acc[r][J] = dpbf16(acc[r][J], wv, (bh512)LOAD_X);          \
+        bh512 wv = BH(LOAD_W);                                                              \
+        for (int r = 0; r < R; r++) acc[r][J] = dpbf16(acc[r][J], wv, BH(LOAD_X));          \
     } while (0)
 
 /* acc[r][j] += W[o + j, i..i+32) . X[m + r, i..i+32) for every r < R and j < 4 as CHUNK gives it, with
@@ -862,8 +867,8 @@ __attribute__((noinline)) static void scores_block(const uint16_t *q, long n, co
         DP_BEGIN
         for (long i = 0; i < d; i += 32) {
             __mmask32 m = mask32(d - i);
-            bh512 qv = (bh512)_mm512_maskz_loadu_epi16(m, q + i);
-#define DOT(J) a##J = dpbf16(a##J, qv, (bh512)_mm512_maskz_loadu_epi16(m, k + off[J] + i))
+            bh512 qv = BH(_mm512_maskz_loadu_epi16(m, q + i));
+#define DOT(J) a##J = dpbf16(a##J, qv, BH(_mm512_maskz_loadu_epi16(m, k + off[J] + i)))
             DOT(0), DOT(1), DOT(2), DOT(3), DOT(4), DOT(5), DOT(6), DOT(7);
             DOT(8), DOT(9), DOT(10), DOT(11), DOT(12), DOT(13), DOT(14), DOT(15);
 #undef DOT
@@ -1312,11 +1317,11 @@ ALWAYS_INLINE void qk_tile(const uint16_t *Q, long dp, const uint16_t *Kt, float
     const uint16_t *K1 = Kt + dp * 16;
     DP_BEGIN
     for (long c = 0; c < dp / 2; c++) {
-        bh512 k0 = (bh512)_mm512_loadu_si512(Kt + c * 32), k1 = (bh512)_mm512_loadu_si512(K1 + c * 32);
+        bh512 k0 = BH(_mm512_loadu_si512(Kt + c * 32)), k1 = BH(_mm512_loadu_si512(K1 + c * 32));
         for (int r = 0; r < R; r++) {
             uint32_t pair;
             memcpy(&pair, Q + r * dp + 2 * c, 4);
-            bh512 qb = (bh512)_mm512_set1_epi32((int)pair);
+            bh512 qb = BH(_mm512_set1_epi32((int)pair));
             acc[r][0] = dpbf16(acc[r][0], qb, k0);
             acc[r][1] = dpbf16(acc[r][1], qb, k1);
         }

@@ -3,11 +3,12 @@
 A decode step multiplies a few rows (one per sequence) by every weight, so decode speed is the speed
 at which weights stream from RAM; oneDNN's bf16 path reads them at about half of what one core can
 and pays ~15 us a call (docs/benchmarks.md#decode-speed). The kernels read each weight once for up
-to MAX_ROWS rows. bf16.c is built one of two ways (`isa()`): with AVX512-BF16's instructions where
+to MAX_ROWS rows. bf16.c is built one of three ways (`isa()`): with AVX512-BF16's instructions where
 the CPU has them, else with those two instructions written out in AVX512F (Intel's Skylake-SP,
-Cascade Lake, Ice Lake), the same bits either way; HYBRIDMOE_BF16_ISA (env.py) picks a narrower one.
-Without AVX-512 (with BW and VL) or a C compiler (build.py), or with HYBRIDMOE_NATIVE=0,
-`available()` is False and callers keep torch's path.
+Cascade Lake, Ice Lake), else, without AVX-512, with every AVX-512 operation written out in AVX2 and
+FMA (avx2_512.h: AMD's Zen 2 and 3, Intel's client cores), the same bits every way;
+HYBRIDMOE_BF16_ISA (env.py) picks a narrower one. Without AVX2 and FMA or a C compiler (build.py),
+or with HYBRIDMOE_NATIVE=0, `available()` is False and callers keep torch's path.
 
 Used by layers/ (dense projections, layers/linear.py; decode and prefill attention,
 layers/attention.py) and experts/ (expert FFNs).
@@ -37,7 +38,7 @@ from hybridmoe.native.build import (
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("bf16.c")
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("pool.h", "rows.h", "mix.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("pool.h", "rows.h", "mix.h", "avx2_512.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC"]
 # -ffp-contract=off: the floats as written (rows.h); the kernels ask for their FMAs by name
 FLAGS += ["-pthread", "-ffp-contract=off"]
@@ -50,17 +51,23 @@ FLAGS += [f"-DWEIGHTS_NTA={int(WEIGHTS_NTA)}"]
 # How the lines 4 KB ahead are asked for where WEIGHTS_NTA is off (build.py far_hint_flag)
 FLAGS += [far_hint_flag()]
 
-# The builds, as isa() numbers them: FLAGS (AVX512-BF16's instructions), or FLAGS with those
-# instructions' definitions in AVX512F instead (bf16.c, EMULATE_BF16): flags()
-EMULATED, NATIVE = 1, 2
-_ISAS = {"avx512bf16": NATIVE, "avx512f": EMULATED, "off": 0}
+# The builds, as isa() numbers them: FLAGS (AVX512-BF16's instructions), FLAGS with those
+# instructions' definitions in AVX512F instead (bf16.c, EMULATE_BF16), or those definitions and
+# every AVX-512 operation in AVX2 and FMA (AVX2_512: avx2_512.h): flags()
+AVX2, EMULATED, NATIVE = 1, 2, 3
+_ISAS = {"avx512bf16": NATIVE, "avx512f": EMULATED, "avx2": AVX2, "off": 0}
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 
 
 def flags(build: int) -> list[str]:
-    """The compiler flags of a build (NATIVE or EMULATED)."""
+    """The compiler flags of a build (NATIVE, EMULATED or AVX2)."""
     if build == NATIVE:
         return FLAGS
-    return [f for f in FLAGS if f != "-mavx512bf16"] + ["-DEMULATE_BF16"]
+    if build == EMULATED:
+        return [f for f in FLAGS if f != "-mavx512bf16"] + ["-DEMULATE_BF16"]
+    # -Wno-psabi: avx2_512.h's 512-bit values are structs in registers, never passed between builds
+    narrow = [f for f in FLAGS if f not in _AVX512]
+    return narrow + ["-mavx2", "-mfma", "-DEMULATE_BF16", "-DAVX2_512", "-Wno-psabi"]
 
 
 # Rows up to which the kernels take a call: one thread, weights from RAM, they beat oneDNN's bf16
@@ -165,21 +172,21 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def cpu_has_avx512() -> bool:
-    """What these kernels need (AVX512F with BW and VL); without it torch's path runs."""
-    return best_isa() > 0
+    """AVX512F with BW and VL: the kernels' EMULATED and NATIVE builds."""
+    return best_isa() >= EMULATED
 
 
 def best_isa() -> int:
     """The widest build this CPU runs: NATIVE with AVX512-BF16, EMULATED with AVX512F, BW and VL
-    alone, else 0 (torch's path)."""
+    alone, AVX2 with AVX2 and FMA, else 0 (torch's path)."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
-        return 0
+        return AVX2 if {"avx2", "fma"} <= cpu_flags() else 0
     return NATIVE if cpu_has_avx512_bf16() else EMULATED
 
 
 def isa() -> int:
-    """The build in use: HYBRIDMOE_BF16_ISA's (avx512bf16, avx512f, off), capped at what the CPU
-    runs."""
+    """The build in use: HYBRIDMOE_BF16_ISA's (avx512bf16, avx512f, avx2, off), capped at what the
+    CPU runs."""
     wanted = _ISAS.get(env.bf16_isa() or "", NATIVE)
     return min(wanted, best_isa())
 
