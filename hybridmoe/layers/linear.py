@@ -32,7 +32,9 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 
 def native_rows(x: torch.Tensor) -> int:
     """The most rows of x that `linear` hands to the native bf16 kernel."""
-    if invariance.active():  # one kernel for every row count: a row never depends on the others
+    # one kernel for every row count (a row never depends on the others), or where oneDNN emulates
+    # bf16 (the kernels are faster at every count)
+    if invariance.active() or native.kernels_beat_onednn():
         return x.numel()
     return native.MAX_ROWS if torch.get_num_threads() == 1 else THREADED_NATIVE_ROWS
 

@@ -24,6 +24,7 @@ __all__ = [
     "f32_bits",
     "experts",
     "gemm",
+    "kernels_beat_onednn",
     "moe_tokens",
     "linear",
     "prefill_applies",

@@ -310,6 +310,47 @@ ALWAYS_INLINE void store_rows(__m512 acc[4][4], const int R, long m, long o, lon
     }
 }
 
+#ifdef AVX2_512
+/* Several x rows of block() on AVX2 (rows r0 .. r0+n-1, n <= 2), one 256-bit half of every accumulator at a
+   time: lane l of a 512-bit accumulator sums bf16 elements 2l and 2l+1 of every chunk, so half h holds the
+   16 elements from 16 h of each chunk, and summing it over the chunks in their order gives the 512-bit
+   loop's bits. Two rows and one half take 8 accumulators, the x rows' widened halves 4 and a weight's 2:
+   AVX2's 16 registers, which 16 accumulators of two halves each (block()'s R = 4) overflowed: the AVX2
+   build's products of several rows ran from the stack. `next`: the next block's lines to ask for, or NULL. */
+ALWAYS_INLINE __m256i half_of(hm512i v, int h) { return h ? v.hi : v.lo; }
+ALWAYS_INLINE void rows_avx2(const uint16_t *const w[4], const uint16_t *const x[4], int r0, const int n, long I,
+                             const char *next, __m512 acc[4][4]) {
+    const long tail = I % 32, end = I - tail;
+    const __mmask32 k = (__mmask32)((1ULL << tail) - 1);
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000);
+    for (int h = 0; h < 2; h++) {
+        __m256 a[2][4];
+        for (int r = 0; r < 2; r++)
+            for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+        for (long i = 0; i < I; i += 32) {
+            if (next && h == 0)
+                for (int b = 0; b < 256; b += 64) _mm_prefetch(next + 8 * i + b, _MM_HINT_T0);
+            __m256 xo[2], xe[2];
+            for (int r = 0; r < n; r++) {
+                const __m256i v = i < end ? _mm256_loadu_si256((const __m256i *)(x[r0 + r] + i + 16 * h))
+                                          : half_of(_mm512_maskz_loadu_epi16(k, x[r0 + r] + i), h);
+                xo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, top));
+                xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = i < end ? _mm256_loadu_si256((const __m256i *)(w[j] + i + 16 * h))
+                                          : half_of(_mm512_maskz_loadu_epi16(k, w[j] + i), h);
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, top));
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                for (int r = 0; r < n; r++) a[r][j] = _mm256_fmadd_ps(we, xe[r], _mm256_fmadd_ps(wo, xo[r], a[r][j]));
+            }
+        }
+        for (int r = 0; r < n; r++)
+            for (int j = 0; j < 4; j++) *(h ? &acc[r0 + r][j].hi : &acc[r0 + r][j].lo) = a[r][j];
+    }
+}
+#endif
+
 ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16_t *X, long ldx, long m,
                          const int R, const int PF, float *Y, long ldy, const out_bf16 *B) {
     const uint16_t *x[4], *w[4];
@@ -337,6 +378,13 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
         DP_END
     } else {
         const char *next = (const char *)(W + (o + 4) * I);  /* the next block's 8 I bytes, 256 a chunk */
+#ifdef AVX2_512
+        const unsigned csr2 = pairs_mode();
+        for (int r0 = 0; r0 < R; r0 += 2) rows_avx2(w, x, r0, R - r0 < 2 ? R - r0 : 2, I, PF && !r0 ? next : NULL, acc);
+        _mm_setcsr(csr2);
+        store_rows(acc, R, m, o, c, Y, ldy, B);
+        return;
+#endif
         const int mode = fma_pairs || EMULATED; /* the fma pairs, or the emulated vdpbf16ps of CHUNK */
         const unsigned csr = mode ? pairs_mode() : 0;
         for (long i = 0; i < end; i += 32) {
@@ -372,7 +420,36 @@ ALWAYS_INLINE void widen_row(const uint16_t *v, long I, float *out) {
     if (tail) widen32(_mm512_maskz_loadu_epi16((__mmask32)((1ULL << tail) - 1), v + end), out + end);
 }
 
-/* block() for R x rows from widened rows: weight row j at w[j], x row r at x + r * L; PAIRS' arithmetic. */
+/* block() for R x rows from widened rows: weight row j at w[j], x row r at x + r * L; PAIRS' arithmetic. On
+   AVX2 a half of every accumulator and two x rows at a time, as rows_avx2 and for its reason: each lane sums
+   the same chunks in the same order, the same bits. */
+#ifdef AVX2_512
+ALWAYS_INLINE void block_wide(const float *const w[4], const float *x, long L, long o, long c, long m, const int R,
+                              float *Y, long ldy, const out_bf16 *B) {
+    __m512 acc[4][4];
+    const unsigned csr = pairs_mode();
+    for (int h = 0; h < 2; h++)
+        for (int r0 = 0; r0 < R; r0 += 2) {
+            const int n = R - r0 < 2 ? R - r0 : 2;
+            __m256 a[2][4];
+            for (int r = 0; r < 2; r++)
+                for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+            for (long q = 8 * h; q < L; q += 32) {
+                __m256 xo[2], xe[2];
+                for (int r = 0; r < n; r++)
+                    xo[r] = _mm256_load_ps(x + (r0 + r) * L + q), xe[r] = _mm256_load_ps(x + (r0 + r) * L + q + 16);
+                for (int j = 0; j < 4; j++) {
+                    const __m256 wo = _mm256_load_ps(w[j] + q), we = _mm256_load_ps(w[j] + q + 16);
+                    for (int r = 0; r < n; r++) a[r][j] = _mm256_fmadd_ps(we, xe[r], _mm256_fmadd_ps(wo, xo[r], a[r][j]));
+                }
+            }
+            for (int r = 0; r < n; r++)
+                for (int j = 0; j < 4; j++) *(h ? &acc[r0 + r][j].hi : &acc[r0 + r][j].lo) = a[r][j];
+        }
+    _mm_setcsr(csr);
+    store_rows(acc, R, m, o, c, Y, ldy, B);
+}
+#else
 ALWAYS_INLINE void block_wide(const float *const w[4], const float *x, long L, long o, long c, long m, const int R,
                               float *Y, long ldy, const out_bf16 *B) {
     __m512 acc[4][4];
@@ -390,6 +467,7 @@ ALWAYS_INLINE void block_wide(const float *const w[4], const float *x, long L, l
     _mm_setcsr(csr);
     store_rows(acc, R, m, o, c, Y, ldy, B);
 }
+#endif
 
 /* This thread's scratch for widened rows, grown as asked and kept for the thread's life (the pool's threads
    and the engine's live as long as the process: (PANEL + 4) rows of the widest product, 1.1 MB at 4096
@@ -417,6 +495,13 @@ static float *wide_scratch(size_t floats) {
    batches), widening them first slowed the stream (4 rows of 768 x 2048: 11.6 -> 8.7 GB/s), and block()
    widens in registers. */
 #define WIDE_FROM 16
+/* Whether many rows read their operands widened whether or not the fma pairs are on: on AVX2, where vdpbf16ps
+   is their arithmetic anyway, block() widens each chunk for every row pair (rows_avx2) */
+#ifdef AVX2_512
+#define WIDE_ALWAYS 1
+#else
+#define WIDE_ALWAYS 0
+#endif
 
 /* Y[m, o] = sum_i W[o, i] X[m, i] for m < M, o < O.  W: [O, I] bf16 row-major; X: [M, I] bf16 with
    rows ldx apart; Y: [M, O] fp32 with rows ldy apart. Each output is one block()'s or block_wide()'s, the
@@ -424,7 +509,7 @@ static float *wide_scratch(size_t floats) {
 static void gemm_to(const uint16_t *W, const uint16_t *X, long ldx, float *Y, long ldy, long O, long I, long M,
                     const out_bf16 *B) {
     const long L = (I + 31) / 32 * 32;
-    float *xw = M >= WIDE_FROM && fma_pairs ? wide_scratch((size_t)((PANEL + 4) * L)) : NULL;
+    float *xw = M >= WIDE_FROM && (fma_pairs || WIDE_ALWAYS) ? wide_scratch((size_t)((PANEL + 4) * L)) : NULL;
     for (long m0 = 0; m0 < M; m0 += PANEL) {
         const long M1 = M - m0 < PANEL ? M : m0 + PANEL;
         if (xw) { /* widened */

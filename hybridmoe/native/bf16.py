@@ -191,6 +191,14 @@ def isa() -> int:
     return min(wanted, best_isa())
 
 
+def kernels_beat_onednn() -> bool:
+    """Whether the kernels take bf16 products of any row count, not only decode's few (MAX_ROWS):
+    where the CPU multiplies no bf16 in hardware, oneDNN's bf16 products are emulated and the
+    kernels beat them at every size (512 x 1536 x 576, one thread: 10.9 -> 4.3 ms on a Cascade
+    Lake stand-in, 37.3 -> 12.6 ms capped to AVX2; docs/notes/2026-12-07-bf16-on-avx2.md)."""
+    return not cpu_has_native_bf16()
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), so oneDNN's bf16 matrix
     products beat fp32 ones; without it torch emulates bf16, slower than fp32."""

@@ -44,8 +44,10 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 def bf16_kernels_take(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether expert_ffn gives rows x [n, H] through bf16 weights to the bf16 kernels: up to
     native.MAX_ROWS (decode), any count where each row is computed as if alone
-    (hybridmoe/invariance.py), so that a row's bits never depend on the rows beside it."""
-    rows = x.shape[0] if invariance.active() else native.MAX_ROWS
+    (hybridmoe/invariance.py), so that a row's bits never depend on the rows beside it, or where
+    oneDNN emulates bf16 (native.kernels_beat_onednn)."""
+    every = invariance.active() or native.kernels_beat_onednn()
+    rows = x.shape[0] if every else native.MAX_ROWS
     return native.applies(x, *weights, max_rows=rows)
 
 
