@@ -364,6 +364,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     if (R == 1) {
         DP_BEGIN
         for (int j = 0; j < 4; j++) {
+            __m512 a = acc[0][j]; /* in a register: acc[0][j] with j unknown stayed in memory on AVX2 */
             for (long i = 0; i < end; i += 32) {
 #if WEIGHTS_NTA
                 _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_NTA);
@@ -371,9 +372,10 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
                 _mm_prefetch((const char *)(w[j] + i) + NTA_AHEAD, _MM_HINT_T0);
                 _mm_prefetch((const char *)(w[j] + i) + FAR_AHEAD, FAR_HINT);
 #endif
-                CHUNK(j, _mm512_loadu_si512(w[j] + i), _mm512_loadu_si512(x[r] + i));
+                a = dpbf16(a, BH(_mm512_loadu_si512(w[j] + i)), BH(_mm512_loadu_si512(x[0] + i)));
             }
-            if (tail) CHUNK(j, _mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
+            if (tail) a = dpbf16(a, BH(_mm512_maskz_loadu_epi16(k, w[j] + end)), BH(_mm512_maskz_loadu_epi16(k, x[0] + end)));
+            acc[0][j] = a;
         }
         DP_END
     } else {
