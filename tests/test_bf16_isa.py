@@ -77,7 +77,10 @@ def disassembly(isa: int) -> str:
     build(isa)
     path = library_path(kernels.SOURCE, kernels.flags(isa), kernels.HEADERS)
     return subprocess.run(
-        ["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True, check=True
+        ["objdump", "-d", "--no-show-raw-insn", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
 
 
@@ -180,8 +183,8 @@ def test_the_emulated_products_are_vdpbf16ps_bit_for_bit(kind):
             x = x70[:rows]
             outs = []
             for lib, pairs, threads in [
-                (native, 0, 1), (native, 1, 1), (emulated, 0, 1), (emulated, 1, 1), (emulated, 1, 2),
-                (avx2, 0, 1), (avx2, 1, 1), (avx2, 1, 2),
+                (native, 0, 1), (native, 1, 1), (emulated, 0, 1), (emulated, 1, 1),
+                (emulated, 1, 2), (avx2, 0, 1), (avx2, 1, 1), (avx2, 1, 2),
             ]:  # fmt: skip
                 lib.hm_set_fma_pairs(pairs)
                 y = torch.full((rows, n), 7.0)

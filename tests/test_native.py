@@ -325,7 +325,14 @@ def test_linear_takes_the_kernel_for_a_few_bf16_rows(m, torch_only):
     assert torch.equal(linear(x.view(1, m, 130), w, b), got.view(1, m, 67))
 
 
-def test_linear_leaves_more_rows_and_other_dtypes_to_torch():
+@pytest.fixture
+def bf16_in_hardware(monkeypatch):
+    """A CPU that multiplies bf16 in hardware, whatever this one does: there oneDNN takes bf16
+    products of more rows than decode's (native.kernels_beat_onednn)."""
+    monkeypatch.setattr(native, "kernels_beat_onednn", lambda: False)
+
+
+def test_linear_leaves_more_rows_and_other_dtypes_to_torch(bf16_in_hardware):
     gen = torch.Generator().manual_seed(5)
     w, x = bf16(64, 128, gen=gen), bf16(native.MAX_ROWS + 1, 128, gen=gen)
     assert torch.equal(linear(x, w), F.linear(x, w))
@@ -333,7 +340,7 @@ def test_linear_leaves_more_rows_and_other_dtypes_to_torch():
 
 
 @needs_kernels
-def test_linear_with_more_threads_keeps_onednn_above_its_threshold(monkeypatch):
+def test_linear_with_more_threads_keeps_onednn_above_its_threshold(monkeypatch, bf16_in_hardware):
     gen = torch.Generator().manual_seed(6)
     w = bf16(64, 128, gen=gen)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -348,7 +355,7 @@ def test_linear_with_more_threads_keeps_onednn_above_its_threshold(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 3, 8, native.MAX_ROWS])
-def test_expert_ffn_takes_the_kernel_for_a_few_bf16_tokens(m, torch_only):
+def test_expert_ffn_takes_the_kernel_for_a_few_bf16_tokens(m, torch_only, bf16_in_hardware):
     gen = torch.Generator().manual_seed(10 + m)
     weights = ExpertWeights(bf16(2 * 48, 130, gen=gen) / 8, bf16(130, 48, gen=gen) / 8)
     x = bf16(m, 130, gen=gen)
@@ -361,6 +368,24 @@ def test_expert_ffn_takes_the_kernel_for_a_few_bf16_tokens(m, torch_only):
     # more tokens stay on torch's path
     many = bf16(native.MAX_ROWS + 1, 130, gen=gen)
     assert torch.equal(expert_ffn(many, weights), torch_only(expert_ffn, many, weights))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_without_bf16_in_hardware_the_kernels_take_every_row_count(monkeypatch, threads):
+    """Where oneDNN emulates bf16 (no AVX512-BF16 or AMX), products and experts of any row count
+    go to the kernels, with the bits of the kernels' own calls."""
+    monkeypatch.setattr(native, "kernels_beat_onednn", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(12)
+    w, x = bf16(64, 128, gen=gen), bf16(70, 128, gen=gen)
+    weights = ExpertWeights(bf16(2 * 48, 130, gen=gen) / 8, bf16(130, 48, gen=gen) / 8)
+    xe = bf16(native.MAX_ROWS + 9, 130, gen=gen)
+    with torch.inference_mode():
+        assert torch.equal(linear(x, w), native.gemm(x, w).to(torch.bfloat16))
+        assert not torch.equal(linear(x, w), F.linear(x, w))  # oneDNN's sums differ
+        y = expert_ffn(xe, weights)
+        assert torch.equal(y, native.expert(xe, weights.gate_up, weights.down).to(torch.bfloat16))
 
 
 def _available_in_subprocess(env: dict) -> str:

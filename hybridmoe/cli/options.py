@@ -322,10 +322,11 @@ def compute_dtype(name: str):
     """--dtype's value as a torch dtype. auto is bf16 on CPUs with bf16 dot products: there a bf16
     matrix product runs ~4x faster than fp32 on one core and decode reads half the bytes, for a
     small loss in quality (docs/benchmarks.md#demo-model-quality). It is bf16 too where the bf16
-    kernels run with their instructions emulated (AVX-512 without AVX512-BF16, native/bf16.py): on
-    the demo model, on a stand-in for such a CPU, decode ran ~4x and prefill ~2x fp32's speed
-    (docs/benchmarks.md#bf16-kernels-without-avx512-bf16). Elsewhere torch would emulate bf16,
-    slower than fp32."""
+    kernels run with their instructions emulated (AVX-512 without AVX512-BF16, or AVX2 alone:
+    native/bf16.py): on the demo model, on a stand-in for such a CPU, decode ran ~4x and prefill
+    ~2x fp32's speed (docs/benchmarks.md#bf16-kernels-without-avx512-bf16), capped to AVX2 decode
+    ~3x and prefill ~0.9x (docs/benchmarks.md#on-a-cpu-without-avx-512-avx2-only). Elsewhere torch
+    would emulate bf16, slower than fp32."""
     import torch
 
     if name != "auto":
