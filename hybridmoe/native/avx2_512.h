@@ -195,7 +195,9 @@ H5 __m128i h5_mm_cvtepi32_epi16(__m128i a) {
 H5 hm512i h5_cvtepu16_epi32(__m256i a) {
     return i2(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)));
 }
-/* Masked 16-bit loads and stores: whole vectors where every lane is asked for, else lane by lane. */
+/* Masked 16-bit loads and stores: whole vectors where every lane is asked for; a prefix of n lanes (a row's
+   tail: the kernels' masks are prefixes) as n / 2 32-bit lanes through vpmaskmovd, which touches no other
+   memory, and the odd one alone; any other mask lane by lane. */
 H5 void load16(uint16_t *to, const void *p, uint64_t k, int n) {
     for (int i = 0; i < n; i++) to[i] = (k >> i) & 1 ? ((const uint16_t *)p)[i] : 0;
 }
@@ -203,19 +205,45 @@ H5 void store16(void *p, const uint16_t *from, uint64_t k, int n) {
     for (int i = 0; i < n; i++)
         if ((k >> i) & 1) ((uint16_t *)p)[i] = from[i];
 }
+H5 int prefix(uint64_t k) { return (k & (k + 1)) == 0; }
+/* The first n (< 32) 16-bit elements at p, the rest zero: 32-bit lanes d0 .. d0+7 of them as a 256-bit half. */
+H5 __m256i prefix_half(const void *p, int n, int d0) {
+    const int d = n / 2 - d0; /* whole pairs in this half */
+    const unsigned pairs = d <= 0 ? 0u : d >= 8 ? 0xFFu : (1u << d) - 1;
+    __m256i v = _mm256_maskload_epi32((const int *)p + d0, lanes8(pairs));
+    if ((n & 1) && d >= 0 && d < 8) /* the odd element: the low half of lane d */
+        v = _mm256_or_si256(v, _mm256_and_si256(_mm256_set1_epi32(((const uint16_t *)p)[n - 1]), lanes8(1u << d)));
+    return v;
+}
+H5 void store_prefix_half(void *p, int n, int d0, __m256i v) {
+    const int d = n / 2 - d0;
+    const unsigned pairs = d <= 0 ? 0u : d >= 8 ? 0xFFu : (1u << d) - 1;
+    _mm256_maskstore_epi32((int *)p + d0, lanes8(pairs), v);
+    if ((n & 1) && d >= 0 && d < 8) {
+        uint32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, v);
+        ((uint16_t *)p)[n - 1] = (uint16_t)lanes[d];
+    }
+}
 H5 hm512i h5_maskz_loadu_epi16(__mmask32 k, const void *p) {
     if (k == 0xFFFFFFFFu) return h5_loadu_si512(p);
+    if (prefix(k)) {
+        const int n = __builtin_popcount(k);
+        return i2(prefix_half(p, n, 0), prefix_half(p, n, 8));
+    }
     uint16_t v[32];
     load16(v, p, k, 32);
     return h5_loadu_si512(v);
 }
 H5 __m256i h5_mm256_maskz_loadu_epi16(__mmask16 k, const void *p) {
     if (k == 0xFFFF) return _mm256_loadu_si256((const __m256i *)p);
+    if (prefix(k)) return prefix_half(p, __builtin_popcount(k), 0);
     uint16_t v[16];
     load16(v, p, k, 16);
     return _mm256_loadu_si256((const __m256i *)v);
 }
 H5 __m128i h5_mm_maskz_loadu_epi16(__mmask8 k, const void *p) {
+    if (k == 0xF) return _mm_loadl_epi64((const __m128i *)p); /* four lanes: bf16.c's store_bf16 */
     uint16_t v[8];
     load16(v, p, k, 8);
     return _mm_loadu_si128((const __m128i *)v);
@@ -225,11 +253,19 @@ H5 void h5_mm256_mask_storeu_epi16(void *p, __mmask16 k, __m256i a) {
         _mm256_storeu_si256((__m256i *)p, a);
         return;
     }
+    if (prefix(k)) {
+        store_prefix_half(p, __builtin_popcount(k), 0, a);
+        return;
+    }
     uint16_t v[16];
     _mm256_storeu_si256((__m256i *)v, a);
     store16(p, v, k, 16);
 }
 H5 void h5_mm_mask_storeu_epi16(void *p, __mmask8 k, __m128i a) {
+    if (k == 0xF) {
+        _mm_storel_epi64((__m128i *)p, a);
+        return;
+    }
     uint16_t v[8];
     _mm_storeu_si128((__m128i *)v, a);
     store16(p, v, k, 8);

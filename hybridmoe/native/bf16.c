@@ -913,6 +913,11 @@ int hm_shared_moe_tokens_bf16(const int64_t *experts, long E, const int64_t *ids
 /* [a0+a1, a2+a3, .., a14+a15, b0+b1, .., b14+b15]: one level of the tree that sums 16 vectors' lanes
    (scores_block), 16 partial sums of each becoming 8, then 4, 2, 1. */
 ALWAYS_INLINE __m512 pairs(__m512 a, __m512 b) {
+#ifdef AVX2_512 /* vhaddps adds the same pairs, the even element first; vpermpd puts them in order */
+    const __m256 ha = _mm256_hadd_ps(a.lo, a.hi), hb = _mm256_hadd_ps(b.lo, b.hi);
+    return f2(_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ha), _MM_SHUFFLE(3, 1, 2, 0))),
+              _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(hb), _MM_SHUFFLE(3, 1, 2, 0))));
+#endif
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
