@@ -226,6 +226,33 @@ def test_a_whole_run_on_the_emulated_builds_gives_the_native_bits(arch, tmp_path
     assert off["digest"] != native["digest"]
 
 
+@needs_avx512
+@pytest.mark.parametrize("kind", ["ordinary", *EXPONENTS])
+def test_the_avx2_build_gives_the_avx512f_builds_bits(kind, tmp_path):
+    """The AVX2 build against the AVX512F one, which any AVX-512 CPU runs (where the CPU has
+    AVX512-BF16 the tests above hold both to the native build): products of every kind of value at
+    1, 3, 9, 20 and 70 rows, one and two threads, and for ordinary values a whole run."""
+    emulated, avx2 = build(kernels.EMULATED), build(kernels.AVX2)
+    gen = torch.Generator().manual_seed(100 + len(kind))
+    for n, k in [(37, 100), (8, 64), (5, 31)]:
+        w, x70 = operands(kind, (n, k), (70, k), gen)
+        for rows in (1, 3, 9, 20, 70):
+            x = x70[:rows]
+            outs = []
+            for lib, threads in [(emulated, 1), (avx2, 1), (avx2, 2)]:
+                y = torch.full((rows, n), 7.0)
+                args = (w.data_ptr(), x.data_ptr(), k, y.data_ptr(), n, n, k, rows)
+                lib.hm_gemm_bf16_mt(*args, threads) if threads > 1 else lib.hm_gemm_bf16(*args)
+                outs.append(y)
+            for y in outs[1:]:
+                assert same_bits(outs[0], y), (kind, n, k, rows)
+    if kind == "ordinary":
+        build_tiny("qwen2_moe", tmp_path / "m")
+        runs = [whole_run(tmp_path / "m", isa) for isa in ("avx512f", "avx2")]
+        assert (runs[0]["isa"], runs[1]["isa"]) == (kernels.EMULATED, kernels.AVX2)
+        assert runs[0]["digest"] == runs[1]["digest"] and runs[0]["tokens"] == runs[1]["tokens"]
+
+
 def test_dtype_auto_is_bf16_wherever_the_bf16_kernels_run(monkeypatch):
     """--dtype auto: bf16 with bf16 in hardware, or with the kernels (emulated where the CPU lacks
     AVX512-BF16); fp32 where torch alone would run bf16."""

@@ -161,14 +161,7 @@ H5 __mmask16 h5_cmplt_epi32_mask(hm512i a, hm512i b) { return h5_cmpgt_epi32_mas
 H5 hm512i h5_mask_mov_epi32(hm512i src, __mmask16 k, hm512i a) {
     return i2(_mm256_blendv_epi8(src.lo, a.lo, lanes8(k)), _mm256_blendv_epi8(src.hi, a.hi, lanes8(k >> 8)));
 }
-/* vpermt2ps / vpermt2w: lane i of the result is lane idx[i] of the pair (a, b), a first. */
-H5 hm512 h5_permutex2var_ps(hm512 a, hm512i idx, hm512 b) {
-    float ab[32], out[16];
-    int32_t ix[16];
-    h5_storeu_ps(ab, a), h5_storeu_ps(ab + 16, b), h5_storeu_si512(ix, idx);
-    for (int i = 0; i < 16; i++) out[i] = ab[ix[i] & 31];
-    return h5_loadu_ps(out);
-}
+/* vpermt2w (the AMX values' packing): lane i of the result is lane idx[i] of the pair (a, b), a first. */
 H5 hm512i h5_permutex2var_epi16(hm512i a, hm512i idx, hm512i b) {
     uint16_t ab[64], ix[32], out[32];
     h5_storeu_si512(ab, a), h5_storeu_si512(ab + 32, b), h5_storeu_si512(ix, idx);
@@ -359,8 +352,6 @@ H5 __m128i h5_mm_mask_mov_epi32(__m128i src, __mmask8 k, __m128i a) { return _mm
 #define _mm512_cmplt_epi32_mask h5_cmplt_epi32_mask
 #undef _mm512_mask_mov_epi32
 #define _mm512_mask_mov_epi32 h5_mask_mov_epi32
-#undef _mm512_permutex2var_ps
-#define _mm512_permutex2var_ps h5_permutex2var_ps
 #undef _mm512_permutex2var_epi16
 #define _mm512_permutex2var_epi16 h5_permutex2var_epi16
 #undef _mm512_i32gather_ps

@@ -170,8 +170,8 @@ void hm_round_bf16(const float *x, long n, uint16_t *out) {
    exist, for the row's tail). */
 #define CHUNK(J, LOAD_W, LOAD_X)                                                               \
     do {                                                                                       \
-        bh512 wv = BH(LOAD_W);                                                              \
-        for (int r = 0; r < R; r++) acc[r][J] = dpbf16(acc[r][J], wv, BH(LOAD_X));          \
+        bh512 wv = BH(LOAD_W);                                                                 \
+        for (int r = 0; r < R; r++) acc[r][J] = dpbf16(acc[r][J], wv, BH(LOAD_X));             \
     } while (0)
 
 /* acc[r][j] += W[o + j, i..i+32) . X[m + r, i..i+32) for every r < R and j < 4 as CHUNK gives it, with
@@ -381,12 +381,10 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
     } else {
         const char *next = (const char *)(W + (o + 4) * I);  /* the next block's 8 I bytes, 256 a chunk */
 #ifdef AVX2_512
-        const unsigned csr2 = pairs_mode();
+        const unsigned csr = pairs_mode();
         for (int r0 = 0; r0 < R; r0 += 2) rows_avx2(w, x, r0, R - r0 < 2 ? R - r0 : 2, I, PF && !r0 ? next : NULL, acc);
-        _mm_setcsr(csr2);
-        store_rows(acc, R, m, o, c, Y, ldy, B);
-        return;
-#endif
+        _mm_setcsr(csr);
+#else
         const int mode = fma_pairs || EMULATED; /* the fma pairs, or the emulated vdpbf16ps of CHUNK */
         const unsigned csr = mode ? pairs_mode() : 0;
         for (long i = 0; i < end; i += 32) {
@@ -401,6 +399,7 @@ ALWAYS_INLINE void block(const uint16_t *W, long I, long o, long c, const uint16
         }
         if (tail) SEVERAL(_mm512_maskz_loadu_epi16(k, w[j] + end), _mm512_maskz_loadu_epi16(k, x[r] + end));
         if (mode) _mm_setcsr(csr);
+#endif
     }
     store_rows(acc, R, m, o, c, Y, ldy, B);
 }
@@ -917,10 +916,11 @@ ALWAYS_INLINE __m512 pairs(__m512 a, __m512 b) {
     const __m256 ha = _mm256_hadd_ps(a.lo, a.hi), hb = _mm256_hadd_ps(b.lo, b.hi);
     return f2(_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ha), _MM_SHUFFLE(3, 1, 2, 0))),
               _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(hb), _MM_SHUFFLE(3, 1, 2, 0))));
-#endif
+#else
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+#endif
 }
 
 ALWAYS_INLINE __mmask32 mask32(long n) { return n >= 32 ? (__mmask32)~0u : (__mmask32)((1ULL << n) - 1); }
