@@ -39,16 +39,27 @@ def send_until_killed(server: ServeProcess, prompts: list[list[int]], refused: l
             refused.append(str(e))
 
 
-def writing(root: Path) -> bool:
-    """Whether a block is being written: its temporary file is there until it is renamed."""
-    return any(
-        f.name.startswith(".") for d in os.scandir(root) if d.is_dir() for f in os.scandir(d)
-    )
+def temporary_files(root: Path) -> set[str]:
+    """The blocks' temporary files under root: each is there until its block is renamed into
+    place, or for good where its writer was killed."""
+    return {
+        f.path for d in os.scandir(root) if d.is_dir() for f in os.scandir(d) if f.name[0] == "."
+    }
+
+
+def writing(root: Path, left: set[str]) -> bool:
+    """Whether a block is being written, once a block is on disk (one to check afterwards; a kill
+    at the first write of every round left none): a temporary file that a killed writer of an
+    earlier round did not leave (those stay, and would have every later round killed before it
+    wrote a block)."""
+    blocks = any(f.suffix == SUFFIX and f.name[0] != "." for f in root.rglob("*"))
+    return blocks and bool(temporary_files(root) - left)
 
 
 def kill_while_writing(model, flags, root, prompts, rng, refused) -> bool:
     """Start AT_ONCE servers and send them prompts; kill -9 them all the moment a block is being
     written (or after a random while). Whether a write was seen in progress at the kill."""
+    left = temporary_files(root)
     servers = [ServeProcess(model, *flags) for _ in range(AT_ONCE)]
     for s in servers:
         s.wait_ready()
@@ -59,7 +70,7 @@ def kill_while_writing(model, flags, root, prompts, rng, refused) -> bool:
     for t in senders:
         t.start()
     deadline = time.monotonic() + rng.uniform(0.5, 3.0)
-    while not (mid_write := writing(root)) and time.monotonic() < deadline:
+    while not (mid_write := writing(root, left)) and time.monotonic() < deadline:
         time.sleep(0.001)  # leave the cores to the servers
     for s in servers:
         s.kill()
