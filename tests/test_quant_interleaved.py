@@ -286,11 +286,12 @@ def test_the_torch_fallback_computes_on_interleaved_rows(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FAMILIES)
 def test_weights_are_interleaved_in_place_where_their_path_reads_them(fmt, monkeypatch):
-    """Every interleaved layout where the AVX-512 path runs; on AVX2 Q4_K's rows in eights alone
-    (its kernel reads them as they lie; the others' rows would be put back); none with the native
-    code off, nor for rows that are not whole groups."""
+    """Every interleaved layout where the AVX-512 path runs; on AVX2 Q4_K's rows in eights and the
+    blocks of 32 in sixteens (its kernels read them as they lie; Q5_K's and Q6_K's rows would be
+    put back); none with the native code off, nor for rows that are not whole groups."""
     f = FORMATS[fmt]
-    for path, interleaved in (("avx512", FAMILIES), ("avx2", ("q4_k",)), ("off", ())):
+    avx2 = ("q4_k", "q8_0", "q4_0", "q4_1")
+    for path, interleaved in (("avx512", FAMILIES), ("avx2", avx2), ("off", ())):
         monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", path)
         if path == "avx512" and kernels.isa() != kernels.AVX512:
             continue  # a CPU without AVX-512 VNNI
