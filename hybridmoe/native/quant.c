@@ -1241,25 +1241,25 @@ AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint
     for (int r = 0; r < R; r++) _mm512_storeu_ps(Y + r * ldy, acc[r]);
 }
 
-/* Rows [n0, n1) (whole sixteens) of Q8_0_X16 or Q4_0_X16 weights against tokens mi[0..R). */
-#define X16_DOT(NAME, F)                                                                                    \
-    AVX512 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
+/* Rows [n0, n1) (whole sixteens) of Q8_0_X16, Q4_0_X16 or Q4_1_X16 weights against tokens mi[0..R) on a path's
+   kernel (dot32_x16_512_t, dot32_x16_avx2_t below). */
+#define X16_DOT(NAME, F, TARGET, KERNEL)                                                                    \
+    TARGET static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                             float *Y, long ldy) {                                                           \
         const long nb = a->K / 32;                                                                          \
         for (long n = n0; n < n1; n += X16) {                                                               \
             const uint8_t *G = W + n * ldw;                                                                 \
             switch (R) {                                                                                    \
-            case 1: dot32_x16_512_t(F, 1, G, nb, a, mi, Y + n, ldy); break;                                 \
-            case 2: dot32_x16_512_t(F, 2, G, nb, a, mi, Y + n, ldy); break;                                 \
-            case 3: dot32_x16_512_t(F, 3, G, nb, a, mi, Y + n, ldy); break;                                 \
-            default: dot32_x16_512_t(F, GROUP, G, nb, a, mi, Y + n, ldy); break;                            \
+            case 1: KERNEL(F, 1, G, nb, a, mi, Y + n, ldy); break;                                          \
+            case 2: KERNEL(F, 2, G, nb, a, mi, Y + n, ldy); break;                                          \
+            case 3: KERNEL(F, 3, G, nb, a, mi, Y + n, ldy); break;                                          \
+            default: KERNEL(F, GROUP, G, nb, a, mi, Y + n, ldy); break;                                     \
             }                                                                                               \
         }                                                                                                   \
     }
-X16_DOT(dot8_x16_512, Q8_0_X16)
-X16_DOT(dot4_x16_512, Q4_0_X16)
-X16_DOT(dot41_x16_512, Q4_1_X16)
-#undef X16_DOT
+X16_DOT(dot8_x16_512, Q8_0_X16, AVX512, dot32_x16_512_t)
+X16_DOT(dot4_x16_512, Q4_0_X16, AVX512, dot32_x16_512_t)
+X16_DOT(dot41_x16_512, Q4_1_X16, AVX512, dot32_x16_512_t)
 
 /* ---- one function per (path, format), the token count R a constant in each case of its switch ---- */
 
@@ -1363,24 +1363,10 @@ AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int R, const uint8
     }
 }
 
-#define X16_DOT_AVX2(NAME, F)                                                                               \
-    AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,   \
-                          float *Y, long ldy) {                                                             \
-        const long nb = a->K / 32;                                                                          \
-        for (long n = n0; n < n1; n += X16) {                                                               \
-            const uint8_t *G = W + n * ldw;                                                                 \
-            switch (R) {                                                                                    \
-            case 1: dot32_x16_avx2_t(F, 1, G, nb, a, mi, Y + n, ldy); break;                                \
-            case 2: dot32_x16_avx2_t(F, 2, G, nb, a, mi, Y + n, ldy); break;                                \
-            case 3: dot32_x16_avx2_t(F, 3, G, nb, a, mi, Y + n, ldy); break;                                \
-            default: dot32_x16_avx2_t(F, GROUP, G, nb, a, mi, Y + n, ldy); break;                           \
-            }                                                                                               \
-        }                                                                                                   \
-    }
-X16_DOT_AVX2(dot8_x16_avx2, Q8_0_X16)
-X16_DOT_AVX2(dot4_x16_avx2, Q4_0_X16)
-X16_DOT_AVX2(dot41_x16_avx2, Q4_1_X16)
-#undef X16_DOT_AVX2
+X16_DOT(dot8_x16_avx2, Q8_0_X16, AVX2, dot32_x16_avx2_t)
+X16_DOT(dot4_x16_avx2, Q4_0_X16, AVX2, dot32_x16_avx2_t)
+X16_DOT(dot41_x16_avx2, Q4_1_X16, AVX2, dot32_x16_avx2_t)
+#undef X16_DOT
 
 /* The kernel that reads an interleaved layout as it lies on a path: AVX-512 VNNI's for every layout,
    AVX2's for Q4_K's and the rows in sixteens (NULL for the others: product_x8 puts their rows back). */
