@@ -70,6 +70,34 @@ def test_the_kernel_reads_strided_rows(interpreted):
     assert torch.equal(got, dequant.dequantize(data, FORMATS["q4_k"], 512))
 
 
+def test_a_matrix_past_int32_offsets_is_dequantised_a_run_of_rows_at_a_time(
+    interpreted, monkeypatch
+):
+    """Where a matrix's offsets would pass int32, the rows go in runs of whole groups, each its own
+    launch, with the same values (the limit lowered here, so the matrix can stay small)."""
+    fmt = named("q4_0_x16")
+    data = blocks("q4_0_x16", 64, 512, seed=5)
+    monkeypatch.setattr(
+        interpreted, "INT32_MAX", 40 * 512
+    )  # 40 rows -> runs of 32 (whole sixteens)
+    launches = []
+    kernel = interpreted._dequantize
+    monkeypatch.setattr(interpreted, "_dequantize", _Counting(kernel, launches))
+    got = interpreted.dequantize(data, fmt, 512)
+    assert len(launches) == 2 and torch.equal(got, dequant.dequantize(data, fmt, 512))
+
+
+class _Counting:
+    """A kernel launcher that notes each launch's grid."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_cuda_gpu_dequantises_in_the_kernel_with_the_cpus_bits(name):

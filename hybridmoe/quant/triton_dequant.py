@@ -19,7 +19,8 @@ import triton.language as tl
 
 from hybridmoe.quant.formats import FORMATS, LAYOUTS, Format
 
-TILE_BYTES = 4096  # bytes of blocks a program reads: 28 Q4_K or 120 Q8_0 blocks
+TILE_BYTES = 4096  # about the bytes of blocks a program reads: 32 Q4_K or 128 Q8_0 blocks
+INT32_MAX = 2**31 - 1  # the kernel's offsets are int32
 
 
 @triton.jit
@@ -189,12 +190,13 @@ def dequantize(
         data = data.contiguous()
     group = fmt.rows if fmt.name in LAYOUTS else 1
     size, ns = fmt.nbytes, cols // fmt.block
-    if rows * max(width, cols) >= 2**31:  # the kernel's offsets are int32
-        raise ValueError(
-            f"a {rows} x {cols} {fmt.name} matrix is too large for one kernel: split its rows"
-        )
     if dtype not in (torch.float32, torch.bfloat16):
         return dequantize(data, fmt, cols).to(dtype)
+    most = INT32_MAX // max(width, cols) // group * group  # rows whose offsets fit int32
+    if rows > most:  # a launch for each run of rows (whole groups)
+        return torch.cat(
+            [dequantize(data[r : r + most], fmt, cols, dtype) for r in range(0, rows, most)]
+        )
     out = torch.empty(rows, cols, dtype=dtype, device=data.device)
     tile = triton.next_power_of_2(max(1, TILE_BYTES // size))
     blocks = rows * ns
