@@ -29,7 +29,7 @@ from tests.halves import (
 from tests.tiny import batch_greedy, build_tiny, build_wide_mixtral
 
 needs_bf16 = pytest.mark.skipif(
-    not native.cpu_has_avx512(), reason="the attention half needs a CPU with AVX-512 (F, BW, VL)"
+    not native.cpu_runs_kernels(), reason="the attention half needs a CPU with AVX2 and FMA"
 )
 needs_quant = pytest.mark.skipif(
     kernels.best_isa() == 0, reason="needs AVX2 for the integer kernels"

@@ -9,7 +9,7 @@ __all__ = [
     "applies",
     "attention_applies",
     "available",
-    "cpu_has_avx512",
+    "cpu_runs_kernels",
     "cpu_has_avx512_bf16",
     "cpu_has_native_bf16",
     "DECODE_FIELDS",

@@ -171,9 +171,10 @@ def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
-def cpu_has_avx512() -> bool:
-    """AVX512F with BW and VL: the kernels' EMULATED and NATIVE builds."""
-    return best_isa() >= EMULATED
+def cpu_runs_kernels() -> bool:
+    """Whether a build of the kernels runs on this CPU (AVX2 and FMA at least); without one
+    torch's path runs."""
+    return best_isa() > 0
 
 
 def best_isa() -> int:
