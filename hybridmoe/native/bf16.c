@@ -318,6 +318,11 @@ ALWAYS_INLINE void store_rows(__m512 acc[4][4], const int R, long m, long o, lon
    AVX2's 16 registers, which 16 accumulators of two halves each (block()'s R = 4) overflowed: the AVX2
    build's products of several rows ran from the stack. `next`: the next block's lines to ask for, or NULL. */
 ALWAYS_INLINE __m256i half_of(hm512i v, int h) { return h ? v.hi : v.lo; }
+/* Half h of the accumulators of rows r0 .. r0+n-1 from their 256-bit sums a. */
+ALWAYS_INLINE void put_half(__m512 acc[4][4], int r0, const int n, int h, __m256 a[2][4]) {
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < 4; j++) *(h ? &acc[r0 + r][j].hi : &acc[r0 + r][j].lo) = a[r][j];
+}
 ALWAYS_INLINE void rows_avx2(const uint16_t *const w[4], const uint16_t *const x[4], int r0, const int n, long I,
                              const char *next, __m512 acc[4][4]) {
     const long tail = I % 32, end = I - tail;
@@ -345,8 +350,7 @@ ALWAYS_INLINE void rows_avx2(const uint16_t *const w[4], const uint16_t *const x
                 for (int r = 0; r < n; r++) a[r][j] = _mm256_fmadd_ps(we, xe[r], _mm256_fmadd_ps(wo, xo[r], a[r][j]));
             }
         }
-        for (int r = 0; r < n; r++)
-            for (int j = 0; j < 4; j++) *(h ? &acc[r0 + r][j].hi : &acc[r0 + r][j].lo) = a[r][j];
+        put_half(acc, r0, n, h, a);
     }
 }
 #endif
@@ -444,8 +448,7 @@ ALWAYS_INLINE void block_wide(const float *const w[4], const float *x, long L, l
                     for (int r = 0; r < n; r++) a[r][j] = _mm256_fmadd_ps(we, xe[r], _mm256_fmadd_ps(wo, xo[r], a[r][j]));
                 }
             }
-            for (int r = 0; r < n; r++)
-                for (int j = 0; j < 4; j++) *(h ? &acc[r0 + r][j].hi : &acc[r0 + r][j].lo) = a[r][j];
+            put_half(acc, r0, n, h, a);
         }
     _mm_setcsr(csr);
     store_rows(acc, R, m, o, c, Y, ldy, B);

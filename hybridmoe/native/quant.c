@@ -1181,8 +1181,8 @@ AVX2 static void dotk_x8_avx2(const uint8_t *W, long ldw, long n0, long n1, cons
 
 /* ---- rows in sixteens (Q8_0_X16, Q4_0_X16, Q4_1_X16) ---------------------------------------------
 
-   The layouts, made at load where the AVX-512 path runs (hm_interleave; quant/interleave.py turns them
-   back): a matrix of Q8_0, Q4_0 or Q4_1 rows, their number a multiple of 16, keeps its bytes, but rows 16g ..
+   The layouts, made at load where the AVX-512 or the AVX2 path runs (hm_interleave; quant/interleave.py
+   turns them back): a matrix of Q8_0, Q4_0 or Q4_1 rows, their number a multiple of 16, keeps its bytes, but rows 16g ..
    16g + 15 hold their blocks b side by side at b * 16 * (block bytes), each block's pieces with the same
    piece of the other fifteen rows (X8_PIECES, unit i of row r at unit 16i + r):
      Q8_0 (544 bytes): [0, 32) the rows' d (fp16), [32, 544) their int8 q in units of 4 (bytes 4i ..
@@ -1435,8 +1435,8 @@ static void product_tiles(const product *p, long n0, long n1) {
    against up to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every group before the
    next tokens (as product_tiles); so does AVX2 for Q4_K's rows in eights, a token at a time, which beat
    GGUF's rows four tokens at a time at every count (768 x 2048, one thread, Zen 5 on AVX2: 1.3-1.5x from
-   1 to 512 tokens). For the other layouts AVX2 puts the rows back as GGUF's in a buffer once (a unit's
-   rows: tens of KB) and runs those rows' kernels there. Either way the results are the GGUF rows' bits. */
+   1 to 512 tokens), and for the rows in sixteens (dot32_x16_avx2_t). For Q5_K's and Q6_K's rows AVX2 puts
+   the rows back as GGUF's in a buffer once (a unit's rows: tens of KB) and runs those rows' kernels there. Either way the results are the GGUF rows' bits. */
 /* Rows [n0, n1) (whole groups) and tokens [t0, t1) of a product of interleaved rows on the kernels that
    read them as they lie (grouped_dot). */
 static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {

@@ -138,8 +138,8 @@ AVX2_INTERLEAVED = ("q4_k", "q8_0", "q4_0", "q4_1")
 
 def for_kernels(m: QTensor) -> QTensor:
     """m in the layout the CPU kernels read fastest: Q4_K, Q5_K and Q6_K rows in eights, Q8_0,
-    Q4_0 and Q4_1 rows in sixteens (quant/interleave.py) where the AVX-512 path runs (Q4_K's
-    alone where the AVX2 path runs: AVX2_INTERLEAVED) and every part's rows are whole groups of
+    Q4_0 and Q4_1 rows in sixteens (quant/interleave.py) where the AVX-512 path runs (those of
+    AVX2_INTERLEAVED where the AVX2 path runs) and every part's rows are whole groups of
     unpadded rows; else m. The bytes are rearranged in place: a part viewing a model file's
     copy-on-write map turns its pages into the process's own, in the place of the file's, so
     resident memory does not grow; but those pages can no longer be dropped, so the loader marks
