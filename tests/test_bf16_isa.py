@@ -23,6 +23,7 @@ import torch
 from hybridmoe.native import bf16 as kernels
 from hybridmoe.native.build import library_path, load
 from tests.bf16_bits import bf16_with_exponents, same_bits
+from tests.test_decode_attention import LAYOUTS, LENGTHS, history, paged_batch, reference
 from tests.tiny import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,6 +252,41 @@ def test_the_avx2_build_gives_the_avx512f_builds_bits(kind, tmp_path):
         runs = [whole_run(tmp_path / "m", isa) for isa in ("avx512f", "avx2")]
         assert (runs[0]["isa"], runs[1]["isa"]) == (kernels.EMULATED, kernels.AVX2)
         assert runs[0]["digest"] == runs[1]["digest"] and runs[0]["tokens"] == runs[1]["tokens"]
+
+
+@needs_avx512
+@pytest.mark.parametrize("heads, kv_heads, d, dv", LAYOUTS)
+def test_every_builds_decode_attention_gives_the_same_bits(heads, kv_heads, d, dv):
+    """hm_decode_attention_bf16 of every build this CPU runs (the AVX2 build's values summed 16
+    columns at a time, the AVX-512 builds' 64) on histories of 1 to 1100 positions in shuffled
+    blocks, fp32 and bf16 out, one and two threads: the same bits (off the AMX tiles, which a
+    library built here leaves off), and the float64 softmax attention's values."""
+    libs = [build(isa) for isa in runnable_builds()]
+    gen = torch.Generator().manual_seed(heads * 1000 + d)
+    q, k_pool, v_pool, tables = paged_batch(heads, kv_heads, d, dv, 16, gen)
+    starts = np.cumsum([0] + [len(t) for t in tables[:-1]]).astype(np.int32)
+    flat = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
+    starts, lengths = torch.from_numpy(starts), torch.tensor(LENGTHS, dtype=torch.int32)
+    rows = torch.arange(1, 2 * len(LENGTHS), 2, dtype=torch.int32)
+    for out_bf16 in (0, 1):
+        outs = []
+        for lib, threads in [(lib, t) for lib in libs for t in (1, 2)]:
+            out = torch.full((len(q), heads, dv), 7.0, dtype=torch.bfloat16 if out_bf16 else None)
+            status = lib.hm_decode_attention_bf16(
+                q.data_ptr(), heads * d, k_pool.data_ptr(), kv_heads * d, v_pool.data_ptr(),
+                kv_heads * dv, flat.data_ptr(), starts.data_ptr(), lengths.data_ptr(),
+                rows.data_ptr(), len(LENGTHS), 16, heads, kv_heads, d, dv, d**-0.5,
+                out.data_ptr(), heads * dv, out_bf16, threads,
+            )  # fmt: skip
+            assert status == 0
+            outs.append(out)
+        for out in outs[1:]:
+            bits = (outs[0].view(torch.int16), out.view(torch.int16))
+            assert torch.equal(*bits) if out_bf16 else same_bits(outs[0], out)
+    s = len(LENGTHS) - 1  # the longest history, against float64
+    k, v = (history(pool, tables[s], LENGTHS[s], 16) for pool in (k_pool, v_pool))
+    want = reference(q[2 * s + 1], k, v, d**-0.5)
+    assert (outs[0][2 * s + 1].double() - want).abs().max() < 1e-2  # bf16 out
 
 
 def test_dtype_auto_is_bf16_wherever_the_bf16_kernels_run(monkeypatch):
