@@ -1,7 +1,7 @@
 """Interleaved rows (quant/interleave.py): Q4_K, Q5_K and Q6_K rows in eights (q4_k_x8, q5_k_x8,
 q6_k_x8), Q8_0, Q4_0 and Q4_1 rows in sixteens (q8_0_x16, q4_0_x16, q4_1_x16): the layouts
-native/quant.c states, byte for byte; every product on them (AVX-512 reads them as they lie, AVX2
-all but Q5_K's, whose rows it puts back) gives the bits of the same rows in GGUF's layout, on both paths, so test_quant.py's
+native/quant.c states, byte for byte; every product on them (AVX-512 and AVX2 read them as they
+lie) gives the bits of the same rows in GGUF's layout, on both paths, so test_quant.py's
 bound against gguf's dequantiser holds for them unchanged (checked here too); products of 16 or more
 tokens on AMX-INT8 tiles (where the CPU has them) give the bits of the VNNI path; and every other
 reader of the bytes (the torch fallback, a GPU's dequantiser through the accelerator, the trainer's
@@ -121,7 +121,7 @@ def test_products_on_interleaved_rows_keep_the_rows_bits(fmt, n, k):
     n = n or odd_rows(fmt)
     plain = blocks(fmt, n, k, n)
     x8 = interleave(plain, fmt)
-    for m in (1, 2, 5, 70):  # one token; decode batches; past a chunk of 64
+    for m in (1, 2, 3, 5, 70):  # one token; decode batches (an odd one); past a chunk of 64
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
             for path in PATHS:
@@ -286,12 +286,10 @@ def test_the_torch_fallback_computes_on_interleaved_rows(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FAMILIES)
 def test_weights_are_interleaved_in_place_where_their_path_reads_them(fmt, monkeypatch):
-    """Every interleaved layout where the AVX-512 path runs; on AVX2 Q4_K's and Q6_K's rows in
-    eights and the blocks of 32 in sixteens (its kernels read them as they lie; Q5_K's rows would
-    be put back); none with the native code off, nor for rows that are not whole groups."""
+    """Every interleaved layout where the AVX-512 or the AVX2 path runs (their kernels read them
+    as they lie); none with the native code off, nor for rows that are not whole groups."""
     f = FORMATS[fmt]
-    avx2 = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1")
-    for path, interleaved in (("avx512", FAMILIES), ("avx2", avx2), ("off", ())):
+    for path, interleaved in (("avx512", FAMILIES), ("avx2", FAMILIES), ("off", ())):
         monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", path)
         if path == "avx512" and kernels.isa() != kernels.AVX512:
             continue  # a CPU without AVX-512 VNNI

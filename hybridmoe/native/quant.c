@@ -695,7 +695,7 @@ AVX512 ALWAYS_INLINE void dotk_512_t(const int fmt, const int R, const uint8_t *
 
 /* ---- rows in eights (Q4_K_X8, Q5_K_X8, Q6_K_X8) --------------------------------------------------- */
 
-/* The layouts, made at load where the AVX-512 path runs, Q4_K's also where AVX2's does (hm_interleave,
+/* The layouts, made at load where the AVX-512 or the AVX2 path runs (hm_interleave,
    called by quant/tensor.py for_kernels; quant/interleave.py turns them back in torch ops): a matrix of
    Q4_K, Q5_K or Q6_K rows, their number a multiple of 8, keeps its bytes, but rows 8g .. 8g+7 (their 8
    row lengths of bytes, rows of exactly K / 256 blocks) hold their super-blocks s side by side at
@@ -745,25 +745,22 @@ static const x8_piece *pieces_of(int fmt) {
 /* The units of one piece of n rows: unit i of row r between x8 + (n i + r) u and row r's at + i u
    (a constant `u` per call, so that each copy is one move: with `u` a variable each was a call to
    memcpy, and a load rearranged 1.1 GB/s instead of 6.4). */
-ALWAYS_INLINE void x8_units(const int u, const int n, uint8_t *x8, uint8_t *rows, long ldq, int len, int to_x8) {
+ALWAYS_INLINE void x8_units(const int u, const int n, uint8_t *x8, const uint8_t *rows, long ldq, int len) {
     for (int r = 0; r < n; r++)
-        for (int i = 0; i < len / u; i++) {
-            uint8_t *a = x8 + (long)(n * i + r) * u, *b = rows + r * ldq + i * u;
-            if (to_x8) memcpy(a, b, (size_t)u);
-            else memcpy(b, a, (size_t)u);
-        }
+        for (int i = 0; i < len / u; i++) memcpy(x8 + (long)(n * i + r) * u, rows + r * ldq + i * u, (size_t)u);
 }
 
-/* Block s of a group of interleaved rows in `fmt` (p) to or from the blocks of rows q + r * ldq. */
-ALWAYS_INLINE void x8_pieces(const int n, const x8_piece *piece, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
+/* Block s of a group of interleaved rows in `fmt` (p) from the blocks of rows q + r * ldq. */
+ALWAYS_INLINE void x8_pieces(const int n, const x8_piece *piece, uint8_t *p, const uint8_t *q, long ldq) {
     long off = 0;
     for (int k = 0; k < 5 && piece[k].len; k++) {
-        uint8_t *x8 = p + off, *rows = q + piece[k].at;
+        uint8_t *x8 = p + off;
+        const uint8_t *rows = q + piece[k].at;
         switch (piece[k].unit) {
-        case 1: x8_units(1, n, x8, rows, ldq, piece[k].len, to_x8); break;
-        case 2: x8_units(2, n, x8, rows, ldq, piece[k].len, to_x8); break;
-        case 4: x8_units(4, n, x8, rows, ldq, piece[k].len, to_x8); break;
-        default: x8_units(8, n, x8, rows, ldq, piece[k].len, to_x8); break;
+        case 1: x8_units(1, n, x8, rows, ldq, piece[k].len); break;
+        case 2: x8_units(2, n, x8, rows, ldq, piece[k].len); break;
+        case 4: x8_units(4, n, x8, rows, ldq, piece[k].len); break;
+        default: x8_units(8, n, x8, rows, ldq, piece[k].len); break;
         }
         off += n * piece[k].len;
     }
@@ -771,9 +768,9 @@ ALWAYS_INLINE void x8_pieces(const int n, const x8_piece *piece, uint8_t *p, uin
 
 /* (The rows of a group a constant in each case: with it a variable, a load rearranged Q4_K 7.6 ->
    6.1 GB/s.) */
-static void x8_move(int fmt, uint8_t *p, uint8_t *q, long ldq, int to_x8) {
-    if (group_rows(fmt) == 16) x8_pieces(16, pieces_of(fmt), p, q, ldq, to_x8);
-    else x8_pieces(8, pieces_of(fmt), p, q, ldq, to_x8);
+static void x8_move(int fmt, uint8_t *p, const uint8_t *q, long ldq) {
+    if (group_rows(fmt) == 16) x8_pieces(16, pieces_of(fmt), p, q, ldq);
+    else x8_pieces(8, pieces_of(fmt), p, q, ldq);
 }
 
 /* The interleaved layout of GGUF's `fmt`, 0 for none. */
@@ -801,7 +798,7 @@ int hm_interleave(int fmt, uint8_t *W, long N, long K) {
     for (long n = 0; n < N; n += g) {
         uint8_t *G = W + n * ldw;
         memcpy(rows, G, (size_t)(g * ldw));
-        for (long s = 0; s < nb; s++) x8_move(x, G + s * g * bb, rows + s * bb, ldw, 1);
+        for (long s = 0; s < nb; s++) x8_move(x, G + s * g * bb, rows + s * bb, ldw);
     }
     free(rows);
     return 0;
@@ -1114,16 +1111,29 @@ static const char SCALE_SEL[2][2][32] = {{{SLANE(0, 0, 0), SLANE(0, 0, 1)}, {SLA
 #undef SLANE
 #undef SB
 
-/* Eight interleaved Q4_K rows at G (ns super-blocks) against token row m of `a`: Y[0..8). */
-AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const uint8_t *G, long ns, const acts *a, long m, float *Y) {
+/* Q5_K's fifth bits on AVX2 (x8_fifth): bit j of each byte of qh as 16 in that byte, 0 else. */
+AVX2 ALWAYS_INLINE __m256i x8_fifth_avx2(__m256i qh, int j) {
+    const __m256i v = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(16));
+}
+
+/* Eight interleaved Q4_K or Q5_K rows (fmt, a constant) at G (ns super-blocks) against token row m of `a`:
+   Y[0..8). Q5_K's values 0..31 (nibble + 16 x its fifth bit, chunk c's qh bits 2g and 2g + 1): a group's
+   four chunks still sum in words (|sum| <= 4 x 2 x 31 x 128 < 2^15). */
+AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int R, const uint8_t *G, long ns, const acts *a,
+                                       const long *mi, float *Y, long ldy) {
+    const int five = fmt == Q5_K_X8;
+    const long gb = five ? X8_5_BYTES : X8_BYTES, at = five ? 384 : 128; /* a super-block's bytes; its nibbles' */
     static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* natural block b's 32 bytes at 32 pos[b] */
     const __m256i m4 = _mm256_set1_epi8(0x0F), m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30);
     const __m256i rows = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* vphaddd's lanes back in row order */
-    __m256 F = _mm256_setzero_ps(), Mn = _mm256_setzero_ps();
+    __m256 F[2], Mn[2];
+    for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
-        const uint8_t *p = G + s * X8_BYTES;
-        prefetch_near_far(p, X8_BYTES);
-        const int8_t *x = a->qs + m * a->K + s * 256;
+        const uint8_t *p = G + s * gb;
+        prefetch_near_far(p, gb);
+        const int8_t *x[2];
+        for (int r = 0; r < R; r++) x[r] = a->qs + mi[r] * a->K + s * 256;
         /* the scale bytes (byte 8b + r: block b of row r) and minimums, as x8_scales splits them */
         const __m256i u0 = _mm256_loadu_si256((const __m256i *)(p + 32)), u1 = _mm256_loadu_si256((const __m256i *)(p + 64));
         const __m256i u2 = _mm256_loadu_si256((const __m256i *)(p + 96));
@@ -1132,57 +1142,81 @@ AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const uint8_t *G, long ns, const acts *a,
         const __m256i mn[2] = {_mm256_and_si256(u1, m63),
                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u2, 4), m4),
                                                _mm256_and_si256(_mm256_srli_epi16(u1, 2), m30))};
-        __m256i Z[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* rows 4h..4h+3: dwords 2k, 2k + 1 */
+        __m256i Z[2][2]; /* token r's rows 4h..4h+3: dwords 2k, 2k + 1 of Z[r][h] */
+        for (int r = 0; r < R; r++) Z[r][0] = Z[r][1] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
             const int bl = 2 * g, bh = 2 * g + 1; /* the chunks' low nibbles are block bl's, high bh's */
             /* blocks bl, bh lie in the same 16 bytes of their register (bl % 4 = 0 or 2) */
             const __m256i src = g % 2 ? _mm256_permute2x128_si256(sc[g / 2], sc[g / 2], 0x11)
                                       : _mm256_permute2x128_si256(sc[g / 2], sc[g / 2], 0x00);
             for (int h = 0; h < 2; h++) {
-                __m256i L = _mm256_setzero_si256(), H = _mm256_setzero_si256();
+                __m256i L[2], H[2];
+                for (int r = 0; r < R; r++) L[r] = H[r] = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 128 + 64 * (4 * g + c) + 32 * h));
-                    int64_t vl, vh;
-                    memcpy(&vl, x + 32 * pos[bl] + 8 * c, 8);
-                    memcpy(&vh, x + 32 * pos[bh] + 8 * c, 8);
-                    L = _mm256_add_epi16(L, _mm256_maddubs_epi16(_mm256_and_si256(w, m4), _mm256_set1_epi64x(vl)));
-                    H = _mm256_add_epi16(H, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
-                                                                 _mm256_set1_epi64x(vh)));
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(p + at + 64 * (4 * g + c) + 32 * h));
+                    __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                    if (five) {
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 64 * c + 32 * h));
+                        lo = _mm256_or_si256(lo, x8_fifth_avx2(qh, bl));
+                        hi = _mm256_or_si256(hi, x8_fifth_avx2(qh, bh));
+                    }
+                    for (int r = 0; r < R; r++) {
+                        int64_t vl, vh;
+                        memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
+                        memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
+                        L[r] = _mm256_add_epi16(L[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi64x(vl)));
+                        H[r] = _mm256_add_epi16(H[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi64x(vh)));
+                    }
                 }
                 const __m256i sl = _mm256_shuffle_epi8(src, _mm256_loadu_si256((const __m256i *)SCALE_SEL[0][h]));
                 const __m256i sh = _mm256_shuffle_epi8(src, _mm256_loadu_si256((const __m256i *)SCALE_SEL[1][h]));
-                Z[h] = _mm256_add_epi32(Z[h], _mm256_add_epi32(_mm256_madd_epi16(L, sl), _mm256_madd_epi16(H, sh)));
+                for (int r = 0; r < R; r++)
+                    Z[r][h] = _mm256_add_epi32(Z[r][h], _mm256_add_epi32(_mm256_madd_epi16(L[r], sl), _mm256_madd_epi16(H[r], sh)));
             }
-        }
-        const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(Z[0], Z[1]), rows);
-        /* csum: row r's minimums of blocks 2j, 2j + 1 as a word pair against the token's sums of them */
-        __m256i C = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m128i half = j % 2 ? _mm256_extracti128_si256(mn[j / 2], 1) : _mm256_castsi256_si128(mn[j / 2]);
-            const __m256i w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(half, _mm_srli_si128(half, 8)));
-            C = _mm256_add_epi32(C, _mm256_madd_epi16(w, _mm256_set1_epi32(a->bpair[(m * ns + s) * 4 + j])));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))), _mm256_set1_ps(-0.0f));
-        const __m256 dx = _mm256_set1_ps(a->dx[m * ns + s]);
-        F = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F);
-        Mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(dm, dx), Mn);
+        for (int r = 0; r < R; r++) {
+            const long sb = mi[r] * ns + s;
+            const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(Z[r][0], Z[r][1]), rows);
+            /* csum: row k's minimums of blocks 2j, 2j + 1 as a word pair against the token's sums of them */
+            __m256i C = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m128i half = j % 2 ? _mm256_extracti128_si256(mn[j / 2], 1) : _mm256_castsi256_si128(mn[j / 2]);
+                const __m256i w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(half, _mm_srli_si128(half, 8)));
+                C = _mm256_add_epi32(C, _mm256_madd_epi16(w, _mm256_set1_epi32(a->bpair[sb * 4 + j])));
+            }
+            const __m256 dx = _mm256_set1_ps(a->dx[sb]);
+            F[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F[r]);
+            Mn[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(dm, dx), Mn[r]);
+        }
     }
-    _mm256_storeu_ps(Y, _mm256_add_ps(F, Mn));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
 
-/* Rows [n0, n1) (whole eights) of Q4_K_X8 against tokens mi[0..R), each token alone. */
-AVX2 static void dotk_x8_avx2(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
-                              float *Y, long ldy) {
-    const long ns = a->K / 256;
-    for (long n = n0; n < n1; n += X8)
-        for (int r = 0; r < R; r++) dotk_x8_avx2_t(W + n * ldw, ns, a, mi[r], Y + r * ldy + n);
-}
+/* Rows [n0, n1) (whole eights) of Q4_K_X8 (dotk_x8_avx2) or Q5_K_X8 (dotk5_x8_avx2) against tokens
+   mi[0..R): Q4_K's a token at a time, Q5_K's two (T) where there are two, each token's integers its own.
+   2048 x 768, one thread, Zen 5 capped to AVX2, ms at 64 / 512 tokens: Q5_K's GGUF rows (four tokens at
+   a time) 2.06 / 16.4, its rows in eights a token at a time 2.10 / 16.9, two at a time 1.69 / 13.4; Q4_K's
+   rows in eights a token at a time 1.25-1.28 / 10.1-10.5, two at a time 1.30-1.37 / 10.6-11.1. */
+#define X8_AVX2(NAME, F, T)                                                                                   \
+    AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
+                          float *Y, long ldy) {                                                               \
+        const long ns = a->K / 256;                                                                           \
+        for (long n = n0; n < n1; n += X8)                                                                    \
+            for (int r = 0; r < R; r += T) {                                                                  \
+                if (T == 2 && r + 1 < R) dotk_x8_avx2_t(F, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
+                else dotk_x8_avx2_t(F, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);                 \
+            }                                                                                                 \
+    }
+X8_AVX2(dotk_x8_avx2, Q4_K_X8, 1)
+X8_AVX2(dotk5_x8_avx2, Q5_K_X8, 2)
+#undef X8_AVX2
 
 /* ---- Q6_K rows in eights on AVX2 ---------------------------------------------------------------------
 
-   GGUF's Q6_K rows on AVX2 (dotk_avx2_t) read ~26 GB/s from RAM in a decode step on a Zen 5 core capped to
-   AVX2, against ~37 for Q4_K's rows in eights: a Q4_K_M file's Q6_K matrices (half its layers' expert
+   GGUF's Q6_K rows on AVX2 (dotk_avx2_t) read ~23-26 GB/s from RAM in a decode step on a Zen 5 core capped
+   to AVX2, against ~35-37 for Q4_K's rows in eights: a Q4_K_M file's Q6_K matrices (half its layers' expert
    downs, half its attn_v, the output head; ~20% of its bytes a token) took ~19% of the step. On rows in
    eights (X8_PIECES' Q6_K layout, as dotk6_x8_512_t reads it) a 32-byte load of ql and one of qh hold the
    same 8 bytes of four rows; a sub-block's two chunks are summed in words by vpmaddubsw (|word| <= 2 x 2 x
@@ -1463,18 +1497,17 @@ X16_DOT(dot4_x16_avx2, Q4_0_X16, AVX2, dot32_x16_avx2_t)
 X16_DOT(dot41_x16_avx2, Q4_1_X16, AVX2, dot32_x16_avx2_t)
 #undef X16_DOT
 
-/* The kernel that reads an interleaved layout as it lies on a path: AVX-512 VNNI's for every layout,
-   AVX2's for Q4_K's and Q6_K's rows in eights and the rows in sixteens (NULL for Q5_K's: product_x8 puts
-   its rows back). */
+/* The kernel that reads an interleaved layout (`fmt`, one of the six) as it lies on a path: AVX-512
+   VNNI's or AVX2's. */
 static dot_fn grouped_dot(int fmt, int isa) {
     if (isa != PATH_AVX512) {
         switch (fmt) {
         case Q4_K_X8: return dotk_x8_avx2;
+        case Q5_K_X8: return dotk5_x8_avx2;
         case Q6_K_X8: return dotk6_x8_avx2;
         case Q8_0_X16: return dot8_x16_avx2;
         case Q4_0_X16: return dot4_x16_avx2;
-        case Q4_1_X16: return dot41_x16_avx2;
-        default: return NULL;
+        default: return dot41_x16_avx2;
         }
     }
     switch (fmt) {
@@ -1528,14 +1561,13 @@ static void product_tiles(const product *p, long n0, long n1) {
     }
 }
 
-/* Rows [n0, n1) (whole groups) of interleaved rows. AVX-512 reads them as they lie, a group of rows
-   against up to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every group before the
-   next tokens (as product_tiles); so does AVX2 for Q4_K's rows in eights, a token at a time, which beat
-   GGUF's rows four tokens at a time at every count (768 x 2048, one thread, Zen 5 on AVX2: 1.3-1.5x from
-   1 to 512 tokens), for Q6_K's (dotk6_x8_avx2: 2048 x 768, one thread, capped likewise: one token from RAM
-   23 -> 32 GB/s, 64 and 512 tokens 3-4% faster than GGUF's rows), and for the rows in sixteens
-   (dot32_x16_avx2_t). For Q5_K's rows AVX2 puts the rows back as GGUF's in a buffer once (a unit's rows:
-   tens of KB) and runs those rows' kernels there. Either way the results are the GGUF rows' bits. */
+/* Rows [n0, n1) (whole groups) of interleaved rows, read as they lie: on AVX-512 a group of rows against up
+   to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every group before the next tokens
+   (as product_tiles); on AVX2 likewise, Q4_K's and Q6_K's rows in eights a token at a time, Q5_K's two,
+   which beat GGUF's rows four tokens at a time at every count (one thread, Zen 5 capped to AVX2: Q4_K
+   768 x 2048 1.3-1.5x from 1 to 512 tokens; 2048 x 768 from RAM, one token: Q5_K 20 -> 27 GB/s, Q6_K 23 ->
+   32; at 64 and 512 tokens Q5_K 1.2x, Q6_K 1.03-1.04x), and the rows in sixteens (dot32_x16_avx2_t). The
+   results are the GGUF rows' bits. */
 /* Rows [n0, n1) (whole groups) and tokens [t0, t1) of a product of interleaved rows on the kernels that
    read them as they lie (grouped_dot). */
 static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
@@ -1561,20 +1593,7 @@ static void product_x8(const product *p, long n0, long n1) {
         if (!(is_x16(p->fmt) ? amx_x16(p, n0, n1) : amx_x8(p, n0, n1))) x8_vnni(p, n0, n1, 0, p->M);
         return;
     }
-    if (grouped_dot(p->fmt, p->grouped)) {
-        x8_vnni(p, n0, n1, 0, p->M);
-        return;
-    }
-    const long bb = block_bytes(p->fmt), nb = p->a->K / block_elems(p->fmt), ldq = nb * bb, g = group_rows(p->fmt);
-    uint8_t *buf = malloc((size_t)((n1 - n0) * ldq));
-    if (!buf) abort(); /* a unit's rows: tens of KB */
-    for (long n = n0; n < n1; n += g)
-        for (long s = 0; s < nb; s++)
-            x8_move(p->fmt, (uint8_t *)p->W + n * p->ldw + s * g * bb, buf + (n - n0) * ldq + s * bb, ldq, 0);
-    product q = *p;
-    q.W = buf, q.ldw = ldq, q.Y = p->Y + n0, q.grouped = 0, q.fmt = rows_fmt(p->fmt);
-    product_tiles(&q, 0, n1 - n0);
-    free(buf);
+    x8_vnni(p, n0, n1, 0, p->M);
 }
 
 /* ---- Q4_K, Q5_K and Q6_K rows in eights against many tokens on AMX-INT8 tiles ----------------------

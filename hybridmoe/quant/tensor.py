@@ -130,10 +130,10 @@ class QTensor:
         return f"QTensor({self.fmt.name}, {tuple(self.shape)})"
 
 
-# The GGUF formats whose interleaved layout the AVX2 path reads as it lies (quant.c dotk_x8_avx2:
-# Q4_K, one token from RAM 23 -> 37 GB/s on Zen 5 capped to AVX2; dotk6_x8_avx2: Q6_K;
-# dot32_x16_avx2_t: the blocks of 32); it puts Q5_K's rows back
-AVX2_INTERLEAVED = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1")
+# The GGUF formats whose interleaved layout the AVX2 path reads as it lies: all of them (quant.c
+# dotk_x8_avx2: Q4_K, one token from RAM 23 -> 37 GB/s on Zen 5 capped to AVX2; dotk5_x8_avx2:
+# Q5_K; dotk6_x8_avx2: Q6_K, 23 -> 32 GB/s; dot32_x16_avx2_t: the blocks of 32)
+AVX2_INTERLEAVED = ("q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "q4_1")
 
 
 def for_kernels(m: QTensor) -> QTensor:
