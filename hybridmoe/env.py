@@ -3,9 +3,11 @@
 | variable          | effect                                                              |
 |-------------------|---------------------------------------------------------------------|
 | HYBRIDMOE_NATIVE  | 0 turns the native C kernels off (torch's kernels do the work)      |
-| HYBRIDMOE_QUANT_ISA | the quantised kernels' path: avx512, avx2 or off (default: widest) |
+| HYBRIDMOE_QUANT_ISA | the quantised kernels' path: avx512, avxvnni, avx2 or off (default: |
+|                   | widest)                                                             |
 | HYBRIDMOE_BF16_ISA | the bf16 kernels' build: avx512bf16, avx512f (its two bf16 instructions |
-|                   | written out in AVX512F, as on CPUs without them) or off (default: widest) |
+|                   | written out in AVX512F, as on CPUs without them), avx2 (every AVX-512 |
+|                   | operation written out in AVX2 and FMA) or off (default: widest)     |
 | HYBRIDMOE_AMX     | 0 keeps the AMX tiles off (decode attention, quantised prefill products) |
 | HYBRIDMOE_API_KEY | the API key `serve` requires (instead of --api-key, which `ps` shows)   |
 | CC                | the C compiler that builds them (default `cc`)                      |

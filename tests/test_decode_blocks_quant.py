@@ -142,10 +142,11 @@ def run_logits(path: str, monkeypatch, isa: str, blocks: bool):
 @pytest.mark.parametrize("name", FILES)
 def test_the_native_blocks_and_both_paths_give_the_same_logits(name, gguf, monkeypatch):
     """Whole runs: the native decode blocks on and off give the same logits at every step and the
-    same tokens, and so do the AVX2 and AVX-512 paths with the blocks on."""
+    same tokens, and so do the AVX2 paths (with AVX-VNNI and without) and the AVX-512 one with
+    the blocks on."""
     path = gguf(name)
     tokens, logits = run_logits(path, monkeypatch, "avx512", blocks=True)
-    for isa, blocks in (("avx512", False), ("avx2", True)):
+    for isa, blocks in (("avx512", False), ("avxvnni", True), ("avx2", True)):
         other_tokens, other_logits = run_logits(path, monkeypatch, isa, blocks)
         assert other_tokens == tokens and len(other_logits) == len(logits) > 20
         assert all(torch.equal(a, b) for a, b in zip(logits, other_logits))

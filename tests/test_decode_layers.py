@@ -169,9 +169,9 @@ def gguf_file(name: str, tmp_path) -> str:
 @pytest.mark.parametrize("name", ["q8_0-qwen3_moe", "q4_k-wide_mixtral"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_loop_gives_the_layers_bits_on_experts_in_blocks(name, threads, tmp_path, monkeypatch):
-    """GGUF blocks (quant.c's hm_qmoe_tokens called from the loop) on both integer paths."""
+    """GGUF blocks (quant.c's hm_qmoe_tokens called from the loop) on every integer path."""
     path = gguf_file(name, tmp_path)
-    for isa in ("avx512", "avx2"):
+    for isa in ("avx512", "avxvnni", "avx2"):
         monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", isa)
         model = load_model(path, dtype=torch.bfloat16, progress=False)
         assert model.runtime.token_experts(model.runtime.layers[0])[2]  # experts in blocks

@@ -29,7 +29,7 @@ from hybridmoe.quant.formats import FORMATS
 from hybridmoe.quant.tensor import QTensor, linear, linears, matmul
 
 Q = gguf.GGMLQuantizationType
-PATHS = [p for p in (kernels.AVX2, kernels.AVX512) if p <= kernels.best_isa()]
+PATHS = kernels.paths()  # every path this CPU runs; each must give the others' bits
 
 
 def random_blocks(fmt, rows: int, cols: int, rng) -> np.ndarray:
@@ -238,6 +238,38 @@ def test_an_attentions_projections_in_one_call_equal_each_alone():
     y = linears(x, weights[:2], biases[:2])
     sum(t.sum() for t in y).backward()
     assert x.grad is not None
+
+
+def test_the_path_follows_the_cpu_and_the_switch(monkeypatch):
+    """The widest path the CPU runs, or the widest at or below HYBRIDMOE_QUANT_ISA's: AVX-512 VNNI
+    without AVX-VNNI (Zen 4, Ice Lake servers) leaves `avxvnni` on plain AVX2; AVX-VNNI without
+    AVX-512 (Alder Lake and later client cores) takes it by default."""
+    base = {"avx2", "fma", "f16c"}
+    avx512 = {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"}
+    cpus = {
+        "zen4": (base | avx512, [kernels.AVX2, kernels.AVX512]),
+        "zen5": (base | avx512 | {"avx_vnni"}, [kernels.AVX2, kernels.AVXVNNI, kernels.AVX512]),
+        "alder lake": (base | {"avx_vnni"}, [kernels.AVX2, kernels.AVXVNNI]),
+        "zen3": (base, [kernels.AVX2]),
+        "no fma": ({"avx2", "f16c", "avx_vnni"}, []),
+    }
+    want = {  # (cpu, HYBRIDMOE_QUANT_ISA) -> path
+        ("zen4", None): kernels.AVX512, ("zen4", "avxvnni"): kernels.AVX2,
+        ("zen5", None): kernels.AVX512, ("zen5", "avxvnni"): kernels.AVXVNNI,
+        ("zen5", "avx2"): kernels.AVX2, ("zen5", "off"): 0,
+        ("alder lake", None): kernels.AVXVNNI, ("alder lake", "avx512"): kernels.AVXVNNI,
+        ("alder lake", "avx2"): kernels.AVX2, ("zen3", None): kernels.AVX2,
+        ("zen3", "avxvnni"): kernels.AVX2, ("no fma", None): 0,
+    }  # fmt: skip
+    for (cpu, switch), path in want.items():
+        flags, runs = cpus[cpu]
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
+        if switch is None:
+            monkeypatch.delenv("HYBRIDMOE_QUANT_ISA", raising=False)
+        else:
+            monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", switch)
+        assert kernels.paths() == runs and kernels.isa() == path, (cpu, switch)
+        assert kernels.best_isa() == (runs[-1] if runs else 0)
 
 
 def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch):

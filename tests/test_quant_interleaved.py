@@ -230,6 +230,42 @@ def test_interleaved_rows_match_gguf_within_the_activation_bound(fmt):
     ).all()
 
 
+# Byte ranges of a block set to one value for test_the_integer_sums_hold_at_their_extremes: every
+# quant at its largest (Q8_0 at -128, whose magnitude is the largest), every sub-block scale and
+# minimum at its largest; the fp16 scales stay as random_blocks drew them
+EXTREMES = {
+    "q4_k": [(4, 144, 0xFF)],  # 6-bit scales and minimums 63, nibbles 15
+    "q5_k": [(4, 176, 0xFF)],  # and every fifth bit: values 31
+    "q6_k": [(0, 192, 0xFF), (192, 208, 0x7F)],  # values 63, int8 scales 127
+    "q8_0": [(2, 34, 0x80)],
+    "q4_0": [(2, 18, 0xFF)],
+    "q4_1": [(4, 20, 0xFF)],
+}
+
+
+@pytest.mark.parametrize("fmt", FAMILIES)
+def test_the_integer_sums_hold_at_their_extremes(fmt):
+    """Blocks whose every quant and scale is at its largest against activations of one sign at
+    theirs (127 after quantising): each path's word and dword sums at the bounds quant.c states
+    for them (a word that wrapped would be off by 2^16 x a scale). Every path, rows in GGUF's
+    layout and interleaved, gives the same bits, and the float64 product with the quantised
+    activations."""
+    f = FORMATS[fmt]
+    raw = random_blocks(f, 32, 768, np.random.default_rng(5)).reshape(32, -1, f.nbytes)
+    for lo, hi, value in EXTREMES[fmt]:
+        raw[:, :, lo:hi] = value
+    raw = torch.from_numpy(raw.reshape(32, -1).copy())
+    w = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[fmt.upper()]).astype(np.float64)
+    for sign in (1.0, -1.0):
+        x = torch.full((3, 768), sign)
+        want = kernels.linear(x, f.ggml, raw, 768, PATHS[0], 1)
+        for path in PATHS:
+            for data, ggml in ((raw, f.ggml), (interleave(raw, fmt), INTERLEAVED[fmt].ggml)):
+                assert torch.equal(kernels.linear(x, ggml, data, 768, path, 1), want), path
+        exact = x.double().numpy() @ w.T  # the activations quantise to 127 (x 1 / 127) exactly
+        assert np.abs(want.numpy() - exact).max() <= 1e-5 * np.abs(exact).max()
+
+
 @pytest.mark.parametrize("fmt", FAMILIES)
 def test_experts_and_a_tokens_mix_on_interleaved_rows_keep_their_bits(fmt):
     hidden, inter, count = 512, 256, 4
@@ -286,10 +322,11 @@ def test_the_torch_fallback_computes_on_interleaved_rows(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FAMILIES)
 def test_weights_are_interleaved_in_place_where_their_path_reads_them(fmt, monkeypatch):
-    """Every interleaved layout where the AVX-512 or the AVX2 path runs (their kernels read them
-    as they lie); none with the native code off, nor for rows that are not whole groups."""
+    """Every interleaved layout where any path of the kernels runs (they read them as they lie);
+    none with the native code off, nor for rows that are not whole groups."""
     f = FORMATS[fmt]
-    for path, interleaved in (("avx512", FAMILIES), ("avx2", FAMILIES), ("off", ())):
+    on = [("avx512", FAMILIES), ("avxvnni", FAMILIES), ("avx2", FAMILIES)]
+    for path, interleaved in (*on, ("off", ())):
         monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", path)
         if path == "avx512" and kernels.isa() != kernels.AVX512:
             continue  # a CPU without AVX-512 VNNI

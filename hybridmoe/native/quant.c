@@ -47,7 +47,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
    "rows in sixteens" below; hybridmoe/quant/formats.py's q4_k_x8, q5_k_x8, q6_k_x8, q8_0_x16,
    q4_0_x16, q4_1_x16). */
 enum { Q4_K_X8 = 268, Q5_K_X8 = 269, Q6_K_X8 = 270, Q8_0_X16 = 264, Q4_0_X16 = 258, Q4_1_X16 = 259 };
-enum { PATH_AVX2 = 1, PATH_AVX512 = 2 };
+enum { PATH_AVX2 = 1, PATH_AVXVNNI = 2, PATH_AVX512 = 3 };
 
 /* Tokens per pass over a tile of weight rows (the kernels keep one accumulator set per token in
    registers), and the weight bytes a tile of rows spans: small enough to stay in L1 while every group of
@@ -160,6 +160,20 @@ ALWAYS_INLINE void prefetch_near_far(const uint8_t *p, long bytes) {
 #endif
         _mm_prefetch((const char *)p + FAR + c, FAR_HINT);
     }
+}
+
+/* AVX-VNNI (Intel's client cores from Alder Lake on; AMD's Zen 5): vpdpbusd and vpdpwssd on ymm registers,
+   VEX-encoded, for the AVX2 kernels of interleaved rows on PATH_AVXVNNI. Inline assembly, not intrinsics:
+   an intrinsic needs the avxvnni target in the function that holds it, and each of these kernels is one
+   body for both AVX2 paths (its `vnni` a constant), run with them only where the CPU has them (native/
+   quant.py). The integers are those of vpmaddubsw, vpmaddwd and the adds they replace, exactly. */
+ALWAYS_INLINE __m256i vnni_dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
+    return acc;
+}
+ALWAYS_INLINE __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) {
+    __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
 }
 
 static uint16_t ld16(const uint8_t *p) {
@@ -1117,11 +1131,11 @@ AVX2 ALWAYS_INLINE __m256i x8_fifth_avx2(__m256i qh, int j) {
     return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 
-/* Eight interleaved Q4_K or Q5_K rows (fmt, a constant) at G (ns super-blocks) against token row m of `a`:
-   Y[0..8). Q5_K's values 0..31 (nibble + 16 x its fifth bit, chunk c's qh bits 2g and 2g + 1): a group's
+/* Eight interleaved Q4_K or Q5_K rows (fmt, a constant) at G (ns super-blocks) against the R (1 or 2) token
+   rows mi[0..R) of `a`: Y[r * ldy + 0..8), each token's integers its own. Q5_K's values 0..31 (nibble + 16 x its fifth bit, chunk c's qh bits 2g and 2g + 1): a group's
    four chunks still sum in words (|sum| <= 4 x 2 x 31 x 128 < 2^15). */
-AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int R, const uint8_t *G, long ns, const acts *a,
-                                       const long *mi, float *Y, long ldy) {
+AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int vnni, const int R, const uint8_t *G, long ns,
+                                       const acts *a, const long *mi, float *Y, long ldy) {
     const int five = fmt == Q5_K_X8;
     const long gb = five ? X8_5_BYTES : X8_BYTES, at = five ? 384 : 128; /* a super-block's bytes; its nibbles' */
     static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* natural block b's 32 bytes at 32 pos[b] */
@@ -1150,9 +1164,21 @@ AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int R, const uint8_t
             const __m256i src = g % 2 ? _mm256_permute2x128_si256(sc[g / 2], sc[g / 2], 0x11)
                                       : _mm256_permute2x128_si256(sc[g / 2], sc[g / 2], 0x00);
             for (int h = 0; h < 2; h++) {
+                const __m256i sl = _mm256_shuffle_epi8(src, _mm256_loadu_si256((const __m256i *)SCALE_SEL[0][h]));
+                const __m256i sh = _mm256_shuffle_epi8(src, _mm256_loadu_si256((const __m256i *)SCALE_SEL[1][h]));
+                /* AVX-VNNI: a dword of vpdpbusd (4 products) times the scale in its low word by vpdpwssd (a
+                   row's dwords are a word each: Q4_K's four chunks, |sum| <= 16 x 15 x 128; Q5_K's two,
+                   <= 8 x 31 x 128); the high words (signs) against 0 */
+                const __m256i low = _mm256_set1_epi32(0xFFFF);
+                const __m256i sl1 = _mm256_and_si256(sl, low), sh1 = _mm256_and_si256(sh, low);
                 __m256i L[2], H[2];
                 for (int r = 0; r < R; r++) L[r] = H[r] = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
+                    if (vnni && five && c == 2)
+                        for (int r = 0; r < R; r++) {
+                            Z[r][h] = vnni_dpwssd(vnni_dpwssd(Z[r][h], L[r], sl1), H[r], sh1);
+                            L[r] = H[r] = _mm256_setzero_si256();
+                        }
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(p + at + 64 * (4 * g + c) + 32 * h));
                     __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
                     if (five) {
@@ -1164,14 +1190,18 @@ AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int R, const uint8_t
                         int64_t vl, vh;
                         memcpy(&vl, x[r] + 32 * pos[bl] + 8 * c, 8);
                         memcpy(&vh, x[r] + 32 * pos[bh] + 8 * c, 8);
-                        L[r] = _mm256_add_epi16(L[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi64x(vl)));
-                        H[r] = _mm256_add_epi16(H[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi64x(vh)));
+                        if (vnni) {
+                            L[r] = vnni_dpbusd(L[r], lo, _mm256_set1_epi64x(vl));
+                            H[r] = vnni_dpbusd(H[r], hi, _mm256_set1_epi64x(vh));
+                        } else {
+                            L[r] = _mm256_add_epi16(L[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi64x(vl)));
+                            H[r] = _mm256_add_epi16(H[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi64x(vh)));
+                        }
                     }
                 }
-                const __m256i sl = _mm256_shuffle_epi8(src, _mm256_loadu_si256((const __m256i *)SCALE_SEL[0][h]));
-                const __m256i sh = _mm256_shuffle_epi8(src, _mm256_loadu_si256((const __m256i *)SCALE_SEL[1][h]));
                 for (int r = 0; r < R; r++)
-                    Z[r][h] = _mm256_add_epi32(Z[r][h], _mm256_add_epi32(_mm256_madd_epi16(L[r], sl), _mm256_madd_epi16(H[r], sh)));
+                    Z[r][h] = vnni ? vnni_dpwssd(vnni_dpwssd(Z[r][h], L[r], sl1), H[r], sh1)
+                                   : _mm256_add_epi32(Z[r][h], _mm256_add_epi32(_mm256_madd_epi16(L[r], sl), _mm256_madd_epi16(H[r], sh)));
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -1199,18 +1229,20 @@ AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int R, const uint8_t
    2048 x 768, one thread, Zen 5 capped to AVX2, ms at 64 / 512 tokens: Q5_K's GGUF rows (four tokens at
    a time) 2.06 / 16.4, its rows in eights a token at a time 2.10 / 16.9, two at a time 1.69 / 13.4; Q4_K's
    rows in eights a token at a time 1.25-1.28 / 10.1-10.5, two at a time 1.30-1.37 / 10.6-11.1. */
-#define X8_AVX2(NAME, F, T)                                                                                   \
+#define X8_AVX2(NAME, F, V, T)                                                                                \
     AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                           float *Y, long ldy) {                                                               \
         const long ns = a->K / 256;                                                                           \
         for (long n = n0; n < n1; n += X8)                                                                    \
             for (int r = 0; r < R; r += T) {                                                                  \
-                if (T == 2 && r + 1 < R) dotk_x8_avx2_t(F, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
-                else dotk_x8_avx2_t(F, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);                 \
+                if (T == 2 && r + 1 < R) dotk_x8_avx2_t(F, V, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
+                else dotk_x8_avx2_t(F, V, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);              \
             }                                                                                                 \
     }
-X8_AVX2(dotk_x8_avx2, Q4_K_X8, 1)
-X8_AVX2(dotk5_x8_avx2, Q5_K_X8, 2)
+X8_AVX2(dotk_x8_avx2, Q4_K_X8, 0, 1)
+X8_AVX2(dotk5_x8_avx2, Q5_K_X8, 0, 2)
+X8_AVX2(dotk_x8_vnni, Q4_K_X8, 1, 1)
+X8_AVX2(dotk5_x8_vnni, Q5_K_X8, 1, 2)
 #undef X8_AVX2
 
 /* ---- Q6_K rows in eights on AVX2 ---------------------------------------------------------------------
@@ -1243,7 +1275,7 @@ AVX2 ALWAYS_INLINE __m256i x8_q6_avx2(__m256i w, __m256i qh, int t) {
 /* Eight interleaved Q6_K rows at G (ns super-blocks) against token row m of `a`: Y[0..8). Chunk c of half
    h (its ql bytes 8c .. 8c + 7: c < 4 values of parts 0 and 2, c >= 4 of parts 1 and 3; its qh bytes
    8 (c % 4) ..) as dotk6_x8_512_t reads it, rows 4q .. 4q + 3 a 32-byte load (q = 0, 1). */
-AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const uint8_t *G, long ns, const acts *a, long m, float *Y) {
+AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const uint8_t *G, long ns, const acts *a, long m, float *Y) {
     const __m256i rows = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* vphaddd's lanes back in row order */
     const __m256i sel0 = _mm256_loadu_si256((const __m256i *)SCALE6_SEL[0]);
     const __m256i sel1 = _mm256_loadu_si256((const __m256i *)SCALE6_SEL[1]);
@@ -1277,8 +1309,9 @@ AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const uint8_t *G, long ns, const acts *a
             for (int u = 0; u < 2; u++) {
                 const int j = 8 * h + 2 * (tq + 2 * u) + half;
                 const __m256i sw = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 1536 + 8 * j))));
-                Z[0] = _mm256_add_epi32(Z[0], _mm256_madd_epi16(W[u][0], _mm256_shuffle_epi8(sw, sel0)));
-                Z[1] = _mm256_add_epi32(Z[1], _mm256_madd_epi16(W[u][1], _mm256_shuffle_epi8(sw, sel1)));
+                const __m256i s0 = _mm256_shuffle_epi8(sw, sel0), s1 = _mm256_shuffle_epi8(sw, sel1);
+                Z[0] = vnni ? vnni_dpwssd(Z[0], W[u][0], s0) : _mm256_add_epi32(Z[0], _mm256_madd_epi16(W[u][0], s0));
+                Z[1] = vnni ? vnni_dpwssd(Z[1], W[u][1], s1) : _mm256_add_epi32(Z[1], _mm256_madd_epi16(W[u][1], s1));
             }
         }
         const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(Z[0], Z[1]), rows);
@@ -1300,13 +1333,18 @@ AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const uint8_t *G, long ns, const acts *a
     _mm256_storeu_ps(Y, _mm256_add_ps(F, Mn));
 }
 
-/* Rows [n0, n1) (whole eights) of Q6_K_X8 against tokens mi[0..R), each token alone. */
-AVX2 static void dotk6_x8_avx2(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R,
-                               float *Y, long ldy) {
-    const long ns = a->K / 256;
-    for (long n = n0; n < n1; n += X8)
-        for (int r = 0; r < R; r++) dotk6_x8_avx2_t(W + n * ldw, ns, a, mi[r], Y + r * ldy + n);
-}
+/* Rows [n0, n1) (whole eights) of Q6_K_X8 against tokens mi[0..R), each token alone (AVX-VNNI's vpdpwssd for
+   vpmaddwd and its add where V). */
+#define X8_6_AVX2(NAME, V)                                                                                    \
+    AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
+                          float *Y, long ldy) {                                                               \
+        const long ns = a->K / 256;                                                                           \
+        for (long n = n0; n < n1; n += X8)                                                                    \
+            for (int r = 0; r < R; r++) dotk6_x8_avx2_t(V, W + n * ldw, ns, a, mi[r], Y + r * ldy + n);       \
+    }
+X8_6_AVX2(dotk6_x8_avx2, 0)
+X8_6_AVX2(dotk6_x8_vnni, 1)
+#undef X8_6_AVX2
 
 /* ---- rows in sixteens (Q8_0_X16, Q4_0_X16, Q4_1_X16) ---------------------------------------------
 
@@ -1449,8 +1487,8 @@ static dot_fn dot_for(int fmt, int isa) {
    Q4_1's nibbles as they are (Q4_0's 8 taken off by ob). Each row's I_b is the same exact integer and its float
    operations dot32s_t's, so each row keeps the bits of GGUF's rows. On a Zen 5 core capped to AVX2 GGUF's
    Q8_0 rows, eight side by side, read ~9 GB/s a token from RAM in a decode step. */
-AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int R, const uint8_t *G, long nb, const acts *a,
-                                         const long *mi, float *Y, long ldy) {
+AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int vnni, const int R, const uint8_t *G, long nb,
+                                         const acts *a, const long *mi, float *Y, long ldy) {
     const long gb = X16 * block_bytes(fmt), K = a->K;
     const int q41 = fmt == Q4_1_X16, q8 = rows_fmt(fmt) == Q8_0, at = q41 ? 64 : 32;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -1469,15 +1507,15 @@ AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int R, const uint8
                     int32_t xk;
                     memcpy(&xk, x + 4 * k, 4);
                     const __m256i xv = _mm256_set1_epi32(xk);
-                    __m256i v;
+                    __m256i u, s; /* unsigned and signed bytes whose products are the values' */
                     if (q8) {
-                        v = _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * k + 32 * h));
-                        v = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * k + 32 * h));
+                        u = _mm256_abs_epi8(v), s = _mm256_sign_epi8(xv, v);
                     } else { /* nibbles: byte 4i + j's low nibble value 4i + j, its high 16 + 4i + j */
                         const __m256i n = _mm256_loadu_si256((const __m256i *)(p + at + 64 * (k % 4) + 32 * h));
-                        v = _mm256_maddubs_epi16(k < 4 ? _mm256_and_si256(n, m4) : _mm256_and_si256(_mm256_srli_epi16(n, 4), m4), xv);
+                        u = k < 4 ? _mm256_and_si256(n, m4) : _mm256_and_si256(_mm256_srli_epi16(n, 4), m4), s = xv;
                     }
-                    S = _mm256_add_epi32(S, _mm256_madd_epi16(v, ones));
+                    S = vnni ? vnni_dpbusd(S, u, s) : _mm256_add_epi32(S, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
                 }
                 const long l = mi[r] * (K / 32) + b;
                 if (fmt == Q4_0_X16) S = _mm256_sub_epi32(S, _mm256_set1_epi32(a->ob[l]));
@@ -1492,14 +1530,31 @@ AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int R, const uint8
     }
 }
 
-X16_DOT(dot8_x16_avx2, Q8_0_X16, AVX2, dot32_x16_avx2_t)
-X16_DOT(dot4_x16_avx2, Q4_0_X16, AVX2, dot32_x16_avx2_t)
-X16_DOT(dot41_x16_avx2, Q4_1_X16, AVX2, dot32_x16_avx2_t)
+#define X16_AVX2(F, R, ...) dot32_x16_avx2_t(F, 0, R, __VA_ARGS__)
+#define X16_VNNI(F, R, ...) dot32_x16_avx2_t(F, 1, R, __VA_ARGS__)
+X16_DOT(dot8_x16_avx2, Q8_0_X16, AVX2, X16_AVX2)
+X16_DOT(dot4_x16_avx2, Q4_0_X16, AVX2, X16_AVX2)
+X16_DOT(dot41_x16_avx2, Q4_1_X16, AVX2, X16_AVX2)
+X16_DOT(dot8_x16_vnni, Q8_0_X16, AVX2, X16_VNNI)
+X16_DOT(dot4_x16_vnni, Q4_0_X16, AVX2, X16_VNNI)
+X16_DOT(dot41_x16_vnni, Q4_1_X16, AVX2, X16_VNNI)
+#undef X16_AVX2
+#undef X16_VNNI
 #undef X16_DOT
 
 /* The kernel that reads an interleaved layout (`fmt`, one of the six) as it lies on a path: AVX-512
-   VNNI's or AVX2's. */
+   VNNI's, or AVX2's, with AVX-VNNI's vpdpbusd and vpdpwssd on PATH_AVXVNNI. */
 static dot_fn grouped_dot(int fmt, int isa) {
+    if (isa == PATH_AVXVNNI) {
+        switch (fmt) {
+        case Q4_K_X8: return dotk_x8_vnni;
+        case Q5_K_X8: return dotk5_x8_vnni;
+        case Q6_K_X8: return dotk6_x8_vnni;
+        case Q8_0_X16: return dot8_x16_vnni;
+        case Q4_0_X16: return dot4_x16_vnni;
+        default: return dot41_x16_vnni;
+        }
+    }
     if (isa != PATH_AVX512) {
         switch (fmt) {
         case Q4_K_X8: return dotk_x8_avx2;

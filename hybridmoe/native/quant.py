@@ -1,9 +1,10 @@
 """The integer kernels of quant.c: products with weights kept in GGUF blocks, activations quantised
-once per row to int8, dot products in exact integers (AVX512-VNNI or AVX2), scales applied in fp32.
+once per row to int8, dot products in exact integers (AVX512-VNNI, AVX2 with AVX-VNNI, or AVX2),
+scales applied in fp32.
 
-Both instruction-set paths are compiled into one library (per-function target attributes, no global
-ISA flags) and give the same bits; `isa()` picks the widest the CPU has, or the one
-HYBRIDMOE_QUANT_ISA names (env.py). Without either path, or with the native code off, `available()`
+Every instruction-set path is compiled into one library (per-function target attributes, no global
+ISA flags) and gives the same bits; `isa()` picks the widest the CPU has, or the one
+HYBRIDMOE_QUANT_ISA names (env.py). Without any path, or with the native code off, `available()`
 is False and callers dequantise and use torch (hybridmoe/quant/tensor.py).
 
 `rows` goes the other way for a few rows: blocks back to values, a token embedding's lookup.
@@ -32,7 +33,9 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 FLAGS += [f"-DNEAR_PREFETCH={int(not cpu_is_amd())}"]
 # How one-token products ask for the weights further ahead (build.py far_hint_flag)
 FLAGS += [far_hint_flag()]
-AVX2, AVX512 = 1, 2  # the paths, as quant.c numbers them
+# the paths, as quant.c numbers them: AVX2, AVX2 with AVX-VNNI (its vpdpbusd and vpdpwssd on ymm,
+# VEX-encoded: Intel's client cores from Alder Lake on, AMD's Zen 5), AVX-512 VNNI
+AVX2, AVXVNNI, AVX512 = 1, 2, 3
 EXPERT_FIELDS = 12  # int64 fields of quant.c's expert_job
 PRODUCT_FIELDS = 6  # int64 fields of quant.c's qproduct
 TABLE_FIELDS = 7  # int64 fields per expert of hm_qmoe_tokens' table
@@ -67,22 +70,32 @@ SIGNATURES = {
     "hm_pool_parallel": ([P, P, INT], None),
 }
 
-_PATHS = {"avx512": AVX512, "avx2": AVX2, "off": 0}
+_PATHS = {"avx512": AVX512, "avxvnni": AVXVNNI, "avx2": AVX2, "off": 0}
+_NEEDS = {
+    AVX512: {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+    AVXVNNI: {"avx_vnni", "avx2", "fma", "f16c"},
+    AVX2: {"avx2", "fma", "f16c"},
+}
+
+
+def paths() -> list[int]:
+    """The paths this CPU runs, narrowest first (a CPU with AVX-512 VNNI may lack AVX-VNNI: Zen 4,
+    Intel's Xeons before Sapphire Rapids)."""
+    flags = cpu_flags()
+    return [p for p in (AVX2, AVXVNNI, AVX512) if _NEEDS[p] <= flags]
 
 
 def best_isa() -> int:
-    """The widest path this CPU runs: AVX512-VNNI (with BW, VL, DQ), else AVX2 (with FMA, F16C),
-    else 0."""
-    flags = cpu_flags()
-    if {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags:
-        return AVX512
-    return AVX2 if {"avx2", "fma", "f16c"} <= flags else 0
+    """The widest path this CPU runs: AVX512-VNNI (with BW, VL, DQ), else AVX2 with AVX-VNNI, else
+    AVX2 (with FMA, F16C), else 0."""
+    return max(paths(), default=0)
 
 
 def isa() -> int:
-    """The path in use: HYBRIDMOE_QUANT_ISA (avx512, avx2, off), capped at what the CPU has."""
+    """The path in use: HYBRIDMOE_QUANT_ISA (avx512, avxvnni, avx2, off), or the widest below it
+    that the CPU runs."""
     wanted = _PATHS.get(env.quant_isa() or "", AVX512)
-    return min(wanted, best_isa())
+    return max([p for p in paths() if p <= wanted], default=0)
 
 
 @lru_cache(maxsize=1)

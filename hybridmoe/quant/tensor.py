@@ -130,28 +130,21 @@ class QTensor:
         return f"QTensor({self.fmt.name}, {tuple(self.shape)})"
 
 
-# The GGUF formats whose interleaved layout the AVX2 path reads as it lies: all of them (quant.c
-# dotk_x8_avx2: Q4_K, one token from RAM 23 -> 37 GB/s on Zen 5 capped to AVX2; dotk5_x8_avx2:
-# Q5_K; dotk6_x8_avx2: Q6_K, 23 -> 32 GB/s; dot32_x16_avx2_t: the blocks of 32)
-AVX2_INTERLEAVED = ("q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "q4_1")
-
-
 def for_kernels(m: QTensor) -> QTensor:
     """m in the layout the CPU kernels read fastest: Q4_K, Q5_K and Q6_K rows in eights, Q8_0,
-    Q4_0 and Q4_1 rows in sixteens (quant/interleave.py) where the AVX-512 path runs (those of
-    AVX2_INTERLEAVED where the AVX2 path runs) and every part's rows are whole groups of
-    unpadded rows; else m. The bytes are rearranged in place: a part viewing a model file's
-    copy-on-write map turns its pages into the process's own, in the place of the file's, so
-    resident memory does not grow; but those pages can no longer be dropped, so the loader marks
-    a file's blocks `keep_layout` where they would not fit in the free memory
+    Q4_0 and Q4_1 rows in sixteens (quant/interleave.py), which every path of the kernels reads
+    as it lies (on AVX2 too: quant.c dotk_x8_avx2, Q4_K one token from RAM 23 -> 37 GB/s on Zen
+    5 capped to AVX2; dotk6_x8_avx2, Q6_K 23 -> 32 GB/s), where they run and every part's rows are
+    whole groups of unpadded rows; else m. The bytes are rearranged in place: a part viewing a
+    model file's copy-on-write map turns its pages into the process's own, in the place of the
+    file's, so resident memory does not grow; but those pages can no longer be dropped, so the
+    loader marks a file's blocks `keep_layout` where they would not fit in the free memory
     (loader/gguf_file.py)."""
-    path = kernels.isa()
     if (
         m.fmt.name not in INTERLEAVED
         or m.keep_layout
         or m.device.type != "cpu"
         or not kernels.available()
-        or not (path == kernels.AVX512 or (path == kernels.AVX2 and m.fmt.name in AVX2_INTERLEAVED))
     ):
         return m
     layout = INTERLEAVED[m.fmt.name]
