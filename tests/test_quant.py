@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from gguf import quants
 
 from hybridmoe.native import quant as kernels
-from hybridmoe.quant.formats import FORMATS
+from hybridmoe.quant.formats import FORMATS, INTERLEAVED
 from hybridmoe.quant.tensor import QTensor, linear, linears, matmul
 
 Q = gguf.GGMLQuantizationType
@@ -261,6 +261,8 @@ def test_the_path_follows_the_cpu_and_the_switch(monkeypatch):
         ("alder lake", "avx2"): kernels.AVX2, ("zen3", None): kernels.AVX2,
         ("zen3", "avxvnni"): kernels.AVX2, ("no fma", None): 0,
     }  # fmt: skip
+    flags = [f for f in kernels.FLAGS if not f.startswith("-DAVXVNNI_ASM")]
+    monkeypatch.setattr(kernels, "FLAGS", [*flags, "-DAVXVNNI_ASM=1"])  # an assembler that takes it
     for (cpu, switch), path in want.items():
         flags, runs = cpus[cpu]
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
@@ -270,6 +272,33 @@ def test_the_path_follows_the_cpu_and_the_switch(monkeypatch):
             monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", switch)
         assert kernels.paths() == runs and kernels.isa() == path, (cpu, switch)
         assert kernels.best_isa() == (runs[-1] if runs else 0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the quant kernels (any x86-64 CPU)")
+def test_without_an_assembler_for_avx_vnni_the_library_builds_and_leaves_its_path_out(monkeypatch):
+    """An assembler that does not take AVX-VNNI's forms (binutils before 2.36): quant.c builds
+    without them (AVXVNNI_ASM=0), its AVX2 path gives the bits of the library built with them,
+    and the AVX-VNNI path is not offered."""
+    from hybridmoe.native.build import load
+
+    without = [f for f in kernels.FLAGS if not f.startswith("-DAVXVNNI_ASM")] + ["-DAVXVNNI_ASM=0"]
+    lib = load(kernels.SOURCE, without, kernels.SIGNATURES, kernels.HEADERS)
+    assert lib is not None
+    fmt, rng = FORMATS["q4_k"], np.random.default_rng(11)
+    w = torch.from_numpy(random_blocks(fmt, 64, 512, rng))
+    kernels.interleave_rows(w, fmt.ggml, 512)
+    x = torch.randn(5, 512)
+    x8 = INTERLEAVED["q4_k"].ggml
+    want = kernels.linear(x, x8, w, 512, kernels.AVX2, 1)
+    y = torch.empty(5, 64)
+    args = (x8, w.data_ptr(), w.stride(0), 64, 512, x.data_ptr(), 512, 0, 5)
+    assert lib.hm_qlinear(*args, y.data_ptr(), 64, 1, kernels.AVX2) == 0
+    assert torch.equal(y, want)
+    monkeypatch.setattr(kernels, "FLAGS", without)
+    monkeypatch.setattr(
+        kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"})
+    )
+    assert kernels.paths() == [kernels.AVX2]
 
 
 def test_without_the_kernels_the_product_is_dequantise_then_multiply(monkeypatch):

@@ -70,6 +70,28 @@ def far_hint_flag() -> str:
     return f"-DFAR_HINT={'_MM_HINT_NTA' if nta else '_MM_HINT_T1'}"
 
 
+@cache
+def assembles(instruction: str) -> bool:
+    """Whether the C compiler's assembler takes `instruction` in extended inline assembly (GNU as
+    takes AVX-VNNI's `{vex}` forms from binutils 2.36, 2021): kernels that need one are built
+    without it where it does not, and their path is not offered (quant.py)."""
+    cc = env.c_compiler()
+    if shutil.which(cc) is None:
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        probe = Path(d) / "probe.c"
+        probe.write_text(f'void probe(void) {{ __asm__ volatile("{instruction}" :::); }}\n')
+        try:
+            run = subprocess.run(
+                [cc, "-c", str(probe), "-o", str(Path(d) / "probe.o")],
+                capture_output=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return run.returncode == 0
+
+
 def _compile(source: Path, flags: list[str], out: Path) -> None:
     """cc FLAGS source -o out, through a temporary file in out's directory and a rename."""
     cc = env.c_compiler()

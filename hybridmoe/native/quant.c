@@ -167,6 +167,7 @@ ALWAYS_INLINE void prefetch_near_far(const uint8_t *p, long bytes) {
    an intrinsic needs the avxvnni target in the function that holds it, and each of these kernels is one
    body for both AVX2 paths (its `vnni` a constant), run with them only where the CPU has them (native/
    quant.py). The integers are those of vpmaddubsw, vpmaddwd and the adds they replace, exactly. */
+#if AVXVNNI_ASM
 ALWAYS_INLINE __m256i vnni_dpbusd(__m256i acc, __m256i u8, __m256i s8) {
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
     return acc;
@@ -175,6 +176,10 @@ ALWAYS_INLINE __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) {
     __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
     return acc;
 }
+#else /* an assembler without them (binutils before 2.36): the path is not offered (native/quant.py) */
+ALWAYS_INLINE __m256i vnni_dpbusd(__m256i acc, __m256i u8, __m256i s8) { (void)u8, (void)s8; abort(); return acc; }
+ALWAYS_INLINE __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) { (void)a, (void)b; abort(); return acc; }
+#endif
 
 static uint16_t ld16(const uint8_t *p) {
     uint16_t v;

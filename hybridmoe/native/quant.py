@@ -19,7 +19,17 @@ from pathlib import Path
 import torch
 
 from hybridmoe import env
-from hybridmoe.native.build import INT, N, P, cpu_flags, cpu_is_amd, far_hint_flag, load, switch
+from hybridmoe.native.build import (
+    INT,
+    N,
+    P,
+    assembles,
+    cpu_flags,
+    cpu_is_amd,
+    far_hint_flag,
+    load,
+    switch,
+)
 from hybridmoe.native.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -33,6 +43,10 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-pthread"]
 FLAGS += [f"-DNEAR_PREFETCH={int(not cpu_is_amd())}"]
 # How one-token products ask for the weights further ahead (build.py far_hint_flag)
 FLAGS += [far_hint_flag()]
+# AVX-VNNI's instructions as quant.c writes them (inline assembly); without an assembler that takes
+# them, the library is built without them and the path is not offered (paths())
+VNNI_ASM = "%{vex%} vpdpbusd %%ymm2, %%ymm1, %%ymm0"
+FLAGS += [f"-DAVXVNNI_ASM={int(assembles(VNNI_ASM))}"]
 # the paths, as quant.c numbers them: AVX2, AVX2 with AVX-VNNI (its vpdpbusd and vpdpwssd on ymm,
 # VEX-encoded: Intel's client cores from Alder Lake on, AMD's Zen 5), AVX-512 VNNI
 AVX2, AVXVNNI, AVX512 = 1, 2, 3
@@ -82,7 +96,8 @@ def paths() -> list[int]:
     """The paths this CPU runs, narrowest first (a CPU with AVX-512 VNNI may lack AVX-VNNI: Zen 4,
     Intel's Xeons before Sapphire Rapids)."""
     flags = cpu_flags()
-    return [p for p in (AVX2, AVXVNNI, AVX512) if _NEEDS[p] <= flags]
+    runs = [p for p in (AVX2, AVXVNNI, AVX512) if _NEEDS[p] <= flags]
+    return [p for p in runs if p != AVXVNNI or "-DAVXVNNI_ASM=1" in FLAGS]
 
 
 def best_isa() -> int:
