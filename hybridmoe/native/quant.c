@@ -1253,7 +1253,7 @@ AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int vnni, const int 
     }
 X8_AVX2(dotk_x8_avx2, Q4_K_X8, 0, 1)
 X8_AVX2(dotk5_x8_avx2, Q5_K_X8, 0, 2)
-X8_AVX2(dotk_x8_vnni, Q4_K_X8, 1, 1)
+X8_AVX2(dotk_x8_vnni, Q4_K_X8, 1, 2)
 X8_AVX2(dotk5_x8_vnni, Q5_K_X8, 1, 2)
 #undef X8_AVX2
 
@@ -1287,34 +1287,45 @@ AVX2 ALWAYS_INLINE __m256i x8_q6_avx2(__m256i w, __m256i qh, int t) {
 /* Eight interleaved Q6_K rows at G (ns super-blocks) against token row m of `a`: Y[0..8). Chunk c of half
    h (its ql bytes 8c .. 8c + 7: c < 4 values of parts 0 and 2, c >= 4 of parts 1 and 3; its qh bytes
    8 (c % 4) ..) as dotk6_x8_512_t reads it, rows 4q .. 4q + 3 a 32-byte load (q = 0, 1). */
-AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const uint8_t *G, long ns, const acts *a, long m, float *Y) {
+AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const int R, const uint8_t *G, long ns, const acts *a,
+                                        const long *mi, float *Y, long ldy) {
     const __m256i rows = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* vphaddd's lanes back in row order */
     const __m256i sel0 = _mm256_loadu_si256((const __m256i *)SCALE6_SEL[0]);
     const __m256i sel1 = _mm256_loadu_si256((const __m256i *)SCALE6_SEL[1]);
-    __m256 F = _mm256_setzero_ps(), Mn = _mm256_setzero_ps();
+    __m256 F[2], Mn[2];
+    for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_6_BYTES;
         prefetch_near_far(p, X8_6_BYTES);
-        const int8_t *x = a->qs + m * a->K + s * 256;
-        __m256i Z[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* rows 4q + k: dwords 2k, 2k + 1 */
+        const int8_t *x[2];
+        __m256i Z[2][2]; /* token r's rows 4q + k: dwords 2k, 2k + 1 of Z[r][q] */
+        for (int r = 0; r < R; r++) {
+            x[r] = a->qs + mi[r] * a->K + s * 256;
+            Z[r][0] = Z[r][1] = _mm256_setzero_si256();
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) { /* i = 4h + 2 half + tq: parts tq, tq + 2 of sub-blocks 8h + 2t + half */
             const int h = i / 4, half = (i / 2) % 2, tq = i % 2;
-            __m256i W[2][2]; /* [u][q]: part tq + 2u, rows 4q.. */
-            for (int u = 0; u < 2; u++) W[u][0] = W[u][1] = _mm256_setzero_si256();
+            __m256i W[2][2][2]; /* [r][u][q]: token r, part tq + 2u, rows 4q.. */
+            for (int r = 0; r < R; r++)
+                for (int u = 0; u < 2; u++) W[r][u][0] = W[r][u][1] = _mm256_setzero_si256();
 #pragma GCC unroll 2
             for (int cc = 0; cc < 2; cc++) {
                 const int c = 4 * tq + 2 * half + cc; /* ql chunk 8h + c; qh chunk 4h + c % 4 */
-                int64_t xv[2];
-                memcpy(&xv[0], x + 128 * h + 32 * tq + 8 * (c % 4), 8);
-                memcpy(&xv[1], x + 128 * h + 32 * (tq + 2) + 8 * (c % 4), 8);
+                int64_t xv[2][2]; /* token r's 8 values of parts tq and tq + 2 */
+                for (int r = 0; r < R; r++) {
+                    memcpy(&xv[r][0], x[r] + 128 * h + 32 * tq + 8 * (c % 4), 8);
+                    memcpy(&xv[r][1], x[r] + 128 * h + 32 * (tq + 2) + 8 * (c % 4), 8);
+                }
 #pragma GCC unroll 2
                 for (int q = 0; q < 2; q++) {
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 64 * (8 * h + c) + 32 * q));
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 1024 + 64 * (4 * h + c % 4) + 32 * q));
-                    W[0][q] = _mm256_add_epi16(W[0][q], _mm256_maddubs_epi16(x8_q6_avx2(w, qh, tq), _mm256_set1_epi64x(xv[0])));
-                    W[1][q] = _mm256_add_epi16(W[1][q],
-                                               _mm256_maddubs_epi16(x8_q6_avx2(w, qh, tq + 2), _mm256_set1_epi64x(xv[1])));
+                    const __m256i v0 = x8_q6_avx2(w, qh, tq), v1 = x8_q6_avx2(w, qh, tq + 2);
+                    for (int r = 0; r < R; r++) {
+                        W[r][0][q] = _mm256_add_epi16(W[r][0][q], _mm256_maddubs_epi16(v0, _mm256_set1_epi64x(xv[r][0])));
+                        W[r][1][q] = _mm256_add_epi16(W[r][1][q], _mm256_maddubs_epi16(v1, _mm256_set1_epi64x(xv[r][1])));
+                    }
                 }
             }
 #pragma GCC unroll 2
@@ -1322,40 +1333,48 @@ AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const uint8_t *G, long n
                 const int j = 8 * h + 2 * (tq + 2 * u) + half;
                 const __m256i sw = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 1536 + 8 * j))));
                 const __m256i s0 = _mm256_shuffle_epi8(sw, sel0), s1 = _mm256_shuffle_epi8(sw, sel1);
-                Z[0] = vnni ? vnni_dpwssd(Z[0], W[u][0], s0) : _mm256_add_epi32(Z[0], _mm256_madd_epi16(W[u][0], s0));
-                Z[1] = vnni ? vnni_dpwssd(Z[1], W[u][1], s1) : _mm256_add_epi32(Z[1], _mm256_madd_epi16(W[u][1], s1));
+                for (int r = 0; r < R; r++) {
+                    Z[r][0] = vnni ? vnni_dpwssd(Z[r][0], W[r][u][0], s0) : _mm256_add_epi32(Z[r][0], _mm256_madd_epi16(W[r][u][0], s0));
+                    Z[r][1] = vnni ? vnni_dpwssd(Z[r][1], W[r][u][1], s1) : _mm256_add_epi32(Z[r][1], _mm256_madd_epi16(W[r][u][1], s1));
+                }
             }
-        }
-        const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(Z[0], Z[1]), rows);
-        /* csum: row r's scales of sub-blocks 2i, 2i + 1 as a word pair against the token's sums of them */
-        __m256i C = _mm256_setzero_si256();
-        for (int i = 0; i < 8; i++) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(p + 1536 + 16 * i));
-            int32_t pair;
-            memcpy(&pair, a->bsum + (m * ns + s) * 16 + 2 * i, 4);
-            C = _mm256_add_epi32(C, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b, _mm_srli_si128(b, 8))),
-                                                      _mm256_set1_epi32(pair)));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 1664)));
         const __m256 dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
-        const __m256 dx = _mm256_set1_ps(a->dx[m * ns + s]);
-        F = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F);
-        Mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(dm, dx), Mn);
+        for (int r = 0; r < R; r++) {
+            const long sb = mi[r] * ns + s;
+            const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(Z[r][0], Z[r][1]), rows);
+            /* csum: row k's scales of sub-blocks 2i, 2i + 1 as a word pair against the token's sums of them */
+            __m256i C = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(p + 1536 + 16 * i));
+                int32_t pair;
+                memcpy(&pair, a->bsum + sb * 16 + 2 * i, 4);
+                C = _mm256_add_epi32(C, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b, _mm_srli_si128(b, 8))),
+                                                          _mm256_set1_epi32(pair)));
+            }
+            const __m256 dx = _mm256_set1_ps(a->dx[sb]);
+            F[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), F[r]);
+            Mn[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C), _mm256_mul_ps(dm, dx), Mn[r]);
+        }
     }
-    _mm256_storeu_ps(Y, _mm256_add_ps(F, Mn));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
 
-/* Rows [n0, n1) (whole eights) of Q6_K_X8 against tokens mi[0..R), each token alone (AVX-VNNI's vpdpwssd for
-   vpmaddwd and its add where V). */
-#define X8_6_AVX2(NAME, V)                                                                                    \
+/* Rows [n0, n1) (whole eights) of Q6_K_X8 against tokens mi[0..R), T at a time where there are T (AVX-VNNI's
+   vpdpwssd for vpmaddwd and its add where V), each token's integers its own. */
+#define X8_6_AVX2(NAME, V, T)                                                                                 \
     AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                           float *Y, long ldy) {                                                               \
         const long ns = a->K / 256;                                                                           \
         for (long n = n0; n < n1; n += X8)                                                                    \
-            for (int r = 0; r < R; r++) dotk6_x8_avx2_t(V, W + n * ldw, ns, a, mi[r], Y + r * ldy + n);       \
+            for (int r = 0; r < R; r += T) {                                                                  \
+                if (T == 2 && r + 1 < R) dotk6_x8_avx2_t(V, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
+                else dotk6_x8_avx2_t(V, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);              \
+            }                                                                                                 \
     }
-X8_6_AVX2(dotk6_x8_avx2, 0)
-X8_6_AVX2(dotk6_x8_vnni, 1)
+X8_6_AVX2(dotk6_x8_avx2, 0, 2)
+X8_6_AVX2(dotk6_x8_vnni, 1, 2)
 #undef X8_6_AVX2
 
 /* ---- rows in sixteens (Q8_0_X16, Q4_0_X16, Q4_1_X16) ---------------------------------------------
