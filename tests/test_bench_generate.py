@@ -144,3 +144,18 @@ def test_a_llama_cpp_killed_on_an_amx_cpu_is_told_how_to_rebuild_it(monkeypatch)
     assert compare._hint("llama.cpp", 1) == "" and compare._hint("hybridmoe", -11) == ""
     monkeypatch.setattr(compare, "cpu_flags", lambda: frozenset({"avx512f"}))
     assert compare._hint("llama.cpp", -4) == ""
+
+
+def test_the_machine_says_which_kernel_paths_ran(monkeypatch):
+    """A benchmark's JSON names the integer kernels' path and the bf16 kernels' build it ran on,
+    as HYBRIDMOE_QUANT_ISA and HYBRIDMOE_BF16_ISA name them."""
+    from hybridmoe.bench.generate import machine
+    from hybridmoe.native import bf16, quant
+
+    monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "off")
+    monkeypatch.setenv("HYBRIDMOE_BF16_ISA", "off")
+    assert (machine()["quant_path"], machine()["bf16_build"]) == ("off", "off")
+    monkeypatch.setenv("HYBRIDMOE_QUANT_ISA", "avx2")
+    monkeypatch.setenv("HYBRIDMOE_BF16_ISA", "avx2")
+    want = ("avx2" if quant.isa() else "off", "avx2" if bf16.isa() else "off")
+    assert (machine()["quant_path"], machine()["bf16_build"]) == want

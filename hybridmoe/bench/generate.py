@@ -203,14 +203,22 @@ def model_bytes(path: str) -> int:
 
 
 def machine() -> dict:
-    """What the figures depend on; the load average shows whether other processes shared the
+    """What the figures depend on (the kernels' paths among it: HYBRIDMOE_QUANT_ISA and
+    HYBRIDMOE_BF16_ISA name them); the load average shows whether other processes shared the
     cores."""
+    from hybridmoe.native import bf16, quant
+
+    def name(names: dict, value: int) -> str:
+        return next(k for k, v in names.items() if v == value)
+
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "quant_path": name(quant.PATH_NAMES, quant.isa()),
+        "bf16_build": name(bf16.BUILD_NAMES, bf16.isa()),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "omp_wait_policy": env.omp_wait_policy(),
     }

@@ -55,7 +55,8 @@ FLAGS += [far_hint_flag()]
 # instructions' definitions in AVX512F instead (bf16.c, EMULATE_BF16), or those definitions and
 # every AVX-512 operation in AVX2 and FMA (AVX2_512: avx2_512.h): flags()
 AVX2, EMULATED, NATIVE = 1, 2, 3
-_ISAS = {"avx512bf16": NATIVE, "avx512f": EMULATED, "avx2": AVX2, "off": 0}
+# HYBRIDMOE_BF16_ISA's names for the builds
+BUILD_NAMES = {"avx512bf16": NATIVE, "avx512f": EMULATED, "avx2": AVX2, "off": 0}
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 
 
@@ -188,7 +189,7 @@ def best_isa() -> int:
 def isa() -> int:
     """The build in use: HYBRIDMOE_BF16_ISA's (avx512bf16, avx512f, avx2, off), capped at what the
     CPU runs."""
-    wanted = _ISAS.get(env.bf16_isa() or "", NATIVE)
+    wanted = BUILD_NAMES.get(env.bf16_isa() or "", NATIVE)
     return min(wanted, best_isa())
 
 

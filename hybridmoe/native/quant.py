@@ -84,7 +84,7 @@ SIGNATURES = {
     "hm_pool_parallel": ([P, P, INT], None),
 }
 
-_PATHS = {"avx512": AVX512, "avxvnni": AVXVNNI, "avx2": AVX2, "off": 0}
+PATH_NAMES = {"avx512": AVX512, "avxvnni": AVXVNNI, "avx2": AVX2, "off": 0}  # HYBRIDMOE_QUANT_ISA
 _NEEDS = {
     AVX512: {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
     AVXVNNI: {"avx_vnni", "avx2", "fma", "f16c"},
@@ -109,7 +109,7 @@ def best_isa() -> int:
 def isa() -> int:
     """The path in use: HYBRIDMOE_QUANT_ISA (avx512, avxvnni, avx2, off), or the widest below it
     that the CPU runs."""
-    wanted = _PATHS.get(env.quant_isa() or "", AVX512)
+    wanted = PATH_NAMES.get(env.quant_isa() or "", AVX512)
     return max([p for p in paths() if p <= wanted], default=0)
 
 
