@@ -1493,20 +1493,16 @@ SUMS(Q8_0)
 SUMS(Q4_0)
 SUMS(Q4_1)
 
+/* The kernel of GGUF's rows in `fmt` on a path (NULL for the interleaved layouts, which product_x8 reads
+   through grouped_dot). */
 static dot_fn dot_for(int fmt, int isa) {
     int wide = isa == PATH_AVX512;
     switch (fmt) {
-    case Q8_0:
-    case Q8_0_X16: return dot_Q8_0; /* both paths; x16: on rows put back as GGUF's (product_x8) */
-    case Q4_0:
-    case Q4_0_X16: return dot_Q4_0;
-    case Q4_1:
-    case Q4_1_X16: return dot_Q4_1;
-    case Q4_K:
-    case Q4_K_X8: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;  /* on rows put back as Q4_K (product_x8) */
-    case Q6_K_X8: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
-    case Q5_K:
-    case Q5_K_X8: return wide ? dot_512_Q5_K : dot_avx2_Q5_K;
+    case Q8_0: return dot_Q8_0; /* both paths */
+    case Q4_0: return dot_Q4_0;
+    case Q4_1: return dot_Q4_1;
+    case Q4_K: return wide ? dot_512_Q4_K : dot_avx2_Q4_K;
+    case Q5_K: return wide ? dot_512_Q5_K : dot_avx2_Q5_K;
     case Q6_K: return wide ? dot_512_Q6_K : dot_avx2_Q6_K;
     }
     return NULL;
@@ -2077,8 +2073,9 @@ static int grouped_path(int fmt, int isa) { return group_rows(fmt) > 1 ? isa : 0
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
 
-/* Which path: 2 = AVX-512 VNNI, 1 = AVX2 (the caller checks the CPU has it). Errors: -1 an unknown format
-   or a width that is not a multiple of its block, -2 no memory. */
+/* Which path (`isa`): 3 = AVX-512 VNNI, 2 = AVX2 with AVX-VNNI, 1 = AVX2 (the caller checks the CPU has it:
+   native/quant.py paths()). Errors: -1 an unknown format or a width that is not a multiple of its block, -2
+   no memory. */
 
 static int check_shape(int fmt, long ldw, long K) {
     if (!block_bytes(fmt) || K <= 0 || K % block_elems(fmt)) return -1;
