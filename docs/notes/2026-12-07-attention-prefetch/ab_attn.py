@@ -1,7 +1,10 @@
 """A/B of bf16.c variants' decode attention: one sequence, L positions, 32/4 heads of 128, blocks of
 16 scattered, cold (a 48 MB read between calls, as a layer's weight stream) or warm.
-PYTHONPATH=. python ab_attn.py A.c,B.c L [cold|warm] [threads]"""
-import ctypes, statistics, subprocess, sys, time, torch
+PYTHONPATH=. python ab_attn.py A.c,B.c L [cold|warm] [threads]
+(Settings added later: ISA, the build of native/bf16.py each variant is made for (NATIVE, the
+default, EMULATED or AVX2; headers from the variant's folder first, then native/); ITERS, the rounds
+alternating (default 40); H, KVH, D, the heads.)"""
+import os, ctypes, statistics, subprocess, sys, time, torch
 from hybridmoe.native import bf16 as B, huge_pages
 def hp(t):
     o = huge_pages.zeros(tuple(t.shape), t.dtype); o.copy_(t); return o
@@ -10,7 +13,9 @@ T = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 fs = []
 for i, s in enumerate(srcs):
     out = f"/tmp/prof/a{i}.so"
-    subprocess.run(["cc", *B.flags(B.NATIVE), f"-I{B.SOURCE.parent}", s, "-o", out, "-lm"], check=True)
+    flags = B.flags(getattr(B, os.environ.get("ISA", "NATIVE")))
+    heads = [f"-I{os.path.dirname(os.path.abspath(s))}", f"-I{B.SOURCE.parent}"]
+    subprocess.run(["cc", *flags, *heads, s, "-o", out, "-lm"], check=True)
     lib = ctypes.CDLL(out); f = lib.hm_decode_attention_bf16
     f.argtypes, f.restype = B.SIGNATURES["hm_decode_attention_bf16"]; fs.append(f)
 torch.manual_seed(0); torch.set_num_threads(1)
@@ -26,7 +31,7 @@ flush = hp(torch.ones(12 << 20))  # 48 MB
 outs = [torch.empty(1, h, d) for _ in fs]
 st = torch.zeros(1, dtype=torch.int32); ln = torch.tensor([L], dtype=torch.int32); rows = torch.zeros(1, dtype=torch.int32)
 res = [[] for _ in fs]
-for it in range(40):
+for it in range(int(os.environ.get("ITERS", 40))):
     for i, f in enumerate(fs):
         tot = 0
         for (q, k, v, table) in layers:
