@@ -274,6 +274,19 @@ def test_the_path_follows_the_cpu_and_the_switch(monkeypatch):
         assert kernels.best_isa() == (runs[-1] if runs else 0)
 
 
+def test_the_assembler_probe_says_no_for_what_it_cannot_assemble(monkeypatch):
+    """build.assembles: False for an instruction the assembler does not know and for a compiler
+    that fails; the answer is cached per instruction, so each case asks anew."""
+    from hybridmoe.native import build
+
+    build.assembles.cache_clear()
+    assert not build.assembles("vnosuchinstruction %%ymm0, %%ymm0")
+    monkeypatch.setenv("CC", "false")  # found, and fails whatever it is asked
+    build.assembles.cache_clear()
+    assert not build.assembles(kernels.VNNI_ASM)
+    build.assembles.cache_clear()
+
+
 @pytest.mark.skipif(not kernels.available(), reason="needs the quant kernels (any x86-64 CPU)")
 def test_without_an_assembler_for_avx_vnni_the_library_builds_and_leaves_its_path_out(monkeypatch):
     """An assembler that does not take AVX-VNNI's forms (binutils before 2.36): quant.c builds

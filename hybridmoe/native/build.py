@@ -78,17 +78,17 @@ def assembles(instruction: str) -> bool:
     cc = env.c_compiler()
     if shutil.which(cc) is None:
         return False
-    with tempfile.TemporaryDirectory() as d:
-        probe = Path(d) / "probe.c"
-        probe.write_text(f'void probe(void) {{ __asm__ volatile("{instruction}" :::); }}\n')
-        try:
+    try:  # a temporary folder that cannot be made, a compiler that fails to start: not taken
+        with tempfile.TemporaryDirectory() as d:
+            probe = Path(d) / "probe.c"
+            probe.write_text(f'void probe(void) {{ __asm__ volatile("{instruction}" :::); }}\n')
             run = subprocess.run(
                 [cc, "-c", str(probe), "-o", str(Path(d) / "probe.o")],
                 capture_output=True,
                 timeout=60,
             )
-        except (OSError, subprocess.SubprocessError):
-            return False
+    except (OSError, subprocess.SubprocessError):
+        return False
     return run.returncode == 0
 
 
