@@ -240,6 +240,13 @@ def test_an_attentions_projections_in_one_call_equal_each_alone():
     assert x.grad is not None
 
 
+def vnni_asm_flags(on: bool) -> list[str]:
+    """The quant library's flags as an assembler that takes AVX-VNNI's forms (or not) builds it."""
+    return [f for f in kernels.FLAGS if not f.startswith("-DAVXVNNI_ASM")] + [
+        f"-DAVXVNNI_ASM={int(on)}"
+    ]
+
+
 def test_the_path_follows_the_cpu_and_the_switch(monkeypatch):
     """The widest path the CPU runs, or the widest at or below HYBRIDMOE_QUANT_ISA's: AVX-512 VNNI
     without AVX-VNNI (Zen 4, Ice Lake servers) leaves `avxvnni` on plain AVX2; AVX-VNNI without
@@ -261,8 +268,7 @@ def test_the_path_follows_the_cpu_and_the_switch(monkeypatch):
         ("alder lake", "avx2"): kernels.AVX2, ("zen3", None): kernels.AVX2,
         ("zen3", "avxvnni"): kernels.AVX2, ("no fma", None): 0,
     }  # fmt: skip
-    flags = [f for f in kernels.FLAGS if not f.startswith("-DAVXVNNI_ASM")]
-    monkeypatch.setattr(kernels, "FLAGS", [*flags, "-DAVXVNNI_ASM=1"])  # an assembler that takes it
+    monkeypatch.setattr(kernels, "FLAGS", vnni_asm_flags(True))  # an assembler that takes it
     for (cpu, switch), path in want.items():
         flags, runs = cpus[cpu]
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
@@ -294,7 +300,7 @@ def test_without_an_assembler_for_avx_vnni_the_library_builds_and_leaves_its_pat
     and the AVX-VNNI path is not offered."""
     from hybridmoe.native.build import load
 
-    without = [f for f in kernels.FLAGS if not f.startswith("-DAVXVNNI_ASM")] + ["-DAVXVNNI_ASM=0"]
+    without = vnni_asm_flags(False)
     lib = load(kernels.SOURCE, without, kernels.SIGNATURES, kernels.HEADERS)
     assert lib is not None
     fmt, rng = FORMATS["q4_k"], np.random.default_rng(11)

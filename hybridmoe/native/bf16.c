@@ -1178,51 +1178,40 @@ AMX_TARGET static void values_amx(const float *S, long ldp, long R, long G, long
 }
 
 /* O[r][c0 + i] += sum_{l0 <= l < l1} P[r][l] V[slot l][c0 + i] for R heads (rows of O dv apart, of P
-   ldp apart) and i < 64 (masked at dv), the accumulators in registers across positions. */
-#ifdef AVX2_512
-/* On AVX2 the R x 64 sums below are twice its 16 ymm registers, spilled at every fma: here 16 columns at a
-   time, each column's sum over the positions in the same order, so the same bits. One sequence of 576
-   positions, 32/4 heads of 128, after a 48 MB read, 1 thread, Zen 5 capped to AVX2: 237 -> 173-176 us a
+   ldp apart) and i < 64 (masked at dv), the accumulators in registers across positions: T x 16 columns a
+   pass. On AVX2 the R x 64 sums of one pass are twice its 16 ymm registers, spilled at every fma: there 16
+   columns a pass, each column's sum over the positions in the same order, so the same bits. One sequence of
+   576 positions, 32/4 heads of 128, after a 48 MB read, 1 thread, Zen 5 capped to AVX2: 237 -> 173-176 us a
    call; 1100 positions of 9/3 heads of 64: 124-125 -> 107-108. */
 ALWAYS_INLINE void weigh_values(float *O, long dv, long c0, const float *P, long ldp, const uint16_t *V,
                                 long ldv, const long *slots, long l0, long l1, const int R) {
-    for (int t = 0; t < 4; t++) {
-        const long c = c0 + 16 * t;
-        const __mmask16 m = mask16(dv - c);
-        if (!m) break;
-        __m512 acc[4];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_maskz_loadu_ps(m, O + r * dv + c);
-        for (long l = l0; l < l1; l++) {
-            const __m512 vv = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, V + slots[l] * ldv + c)), 16));
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(P[r * ldp + l]), vv, acc[r]);
-        }
-        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(O + r * dv + c, m, acc[r]);
-    }
-}
+#ifdef AVX2_512
+    enum { T = 1 };
 #else
-ALWAYS_INLINE void weigh_values(float *O, long dv, long c0, const float *P, long ldp, const uint16_t *V,
-                                long ldv, const long *slots, long l0, long l1, const int R) {
-    __mmask16 m[4];
-    __m512 acc[4][4];
-    for (int t = 0; t < 4; t++) m[t] = mask16(dv - c0 - 16 * t);
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < 4; t++) acc[r][t] = _mm512_maskz_loadu_ps(m[t], O + r * dv + c0 + 16 * t);
-    for (long l = l0; l < l1; l++) {
-        const uint16_t *v = V + slots[l] * ldv + c0;
-        __m512 vv[4];
-        for (int t = 0; t < 4; t++)  /* bf16 -> fp32: the 16 bits on top of a zero half */
-            vv[t] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m[t], v + 16 * t)), 16));
-        for (int r = 0; r < R; r++) {
-            __m512 p = _mm512_set1_ps(P[r * ldp + l]);
-            for (int t = 0; t < 4; t++) acc[r][t] = _mm512_fmadd_ps(p, vv[t], acc[r][t]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < 4; t++) _mm512_mask_storeu_ps(O + r * dv + c0 + 16 * t, m[t], acc[r][t]);
-}
+    enum { T = 4 };
 #endif
+    for (int t0 = 0; t0 < 4; t0 += T) {
+        __mmask16 m[T];
+        __m512 acc[4][T];
+        for (int t = 0; t < T; t++) m[t] = mask16(dv - c0 - 16 * (t0 + t));
+        if (!m[0]) break;
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) acc[r][t] = _mm512_maskz_loadu_ps(m[t], O + r * dv + c0 + 16 * (t0 + t));
+        for (long l = l0; l < l1; l++) {
+            const uint16_t *v = V + slots[l] * ldv + c0 + 16 * t0;
+            __m512 vv[T];
+            for (int t = 0; t < T; t++)  /* bf16 -> fp32: the 16 bits on top of a zero half */
+                vv[t] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m[t], v + 16 * t)), 16));
+            for (int r = 0; r < R; r++) {
+                __m512 p = _mm512_set1_ps(P[r * ldp + l]);
+                for (int t = 0; t < T; t++) acc[r][t] = _mm512_fmadd_ps(p, vv[t], acc[r][t]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(O + r * dv + c0 + 16 * (t0 + t), m[t], acc[r][t]);
+    }
+}
 
 /* R query rows (1, or up to ROWS_MAX where rows_together says) of one history: row r's heads of KV heads g0..g1-1,
    qs[r] [heads, d] bf16 -> outs[r] [heads, dv] (fp32, or bf16 if out_bf16), over its L + r positions

@@ -168,17 +168,17 @@ ALWAYS_INLINE void prefetch_near_far(const uint8_t *p, long bytes) {
    body for both AVX2 paths (its `vnni` a constant), run with them only where the CPU has them (native/
    quant.py). The integers are those of vpmaddubsw, vpmaddwd and the adds they replace, exactly. */
 #if AVXVNNI_ASM
-ALWAYS_INLINE __m256i vnni_dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+AVX2 ALWAYS_INLINE __m256i vnni_dpbusd(__m256i acc, __m256i u8, __m256i s8) {
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
     return acc;
 }
-ALWAYS_INLINE __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) {
+AVX2 ALWAYS_INLINE __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) {
     __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
     return acc;
 }
 #else /* an assembler without them (binutils before 2.36): the path is not offered (native/quant.py) */
-ALWAYS_INLINE __m256i vnni_dpbusd(__m256i acc, __m256i u8, __m256i s8) { (void)u8, (void)s8; abort(); return acc; }
-ALWAYS_INLINE __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) { (void)a, (void)b; abort(); return acc; }
+AVX2 ALWAYS_INLINE __m256i vnni_dpbusd(__m256i acc, __m256i u8, __m256i s8) { (void)u8, (void)s8; abort(); return acc; }
+AVX2 ALWAYS_INLINE __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) { (void)a, (void)b; abort(); return acc; }
 #endif
 
 static uint16_t ld16(const uint8_t *p) {
@@ -1236,27 +1236,6 @@ AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int vnni, const int 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
 
-/* Rows [n0, n1) (whole eights) of Q4_K_X8 (dotk_x8_avx2) or Q5_K_X8 (dotk5_x8_avx2) against tokens
-   mi[0..R): Q4_K's a token at a time, Q5_K's two (T) where there are two, each token's integers its own.
-   2048 x 768, one thread, Zen 5 capped to AVX2, ms at 64 / 512 tokens: Q5_K's GGUF rows (four tokens at
-   a time) 2.06 / 16.4, its rows in eights a token at a time 2.10 / 16.9, two at a time 1.69 / 13.4; Q4_K's
-   rows in eights a token at a time 1.25-1.28 / 10.1-10.5, two at a time 1.30-1.37 / 10.6-11.1. */
-#define X8_AVX2(NAME, F, V, T)                                                                                \
-    AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
-                          float *Y, long ldy) {                                                               \
-        const long ns = a->K / 256;                                                                           \
-        for (long n = n0; n < n1; n += X8)                                                                    \
-            for (int r = 0; r < R; r += T) {                                                                  \
-                if (T == 2 && r + 1 < R) dotk_x8_avx2_t(F, V, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
-                else dotk_x8_avx2_t(F, V, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);              \
-            }                                                                                                 \
-    }
-X8_AVX2(dotk_x8_avx2, Q4_K_X8, 0, 1)
-X8_AVX2(dotk5_x8_avx2, Q5_K_X8, 0, 2)
-X8_AVX2(dotk_x8_vnni, Q4_K_X8, 1, 2)
-X8_AVX2(dotk5_x8_vnni, Q5_K_X8, 1, 2)
-#undef X8_AVX2
-
 /* ---- Q6_K rows in eights on AVX2 ---------------------------------------------------------------------
 
    GGUF's Q6_K rows on AVX2 (dotk_avx2_t) read ~23-26 GB/s from RAM in a decode step on a Zen 5 core capped
@@ -1284,9 +1263,10 @@ AVX2 ALWAYS_INLINE __m256i x8_q6_avx2(__m256i w, __m256i qh, int t) {
     return _mm256_or_si256(low, _mm256_and_si256(high, m30));
 }
 
-/* Eight interleaved Q6_K rows at G (ns super-blocks) against token row m of `a`: Y[0..8). Chunk c of half
-   h (its ql bytes 8c .. 8c + 7: c < 4 values of parts 0 and 2, c >= 4 of parts 1 and 3; its qh bytes
-   8 (c % 4) ..) as dotk6_x8_512_t reads it, rows 4q .. 4q + 3 a 32-byte load (q = 0, 1). */
+/* Eight interleaved Q6_K rows at G (ns super-blocks) against the R (1 or 2) token rows mi[0..R) of `a`:
+   Y[r * ldy + 0..8), each token's integers its own (vnni: AVX-VNNI's vpdpwssd for vpmaddwd and its add).
+   Chunk c of half h (its ql bytes 8c .. 8c + 7: c < 4 values of parts 0 and 2, c >= 4 of parts 1 and 3; its
+   qh bytes 8 (c % 4) ..) as dotk6_x8_512_t reads it, rows 4q .. 4q + 3 a 32-byte load (q = 0, 1). */
 AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const int R, const uint8_t *G, long ns, const acts *a,
                                         const long *mi, float *Y, long ldy) {
     const __m256i rows = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* vphaddd's lanes back in row order */
@@ -1361,21 +1341,34 @@ AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const int R, const uint8
     for (int r = 0; r < R; r++) _mm256_storeu_ps(Y + r * ldy, _mm256_add_ps(F[r], Mn[r]));
 }
 
-/* Rows [n0, n1) (whole eights) of Q6_K_X8 against tokens mi[0..R), T at a time where there are T (AVX-VNNI's
-   vpdpwssd for vpmaddwd and its add where V), each token's integers its own. */
-#define X8_6_AVX2(NAME, V, T)                                                                                 \
+/* Rows [n0, n1) (whole eights) of Q4_K_X8, Q5_K_X8 or Q6_K_X8 (F) against tokens mi[0..R), T at a time where
+   there are T, each token's integers its own, with AVX-VNNI's instructions where V. 2048 x 768, one thread,
+   Zen 5 capped to AVX2, ms at 64 / 512 tokens, one token at a time -> two: Q5_K 2.10 / 16.9 -> 1.69 / 13.4
+   (its GGUF rows, four tokens at a time, 2.06 / 16.4), Q6_K 1.91-2.00 / 14.8-15.7 -> 1.45-1.62 / 11.9-12.6,
+   Q4_K on AVX-VNNI 1.04-1.07 / 8.6-8.8 -> 0.91 / 7.1-7.2; Q4_K on AVX2 1.25-1.28 / 10.1-10.5 -> 1.30-1.37 /
+   10.6-11.1, so a token at a time there. */
+AVX2 ALWAYS_INLINE void x8_avx2_t(const int fmt, const int vnni, const int R, const uint8_t *G, long ns,
+                                  const acts *a, const long *mi, float *Y, long ldy) {
+    if (fmt == Q6_K_X8) dotk6_x8_avx2_t(vnni, R, G, ns, a, mi, Y, ldy);
+    else dotk_x8_avx2_t(fmt, vnni, R, G, ns, a, mi, Y, ldy);
+}
+#define X8_AVX2(NAME, F, V, T)                                                                                \
     AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                           float *Y, long ldy) {                                                               \
         const long ns = a->K / 256;                                                                           \
         for (long n = n0; n < n1; n += X8)                                                                    \
             for (int r = 0; r < R; r += T) {                                                                  \
-                if (T == 2 && r + 1 < R) dotk6_x8_avx2_t(V, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
-                else dotk6_x8_avx2_t(V, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);              \
+                if (T == 2 && r + 1 < R) x8_avx2_t(F, V, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
+                else x8_avx2_t(F, V, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);                   \
             }                                                                                                 \
     }
-X8_6_AVX2(dotk6_x8_avx2, 0, 2)
-X8_6_AVX2(dotk6_x8_vnni, 1, 2)
-#undef X8_6_AVX2
+X8_AVX2(dotk_x8_avx2, Q4_K_X8, 0, 1)
+X8_AVX2(dotk5_x8_avx2, Q5_K_X8, 0, 2)
+X8_AVX2(dotk6_x8_avx2, Q6_K_X8, 0, 2)
+X8_AVX2(dotk_x8_vnni, Q4_K_X8, 1, 2)
+X8_AVX2(dotk5_x8_vnni, Q5_K_X8, 1, 2)
+X8_AVX2(dotk6_x8_vnni, Q6_K_X8, 1, 2)
+#undef X8_AVX2
 
 /* ---- rows in sixteens (Q8_0_X16, Q4_0_X16, Q4_1_X16) ---------------------------------------------
 
@@ -1645,11 +1638,10 @@ static void product_tiles(const product *p, long n0, long n1) {
 
 /* Rows [n0, n1) (whole groups) of interleaved rows, read as they lie: on AVX-512 a group of rows against up
    to GROUP tokens at a time, CHUNK_TOKENS tokens' activations meeting every group before the next tokens
-   (as product_tiles); on AVX2 likewise, Q4_K's and Q6_K's rows in eights a token at a time, Q5_K's two,
-   which beat GGUF's rows four tokens at a time at every count (one thread, Zen 5 capped to AVX2: Q4_K
-   768 x 2048 1.3-1.5x from 1 to 512 tokens; 2048 x 768 from RAM, one token: Q5_K 20 -> 27 GB/s, Q6_K 23 ->
-   32; at 64 and 512 tokens Q5_K 1.2x, Q6_K 1.03-1.04x), and the rows in sixteens (dot32_x16_avx2_t). The
-   results are the GGUF rows' bits. */
+   (as product_tiles); on AVX2 likewise, the rows in eights a token or two at a time (X8_AVX2), which beat
+   GGUF's rows four tokens at a time at every count (one thread, Zen 5 capped to AVX2: Q4_K 768 x 2048
+   1.3-1.5x from 1 to 512 tokens; 2048 x 768 from RAM, one token: Q5_K 20 -> 27 GB/s, Q6_K 23 -> 32), and
+   the rows in sixteens (dot32_x16_avx2_t). The results are the GGUF rows' bits. */
 /* Rows [n0, n1) (whole groups) and tokens [t0, t1) of a product of interleaved rows on the kernels that
    read them as they lie (grouped_dot). */
 static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {

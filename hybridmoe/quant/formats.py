@@ -18,9 +18,9 @@ Each row of a matrix [rows, cols] is cols / block blocks of `nbytes` bytes, one 
 
 Six layouts are not GGUF's: q4_k_x8, q5_k_x8 and q6_k_x8 hold q4_k, q5_k and q6_k blocks with rows
 interleaved eight at a time, q8_0_x16, q4_0_x16 and q4_1_x16 q8_0, q4_0 and q4_1 blocks with rows
-interleaved sixteen at a time, the same bytes rearranged for the AVX-512 products, q4_k_x8 and the
-x16 layouts for the AVX2 ones too (quant/interleave.py; made at load by quant/tensor.py
-for_kernels, never written to a file). Their `family` is the GGUF format: their values, their
+interleaved sixteen at a time, the same bytes rearranged for the products of every path of the
+CPU kernels (quant/interleave.py; made at load by quant/tensor.py for_kernels, never written to a
+file). Their `family` is the GGUF format: their values, their
 cost, their bytes on the bus.
 """
 

@@ -3,10 +3,13 @@
 # kernels' AVX2 build (what --dtype auto picks there now: bf16), ours without them (HYBRIDMOE_BF16_ISA=off,
 # fp32: what auto picked before), llama.cpp's AVX2 build (llama-cpp-python built without AVX-512 into
 # /tmp/llama-avx2). Usage: [OFF=FILE,...] avx2.sh OUTDIR FILE...   (each file at 1 and 2 threads, two rounds,
-# alternating; the runs without the bf16 kernels for the files named in OFF)
+# alternating; the runs without the bf16 kernels for the files named in OFF). With QUANT=avxvnni
+# LLAMA=/tmp/llama-avxvnni: ours on the integer kernels' AVX-VNNI path against llama.cpp built with AVX-VNNI
+# (CMAKE_ARGS as /tmp/llama-avx2's with -DGGML_AVX_VNNI=ON: Intel's client cores from Alder Lake on).
 out=$1; shift
 mkdir -p "$out"
-export HYBRIDMOE_QUANT_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=/tmp/llama-avx2
+export HYBRIDMOE_QUANT_ISA=${QUANT:-avx2} ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+export PYTHONPATH=${LLAMA:-/tmp/llama-avx2}
 cd "$(dirname "$0")/../../.."
 for r in 1 2; do
 for th in 1 2; do
