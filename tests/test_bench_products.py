@@ -27,6 +27,26 @@ def test_every_product_is_measured_and_both_ways_agree():
         assert r["max_rel_diff"] < 0.03, r
 
 
+def test_from_ram_each_product_takes_weights_the_caches_no_longer_hold():
+    """--from-ram: every timed product reads a copy of the weights that a calibration's worth of
+    others (tuning.ROTATE_BYTES, both sides' copies together) has passed since; the results agree
+    as they do from the caches."""
+    from hybridmoe.tuning import ROTATE_BYTES
+
+    out = hybridmoe(
+        "bench", "products", "--formats", "q4_k", "--shapes", "256x2048", "--tokens", "1,8",
+        "--repeats", "3", "--from-ram", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["tokens"] for r in rows] == [1, 8]
+    for r in rows:
+        assert r["from_ram"] and r["weight_bytes"] == 256 * 2048 // 256 * 144
+        # between two products on one copy: the side's other copies and all of the other side's
+        assert (2 * r["weight_copies"] - 1) * r["weight_bytes"] >= ROTATE_BYTES
+        assert r["max_rel_diff"] < 0.03, r
+
+
 def test_the_formats_read_from_files_are_measured_too():
     """Q4_1 (gguf's quantiser) and Q5_K (Q4_K blocks widened by a fifth bit of 0): their products
     agree with dequantise + oneDNN as the others do."""

@@ -11,6 +11,11 @@ CPU has them) against the fastest dequantise + multiply we have (`native/quant.p
 dequantiser, to bf16, then `F.linear`: oneDNN, on AMX where the CPU has it), alternating, medians.
 The largest difference between the two results, relative to the largest output, is reported too
 (the activations' int8 rounding and the bf16 weights: about 1%).
+
+By default each side multiplies the same weights again and again, from the caches where they fit;
+`--from-ram` gives every timed product a copy of the weights that the copies timed since have pushed
+out of the caches (tuning.ROTATE_BYTES of them, as `calibrate` times experts), so that it reads them
+from RAM as a decode step's experts and a prefill's first pass over a matrix do.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", default="64,512", help="token counts, comma-separated")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7, help="timed runs of each, after one warm-up")
+    p.add_argument(
+        "--from-ram",
+        action="store_true",
+        help="each product reads its weights from RAM (copies rotated beyond the caches)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per product")
     p.set_defaults(func=run)
 
@@ -55,32 +65,43 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -> dict:
-    """Ours and dequantise + oneDNN on one product: medians in ms, the ratio, the difference."""
+def measure(
+    fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int, from_ram: bool = False
+) -> dict:
+    """Ours and dequantise + oneDNN on one product: medians in ms, the ratio, the difference;
+    `from_ram`: each timed product on a copy of the weights that has left the caches."""
     import torch
     import torch.nn.functional as F
 
     from hybridmoe.native import quant as kernels
     from hybridmoe.quant.formats import LAYOUTS
     from hybridmoe.quant.tensor import QTensor, for_kernels
+    from hybridmoe.tuning import ROTATE_BYTES
 
     gen = torch.Generator().manual_seed(n * 7 + k)
     plain = _weights(torch.randn(n, k, generator=gen) * 0.02, fmt)
     ours_w = for_kernels(QTensor(plain.data.clone(), plain.fmt, k))  # as the loader leaves it
+    # the copies each side's products take in turn: one, or enough that a copy comes round again
+    # only after ROTATE_BYTES of others (this side's other copies, all of the other side's) have
+    # passed through the caches
+    copies = int(ROTATE_BYTES // (2 * plain.data.numel())) + 2 if from_ram else 1
+    ours_ws = [ours_w.data] + [ours_w.data.clone() for _ in range(copies - 1)]
+    plains = [plain.data] + [plain.data.clone() for _ in range(copies - 1)]
     rows = torch.arange(n)
     x = torch.randn(tokens, k, generator=gen).to(torch.bfloat16)
 
-    def ours():
-        return kernels.linear(x, ours_w.fmt.ggml, ours_w.data, k, workers=threads)
+    def ours(i=0):
+        return kernels.linear(x, ours_w.fmt.ggml, ours_ws[i % copies], k, workers=threads)
 
-    def dequantised():
-        return F.linear(x, kernels.rows(plain.data, plain.fmt.ggml, k, rows, torch.bfloat16))
+    def dequantised(i=0):
+        w = kernels.rows(plains[i % copies], plain.fmt.ggml, k, rows, torch.bfloat16)
+        return F.linear(x, w)
 
     times: dict[str, list[float]] = {"ours": [], "onednn": []}
     for i in range(repeats + 1):
         for name, f in (("ours", ours), ("onednn", dequantised)):
             t0 = time.perf_counter()
-            f()
+            f(i)
             if i:  # the first of each is a warm-up
                 times[name].append(time.perf_counter() - t0)
     a, b = ours(), dequantised().float()
@@ -91,6 +112,9 @@ def measure(fmt: str, n: int, k: int, tokens: int, threads: int, repeats: int) -
         "shape": f"{n}x{k}",
         "tokens": tokens,
         "threads": threads,
+        "from_ram": from_ram,
+        "weight_copies": copies,  # each side's, each of weight_bytes
+        "weight_bytes": plain.data.numel(),
         "ours_ms": ms["ours"],
         "onednn_ms": ms["onednn"],
         "ratio": ms["onednn"] / ms["ours"],  # > 1: ours is faster
@@ -148,7 +172,7 @@ def run(args) -> int:
     for fmt in formats:
         for n, k in shapes:
             for tokens in counts:
-                r = measure(fmt, n, k, tokens, args.threads, args.repeats)
+                r = measure(fmt, n, k, tokens, args.threads, args.repeats, args.from_ram)
                 if args.json:
                     print(json.dumps(r), flush=True)
                 else:

@@ -57,6 +57,13 @@ enum { PATH_AVX2 = 1, PATH_AVXVNNI = 2, PATH_AVX512 = 3 };
    (docs/notes/2026-11-24-prefill-tiles.md). */
 #define GROUP 4
 #define TILE_BYTES 16384
+/* Set in R where x8_vnni calls a kernel of interleaved rows: these tokens are the first of their chunk to meet
+   the rows, which then come from RAM or a far cache, so the kernel asks for them ahead as it goes
+   (prefetch_near_far, prefetch_far); the groups after them find the rows in L1 and ask for nothing. Where
+   only one-token products asked (the AVX-512 kernels), a Q6_K matrix of 1536 x 1536 met 8 tokens from RAM in
+   277 us against 113 from L1, and now in 109 (one thread, Zen 5; Q4_K 2048 x 2048 at 8 tokens 234 -> 140 us,
+   at 32 690 -> 531: docs/notes/2026-12-08-rows-ahead-for-every-token-count.md). */
+#define FIRST_GROUP 0x100
 /* Weight rows a one-token K-quant product takes side by side. */
 #define ONE_ROWS 2
 /* Tokens whose activations one unit's tiles meet before the next tokens: about 64 x 6 KB (blocks of 32,
@@ -911,14 +918,14 @@ AVX512 ALWAYS_INLINE void x8_chunk(const int R, __m512i lo, __m512i hi, const in
    |lane| <= 16 x 15 x 127 fits the word vpdpwssd multiplies by the block's scale (one per group and
    nibble half, where there was one per chunk: 1.38x hot, 1.13x from RAM, one token); lanes 2k and 2k + 1
    then give row k's isum and the minimums' words its csum (K_FMA). */
-AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
-                                        float *Y, long ldy) {
+AVX512 ALWAYS_INLINE void dotk_x8_512_t(const int R, const int ahead, const uint8_t *G, long ns, const acts *a,
+                                        const long *mi, float *Y, long ldy) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8((char)0xF0);
     __m256 F[GROUP], Mn[GROUP]; /* acc and accm of the eight rows */
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_BYTES;
-        if (R == 1) prefetch_near_far(p, X8_BYTES);
+        if (R == 1 || ahead) prefetch_near_far(p, X8_BYTES);
         __m256 d, dm;
         __m512i sw[2], mp[2], Z[GROUP];
         const int8_t *x[GROUP];
@@ -962,14 +969,14 @@ AVX512 ALWAYS_INLINE __m512i x8_fifth(__m512i qh, int j) {
    (x8_head, x8_chunk, x8_minimums): one kernel for both formats, the chunks per vpdpwssd a constant,
    ran Q4_K's one-token product 3% slower from RAM (10.04 against 10.34, 11.41 against 11.86 GB/s,
    either order; its registers allocated otherwise), the shared steps level with it. */
-AVX512 ALWAYS_INLINE void dotk5_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
-                                         float *Y, long ldy) {
+AVX512 ALWAYS_INLINE void dotk5_x8_512_t(const int R, const int ahead, const uint8_t *G, long ns, const acts *a,
+                                         const long *mi, float *Y, long ldy) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m256 F[GROUP], Mn[GROUP];
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_5_BYTES;
-        if (R == 1) prefetch_near_far(p, X8_5_BYTES);
+        if (R == 1 || ahead) prefetch_near_far(p, X8_5_BYTES);
         __m256 d, dm;
         __m512i sw[2], mp[2], Z[GROUP];
         const int8_t *x[GROUP];
@@ -1028,8 +1035,8 @@ AVX512 ALWAYS_INLINE __m512i x8_q6(__m512i w, __m512i qh, int t) {
    lane's four products (|lane| <= 4 x 63 x 128: a word), vpdpwssd multiplies it by the row's scale of the
    sub-block and adds; lanes 2k and 2k + 1 then give row k's isum, the scales' word pairs against the
    activations' 16-value sums its csum (K_FMA, dm = -32 d). */
-AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const uint8_t *G, long ns, const acts *a, const long *mi,
-                                         float *Y, long ldy) {
+AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const int ahead, const uint8_t *G, long ns, const acts *a,
+                                         const long *mi, float *Y, long ldy) {
     /* Independent integer sums per token (exact: their order changes nothing), so that one token's
        vpdpwssd do not wait on each other: one chain of 32 ran at 0.7x the two-row GGUF path. */
     enum { NZ = 4 };
@@ -1039,7 +1046,7 @@ AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const uint8_t *G, long ns,
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_6_BYTES;
-        if (R == 1) prefetch_near_far(p, X8_6_BYTES);
+        if (R == 1 || ahead) prefetch_near_far(p, X8_6_BYTES);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 1664)));
         const __m256 dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
         __m512i sw[4], Z[GROUP][NZ];
@@ -1094,13 +1101,15 @@ AVX512 ALWAYS_INLINE void dotk6_x8_512_t(const int R, const uint8_t *G, long ns,
     AVX512 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                             float *Y, long ldy) {                                                           \
         const long ns = a->K / 256;                                                                         \
+        const int ahead = R & FIRST_GROUP;                                                                  \
+        R &= ~FIRST_GROUP;                                                                                  \
         for (long n = n0; n < n1; n += X8) {                                                                \
             const uint8_t *G = W + n * ldw;                                                                 \
             switch (R) {                                                                                    \
-            case 1: T(1, G, ns, a, mi, Y + n, ldy); break;                                                  \
-            case 2: T(2, G, ns, a, mi, Y + n, ldy); break;                                                  \
-            case 3: T(3, G, ns, a, mi, Y + n, ldy); break;                                                  \
-            default: T(GROUP, G, ns, a, mi, Y + n, ldy); break;                                             \
+            case 1: T(1, ahead, G, ns, a, mi, Y + n, ldy); break;                                           \
+            case 2: T(2, ahead, G, ns, a, mi, Y + n, ldy); break;                                           \
+            case 3: T(3, ahead, G, ns, a, mi, Y + n, ldy); break;                                           \
+            default: T(GROUP, ahead, G, ns, a, mi, Y + n, ldy); break;                                      \
             }                                                                                               \
         }                                                                                                   \
     }
@@ -1356,6 +1365,7 @@ AVX2 ALWAYS_INLINE void x8_avx2_t(const int fmt, const int vnni, const int R, co
     AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                           float *Y, long ldy) {                                                               \
         const long ns = a->K / 256;                                                                           \
+        R &= ~FIRST_GROUP; /* these kernels ask for their rows ahead in every pass */                         \
         for (long n = n0; n < n1; n += X8)                                                                    \
             for (int r = 0; r < R; r += T) {                                                                  \
                 if (T == 2 && r + 1 < R) x8_avx2_t(F, V, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
@@ -1391,8 +1401,8 @@ X8_AVX2(dotk6_x8_vnni, Q6_K_X8, 1, 2)
 /* Sixteen interleaved rows at G (nb blocks) against the R tokens mi[0..R): Y[r * ldy + 0..16), lane k
    row k. Q8_0's int8 flipped to unsigned (+128: what ob takes back off), Q4_0's nibbles as they are (8:
    likewise). */
-AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint8_t *G, long nb, const acts *a,
-                                          const long *mi, float *Y, long ldy) {
+AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const int ahead, const uint8_t *G, long nb,
+                                          const acts *a, const long *mi, float *Y, long ldy) {
     const long gb = X16 * block_bytes(fmt), K = a->K;
     const int q41 = fmt == Q4_1_X16, at = q41 ? 64 : 32; /* where the quants start (Q4_1: after d, m) */
     const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
@@ -1400,7 +1410,7 @@ AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = G + b * gb;
-        if (R == 1) prefetch_far(p, gb);
+        if (R == 1 || ahead) prefetch_far(p, gb);
         const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m512 wm = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : _mm512_setzero_ps();
         __m512i q[8]; /* q[k]: values 4k .. 4k + 3 of the sixteen rows */
@@ -1438,13 +1448,15 @@ AVX512 ALWAYS_INLINE void dot32_x16_512_t(const int fmt, const int R, const uint
     TARGET static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                             float *Y, long ldy) {                                                           \
         const long nb = a->K / 32;                                                                          \
+        const int ahead = R & FIRST_GROUP;                                                                  \
+        R &= ~FIRST_GROUP;                                                                                  \
         for (long n = n0; n < n1; n += X16) {                                                               \
             const uint8_t *G = W + n * ldw;                                                                 \
             switch (R) {                                                                                    \
-            case 1: KERNEL(F, 1, G, nb, a, mi, Y + n, ldy); break;                                          \
-            case 2: KERNEL(F, 2, G, nb, a, mi, Y + n, ldy); break;                                          \
-            case 3: KERNEL(F, 3, G, nb, a, mi, Y + n, ldy); break;                                          \
-            default: KERNEL(F, GROUP, G, nb, a, mi, Y + n, ldy); break;                                     \
+            case 1: KERNEL(F, 1, ahead, G, nb, a, mi, Y + n, ldy); break;                                   \
+            case 2: KERNEL(F, 2, ahead, G, nb, a, mi, Y + n, ldy); break;                                   \
+            case 3: KERNEL(F, 3, ahead, G, nb, a, mi, Y + n, ldy); break;                                   \
+            default: KERNEL(F, GROUP, ahead, G, nb, a, mi, Y + n, ldy); break;                              \
             }                                                                                               \
         }                                                                                                   \
     }
@@ -1507,8 +1519,8 @@ static dot_fn dot_for(int fmt, int isa) {
    Q4_1's nibbles as they are (Q4_0's 8 taken off by ob). Each row's I_b is the same exact integer and its float
    operations dot32s_t's, so each row keeps the bits of GGUF's rows. On a Zen 5 core capped to AVX2 GGUF's
    Q8_0 rows, eight side by side, read ~9 GB/s a token from RAM in a decode step. */
-AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int vnni, const int R, const uint8_t *G, long nb,
-                                         const acts *a, const long *mi, float *Y, long ldy) {
+AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int vnni, const int R, const int ahead, const uint8_t *G,
+                                         long nb, const acts *a, const long *mi, float *Y, long ldy) {
     const long gb = X16 * block_bytes(fmt), K = a->K;
     const int q41 = fmt == Q4_1_X16, q8 = rows_fmt(fmt) == Q8_0, at = q41 ? 64 : 32;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -1516,7 +1528,7 @@ AVX2 ALWAYS_INLINE void dot32_x16_avx2_t(const int fmt, const int vnni, const in
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = G + b * gb;
-        if (R == 1) prefetch_near_far(p, gb);
+        if (R == 1 || ahead) prefetch_near_far(p, gb);
         for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
             const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
             const __m256 wm = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h))) : _mm256_setzero_ps();
@@ -1654,7 +1666,7 @@ static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
                 long idx[GROUP];
                 int R = (int)min_l(m1 - m, GROUP);
                 for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
-                dot(p->W, p->ldw, n, n + g, p->a, idx, R, p->Y + m * p->ldy, p->ldy);
+                dot(p->W, p->ldw, n, n + g, p->a, idx, m == m0 ? R | FIRST_GROUP : R, p->Y + m * p->ldy, p->ldy);
             }
     }
 }
