@@ -59,10 +59,12 @@ enum { PATH_AVX2 = 1, PATH_AVXVNNI = 2, PATH_AVX512 = 3 };
 #define TILE_BYTES 16384
 /* Set in R where x8_vnni calls a kernel of interleaved rows: these tokens are the first of their chunk to meet
    the rows, which then come from RAM or a far cache, so the kernel asks for them ahead as it goes
-   (prefetch_near_far, prefetch_far); the groups after them find the rows in L1 and ask for nothing. Where
-   only one-token products asked (the AVX-512 kernels), a Q6_K matrix of 1536 x 1536 met 8 tokens from RAM in
-   277 us against 113 from L1, and now in 109 (one thread, Zen 5; Q4_K 2048 x 2048 at 8 tokens 234 -> 140 us,
-   at 32 690 -> 531: docs/notes/2026-12-08-rows-ahead-for-every-token-count.md). */
+   (prefetch_near_far, prefetch_far; on AVX2 in its first pass, a token or two); the passes after it find the
+   rows in L1 and ask for nothing. One-token calls of the AVX-512 kernels always ask (R == 1, a constant).
+   Where only those asked, a Q6_K matrix of 1536 x 1536 met 8 tokens from RAM in 277 us against 113 from L1,
+   and now in 109 (one thread, Zen 5; Q4_K 2048 x 2048 at 8 tokens 234 -> 140 us, at 32 690 -> 531); the AVX2
+   kernels, which asked in every pass, run 5-10% faster from 4 tokens on
+   (docs/notes/2026-12-08-rows-ahead-for-every-token-count.md). */
 #define FIRST_GROUP 0x100
 /* Weight rows a one-token K-quant product takes side by side. */
 #define ONE_ROWS 2
@@ -1148,8 +1150,8 @@ AVX2 ALWAYS_INLINE __m256i x8_fifth_avx2(__m256i qh, int j) {
 /* Eight interleaved Q4_K or Q5_K rows (fmt, a constant) at G (ns super-blocks) against the R (1 or 2) token
    rows mi[0..R) of `a`: Y[r * ldy + 0..8), each token's integers its own. Q5_K's values 0..31 (nibble + 16 x its fifth bit, chunk c's qh bits 2g and 2g + 1): a group's
    four chunks still sum in words (|sum| <= 4 x 2 x 31 x 128 < 2^15). */
-AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int vnni, const int R, const uint8_t *G, long ns,
-                                       const acts *a, const long *mi, float *Y, long ldy) {
+AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int vnni, const int R, const int ahead, const uint8_t *G,
+                                       long ns, const acts *a, const long *mi, float *Y, long ldy) {
     const int five = fmt == Q5_K_X8;
     const long gb = five ? X8_5_BYTES : X8_BYTES, at = five ? 384 : 128; /* a super-block's bytes; its nibbles' */
     static const int8_t pos[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* natural block b's 32 bytes at 32 pos[b] */
@@ -1159,7 +1161,7 @@ AVX2 ALWAYS_INLINE void dotk_x8_avx2_t(const int fmt, const int vnni, const int 
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * gb;
-        prefetch_near_far(p, gb);
+        if (ahead) prefetch_near_far(p, gb);
         const int8_t *x[2];
         for (int r = 0; r < R; r++) x[r] = a->qs + mi[r] * a->K + s * 256;
         /* the scale bytes (byte 8b + r: block b of row r) and minimums, as x8_scales splits them */
@@ -1276,8 +1278,8 @@ AVX2 ALWAYS_INLINE __m256i x8_q6_avx2(__m256i w, __m256i qh, int t) {
    Y[r * ldy + 0..8), each token's integers its own (vnni: AVX-VNNI's vpdpwssd for vpmaddwd and its add).
    Chunk c of half h (its ql bytes 8c .. 8c + 7: c < 4 values of parts 0 and 2, c >= 4 of parts 1 and 3; its
    qh bytes 8 (c % 4) ..) as dotk6_x8_512_t reads it, rows 4q .. 4q + 3 a 32-byte load (q = 0, 1). */
-AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const int R, const uint8_t *G, long ns, const acts *a,
-                                        const long *mi, float *Y, long ldy) {
+AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const int R, const int ahead, const uint8_t *G, long ns,
+                                        const acts *a, const long *mi, float *Y, long ldy) {
     const __m256i rows = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* vphaddd's lanes back in row order */
     const __m256i sel0 = _mm256_loadu_si256((const __m256i *)SCALE6_SEL[0]);
     const __m256i sel1 = _mm256_loadu_si256((const __m256i *)SCALE6_SEL[1]);
@@ -1285,7 +1287,7 @@ AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const int R, const uint8
     for (int r = 0; r < R; r++) F[r] = Mn[r] = _mm256_setzero_ps();
     for (long s = 0; s < ns; s++) {
         const uint8_t *p = G + s * X8_6_BYTES;
-        prefetch_near_far(p, X8_6_BYTES);
+        if (ahead) prefetch_near_far(p, X8_6_BYTES);
         const int8_t *x[2];
         __m256i Z[2][2]; /* token r's rows 4q + k: dwords 2k, 2k + 1 of Z[r][q] */
         for (int r = 0; r < R; r++) {
@@ -1356,20 +1358,22 @@ AVX2 ALWAYS_INLINE void dotk6_x8_avx2_t(const int vnni, const int R, const uint8
    (its GGUF rows, four tokens at a time, 2.06 / 16.4), Q6_K 1.91-2.00 / 14.8-15.7 -> 1.45-1.62 / 11.9-12.6,
    Q4_K on AVX-VNNI 1.04-1.07 / 8.6-8.8 -> 0.91 / 7.1-7.2; Q4_K on AVX2 1.25-1.28 / 10.1-10.5 -> 1.30-1.37 /
    10.6-11.1, so a token at a time there. */
-AVX2 ALWAYS_INLINE void x8_avx2_t(const int fmt, const int vnni, const int R, const uint8_t *G, long ns,
-                                  const acts *a, const long *mi, float *Y, long ldy) {
-    if (fmt == Q6_K_X8) dotk6_x8_avx2_t(vnni, R, G, ns, a, mi, Y, ldy);
-    else dotk_x8_avx2_t(fmt, vnni, R, G, ns, a, mi, Y, ldy);
+AVX2 ALWAYS_INLINE void x8_avx2_t(const int fmt, const int vnni, const int R, const int ahead, const uint8_t *G,
+                                  long ns, const acts *a, const long *mi, float *Y, long ldy) {
+    if (fmt == Q6_K_X8) dotk6_x8_avx2_t(vnni, R, ahead, G, ns, a, mi, Y, ldy);
+    else dotk_x8_avx2_t(fmt, vnni, R, ahead, G, ns, a, mi, Y, ldy);
 }
 #define X8_AVX2(NAME, F, V, T)                                                                                \
     AVX2 static void NAME(const uint8_t *W, long ldw, long n0, long n1, const acts *a, const long *mi, int R, \
                           float *Y, long ldy) {                                                               \
         const long ns = a->K / 256;                                                                           \
-        R &= ~FIRST_GROUP; /* these kernels ask for their rows ahead in every pass */                         \
+        const int ahead = R & FIRST_GROUP;                                                                    \
+        R &= ~FIRST_GROUP;                                                                                    \
         for (long n = n0; n < n1; n += X8)                                                                    \
             for (int r = 0; r < R; r += T) {                                                                  \
-                if (T == 2 && r + 1 < R) x8_avx2_t(F, V, T, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy); \
-                else x8_avx2_t(F, V, 1, W + n * ldw, ns, a, mi + r, Y + r * ldy + n, ldy);                   \
+                const uint8_t *G = W + n * ldw;                                                               \
+                if (T == 2 && r + 1 < R) x8_avx2_t(F, V, T, ahead && !r, G, ns, a, mi + r, Y + r * ldy + n, ldy); \
+                else x8_avx2_t(F, V, 1, ahead && !r, G, ns, a, mi + r, Y + r * ldy + n, ldy);                   \
             }                                                                                                 \
     }
 X8_AVX2(dotk_x8_avx2, Q4_K_X8, 0, 1)
