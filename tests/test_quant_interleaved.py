@@ -131,6 +131,29 @@ def test_products_on_interleaved_rows_keep_the_rows_bits(fmt, n, k):
                     assert torch.equal(got, want), (m, dtype, path, workers)
 
 
+@pytest.mark.parametrize("fmt", FAMILIES)
+def test_many_tokens_on_gguf_rows_are_regrouped_with_the_rows_bits(fmt):
+    """GGUF's rows met by 16 or more tokens at a time (blocks left in a file's map) are rearranged a
+    group at a time into the interleaved layout and read by its kernel (quant.c regrouped): every
+    token's result is the one the rows' own kernel gives it when its tokens come 5 at a time (too
+    few to regroup), on every path and thread count, with rows past the last whole group, for 16
+    tokens and for a chunk of 64 followed by one of 22."""
+    k = 512
+    rows = 3 * INTERLEAVED[fmt].rows + 5
+    plain = blocks(fmt, rows, k, rows)
+    ggml = FORMATS[fmt].ggml
+    for m in (16, 86):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        for path in PATHS:
+            for workers in (1, 2):
+                whole = kernels.linear(x, ggml, plain, k, path, workers)
+                apart = [
+                    kernels.linear(x[i : i + 5], ggml, plain, k, path, workers)
+                    for i in range(0, m, 5)
+                ]
+                assert torch.equal(whole, torch.cat(apart)), (m, path, workers)
+
+
 @pytest.mark.skipif(not kernels.available(), reason="needs the quant kernels (any x86-64 CPU)")
 @pytest.mark.parametrize("near,far", [(0, "_MM_HINT_T1"), (1, "_MM_HINT_T1"), (0, "_MM_HINT_NTA")])
 def test_one_token_products_read_the_same_bits_however_the_weights_are_asked_for(near, far):

@@ -1628,19 +1628,52 @@ struct product {
     long ldy;
     int grouped;    /* interleaved rows (rows in eights or sixteens): the path (isa) that reads them, else 0 */
     int fmt;        /* the weights' format */
+    int isa;        /* the path it runs on */
 };
 
 static void product_x8(const product *p, long n0, long n1);
+
+/* GGUF's rows of a format with an interleaved layout against REGROUP_TOKENS or more tokens at a time (blocks
+   left in the file's map, which the loader cannot rearrange): each group of 8 or 16 rows is rearranged into
+   `buf` as hm_interleave lays it out, for each chunk of tokens, and read by the layout's kernel, whose bits
+   are the rows' (the same integers, the same float operations). Rows [n0, n1) of one chunk; returns the
+   first row it left (past the last whole group). One thread, Zen 5, 2048 x 2048 from L2, 64 tokens: GGUF's
+   rows Q4_K 3.00 ms, Q6_K 2.84, Q8_0 6.25 against 1.01, 1.38, 0.96 in the layout, which its rearranging
+   (~7 GB/s) adds ~0.3-0.6 ms to (docs/notes/2026-12-08-rows-ahead-for-every-token-count.md). */
+#define REGROUP_TOKENS 16
+static long regrouped(const product *p, long n0, long n1, long m0, long m1, uint8_t *buf) {
+    const int x = layout_of(p->fmt);
+    const long g = group_rows(x), bb = block_bytes(p->fmt), nb = p->a->K / block_elems(p->fmt);
+    const dot_fn dot = grouped_dot(x, p->isa);
+    long n = n0;
+    for (; n + g <= n1; n += g) {
+        for (long s = 0; s < nb; s++) x8_move(x, buf + s * g * bb, p->W + n * p->ldw + s * bb, p->ldw);
+        for (long m = m0; m < m1; m += GROUP) {
+            long idx[GROUP];
+            int R = (int)min_l(m1 - m, GROUP);
+            for (int r = 0; r < R; r++) idx[r] = p->mi ? p->mi[m + r] : m + r;
+            dot(buf, 0, 0, g, p->a, idx, R, p->Y + m * p->ldy + n, p->ldy);
+        }
+    }
+    return n;
+}
 
 static void product_tiles(const product *p, long n0, long n1) {
     if (p->grouped) {
         product_x8(p, n0, n1);
         return;
     }
+    /* GGUF's rows that a layout's kernels can take, many tokens at a time: a buffer of one group (none: the
+       rows' own kernels) */
+    uint8_t *buf = NULL;
+    const long g = layout_of(p->fmt) ? group_rows(layout_of(p->fmt)) : 0;
+    if (g && p->isa && p->M >= REGROUP_TOKENS && n1 - n0 >= g)
+        buf = malloc((size_t)(g * (p->a->K / block_elems(p->fmt)) * block_bytes(p->fmt)));
     long tile = TILE_BYTES / p->ldw > 0 ? TILE_BYTES / p->ldw : 1;
     for (long m0 = 0; m0 < p->M; m0 += CHUNK_TOKENS) {
         long m1 = min_l(m0 + CHUNK_TOKENS, p->M);
-        for (long t = n0; t < n1; t += tile) {
+        const long r0 = buf && m1 - m0 >= REGROUP_TOKENS ? regrouped(p, n0, n1, m0, m1, buf) : n0;
+        for (long t = r0; t < n1; t += tile) {
             long t1 = min_l(t + tile, n1);
             for (long m = m0; m < m1; m += GROUP) {
                 long idx[GROUP];
@@ -1650,6 +1683,7 @@ static void product_tiles(const product *p, long n0, long n1) {
             }
         }
     }
+    free(buf);
 }
 
 /* Rows [n0, n1) (whole groups) of interleaved rows, read as they lie: on AVX-512 a group of rows against up
@@ -2113,7 +2147,7 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
     if (check_shape(fmt, ldw, K) || N % group_rows(fmt)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K, tiles_take(fmt, isa, M))) return -2;
-    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, grouped_path(fmt, isa), fmt}, N,
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, grouped_path(fmt, isa), fmt, isa}, N,
                      unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
     long units = (N + c.rows - 1) / c.rows;
@@ -2179,7 +2213,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
         pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
-                          grouped_path(fmt, isa), fmt};
+                          grouped_path(fmt, isa), fmt, isa};
         rows[i] = unit_rows(fmt, p[i].ldw, M);
         first[i + 1] = first[i] + (p[i].N + rows[i] - 1) / rows[i];
     }
@@ -2227,7 +2261,7 @@ static void gate_up_unit(experts_call *c, long i, long u) {
     product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]],
                  c->own[i] ? NULL : e->rows,
                  e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I,
-                 grouped_path((int)e->fmt_gu, c->isa), (int)e->fmt_gu};
+                 grouped_path((int)e->fmt_gu, c->isa), (int)e->fmt_gu, c->isa};
     product_tiles(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
@@ -2235,7 +2269,7 @@ static void down_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long n0 = u * c->rows3[i];
     product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H,
-                 grouped_path((int)e->fmt_d, c->isa), (int)e->fmt_d};
+                 grouped_path((int)e->fmt_d, c->isa), (int)e->fmt_d, c->isa};
     product_tiles(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
