@@ -3,6 +3,8 @@ assertions)."""
 
 import json
 
+import pytest
+
 from hybridmoe.cli import main
 
 
@@ -101,9 +103,11 @@ def test_bench_generate_rejects_a_zero_token_count(tmp_path, capsys):
     assert "--max-tokens 0" in capsys.readouterr().err
 
 
-def test_engine_worker_process_runs_our_engine_and_reports_its_memory(tmp_path):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_engine_worker_process_runs_our_engine_and_reports_its_memory(tmp_path, in_place):
     """--compare-llama-cpp's worker protocol on our engine alone (llama.cpp is a benchmark peer,
-    not a test dependency): the same greedy tokens as in this process, and its own RSS."""
+    not a test dependency): the same greedy tokens as in this process, and its own RSS; with
+    --in-place its blocks read where they lie in the file, the same tokens."""
     from hybridmoe.bench.compare_llama_cpp import Worker
     from hybridmoe.engine.generate import generate_ids
     from hybridmoe.engine.sampler import SamplingParams
@@ -113,7 +117,7 @@ def test_engine_worker_process_runs_our_engine_and_reports_its_memory(tmp_path):
     args = ["bench", "make-model", "--shape", "tiny", "--layers", "1", "--format", "gguf-q8_0"]
     assert main([*args, "--out", str(model)]) == 0
     prompt = [5, 9, 40, 7, 100, 3]
-    worker = Worker("hybridmoe", str(model), 1, "float32", 64)
+    worker = Worker("hybridmoe", str(model), 1, "float32", 64, in_place)
     try:
         prefill_s, decode_s, steps = worker(prompt, 6)
     finally:
@@ -122,6 +126,15 @@ def test_engine_worker_process_runs_our_engine_and_reports_its_memory(tmp_path):
     want = list(generate_ids(load_model(model, progress=False), prompt, params))
     assert worker.last["tokens"] == want and steps == 5 and prefill_s > 0 and decode_s > 0
     assert worker.last["peak_rss"] >= worker.last["rss"] > 50e6
+
+
+def test_in_place_wants_a_gguf_file(tmp_path, capsys):
+    model = tmp_path / "m"
+    main(["bench", "make-model", "--shape", "tiny", "--layers", "1", "--out", str(model)])
+    capsys.readouterr()
+    assert main(["bench", "generate", "--model", str(model), "--in-place"]) == 2
+    (line,) = [row for row in capsys.readouterr().err.splitlines() if "error" in row]
+    assert "--in-place" in line and ".gguf" in line
 
 
 def test_compare_llama_cpp_wants_a_gguf_file(tmp_path, capsys):

@@ -160,6 +160,23 @@ def test_a_file_too_large_for_free_memory_keeps_its_layout(mapped, tmp_path, mon
     assert sum(m["Anonymous"] for m in file_mappings(path)) == 0
 
 
+def test_a_model_asked_to_read_its_blocks_in_place_copies_none(mapped, tmp_path):
+    """load_model(copy_blocks=False) (bench generate --in-place: a machine short of memory, with
+    all the memory this one has free): every block a view of the file in its layout, the same
+    tokens as the copies."""
+    path = str(tmp_path / "in-place.gguf")
+    shutil.copyfile(mapped[0], path)
+    model = load_model(path, progress=False, copy_blocks=False)
+    weights = weights_of(model)
+    maps = file_mappings(path)
+    assert all(m.fmt != Q4_K_X8 and m.keep_layout for m in weights)
+    assert all(inside(p, maps) for m in weights for p in m.parts)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert list(generate_ids(model, PROMPT, greedy)) == list(
+        generate_ids(mapped[1], PROMPT, greedy)
+    )
+
+
 def test_blocks_are_copied_while_they_fit_and_the_rest_read_in_place(mapped, tmp_path, monkeypatch):
     """A budget for about half the experts' bytes: the first matrices in file order are copies,
     the later ones views of the map, and the model gives the same tokens."""

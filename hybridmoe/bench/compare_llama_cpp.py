@@ -22,11 +22,19 @@ ENGINES = ("hybridmoe", "llama.cpp")
 class Worker:
     """An engine_worker process: loaded once, then one timing request per call."""
 
-    def __init__(self, engine: str, model: str, threads: int, dtype: str, context: int):
+    def __init__(
+        self,
+        engine: str,
+        model: str,
+        threads: int,
+        dtype: str,
+        context: int,
+        in_place: bool = False,
+    ):
         self.engine, self.log = engine, tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "hybridmoe.bench.engine_worker", engine, model]
         self.proc = subprocess.Popen(
-            [*cmd, str(threads), dtype, str(context)],
+            [*cmd, str(threads), dtype, str(context), "in-place" if in_place else "copied"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -104,7 +112,7 @@ def compare(args, prompt: list[int]) -> dict:
     workers = {}
     try:
         for name in ENGINES:  # one at a time: two loads at once would share the cores
-            workers[name] = Worker(name, args.model, threads, args.dtype, context)
+            workers[name] = Worker(name, args.model, threads, args.dtype, context, args.in_place)
         result = measure(workers, prompt, args.max_tokens, args.repeats, args.warmup)
         for name, w in workers.items():
             result[name].update(

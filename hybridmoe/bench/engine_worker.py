@@ -3,7 +3,7 @@
 stdin with JSON lines on stdout, each with its own resident memory, so that neither engine's
 memory counts against the other's.
 
-    python -m hybridmoe.bench.engine_worker ENGINE MODEL THREADS DTYPE CONTEXT
+    python -m hybridmoe.bench.engine_worker ENGINE MODEL THREADS DTYPE CONTEXT copied|in-place
     stdin:  {"prompt": [ids], "max_tokens": N}
     stdout: {"prefill_s": s, "decode_s": s, "steps": n, "tokens": [ids], "rss": B, "peak_rss": B}
 """
@@ -33,7 +33,7 @@ def memory() -> dict:
     }
 
 
-def hybridmoe_runner(model_path: str, threads: int, dtype: str, context: int):
+def hybridmoe_runner(model_path: str, threads: int, dtype: str, context: int, in_place: bool):
     import torch
 
     from hybridmoe.cli.options import compute_dtype
@@ -42,7 +42,9 @@ def hybridmoe_runner(model_path: str, threads: int, dtype: str, context: int):
     from hybridmoe.loader import load_model
 
     torch.set_num_threads(threads)
-    model = load_model(model_path, dtype=compute_dtype(dtype), progress=False)
+    model = load_model(
+        model_path, dtype=compute_dtype(dtype), progress=False, copy_blocks=not in_place
+    )
 
     def run(prompt, max_tokens):  # bench generate's loop (hybridmoe_engine), keeping the tokens
         stats = GenerationStats()
@@ -53,9 +55,10 @@ def hybridmoe_runner(model_path: str, threads: int, dtype: str, context: int):
     return run
 
 
-def llama_cpp_runner(model_path: str, threads: int, dtype: str, context: int):
+def llama_cpp_runner(model_path: str, threads: int, dtype: str, context: int, in_place: bool):
     """llama.cpp through llama-cpp-python: the prompt in batches of 512 (its default), then one
-    token per call, greedy from the last logits (no sampler chain, as ours)."""
+    token per call, greedy from the last logits (no sampler chain, as ours). It reads its file in
+    place whatever `in_place` says (its mmap)."""
     import numpy as np
 
     from hybridmoe import env
@@ -95,9 +98,9 @@ RUNNERS = {"hybridmoe": hybridmoe_runner, "llama.cpp": llama_cpp_runner}
 
 
 def main(argv: list[str]) -> int:
-    engine, model_path, threads, dtype, context = argv
+    engine, model_path, threads, dtype, context, blocks = argv
     t0 = time.perf_counter()
-    run = RUNNERS[engine](model_path, int(threads), dtype, int(context))
+    run = RUNNERS[engine](model_path, int(threads), dtype, int(context), blocks == "in-place")
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, **memory()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

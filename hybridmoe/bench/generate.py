@@ -60,6 +60,12 @@ def add_parser(sub) -> None:
         help="also run llama.cpp (llama-cpp-python, the peers extra) on the same GGUF file, each "
         "engine in its own process, and report both against this machine's decode roofline",
     )
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="read every block of the GGUF file where it lies in the file's map, as on a machine "
+        "whose free memory is too short to copy them (default: copied while they fit)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -74,6 +80,11 @@ def _check(args) -> None:
         raise UserError(f"--warmup {args.warmup}: give 0 or more")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads {args.threads}: give a positive number of threads")
+    if args.in_place and not str(args.model).endswith(".gguf"):
+        raise UserError(
+            f"--in-place: {args.model} is not a .gguf file (only a GGUF file's blocks are read "
+            "in place); drop --in-place or give a .gguf file"
+        )
 
 
 def measure(engines: dict, prompt: list[int], max_tokens: int, repeats: int, warmup: int) -> dict:
@@ -166,6 +177,7 @@ def run_benchmark(args) -> dict:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "threads": torch.get_num_threads(),
+        "in_place": args.in_place,
         "date": date.today().isoformat(),
         "machine": machine(),
     }
@@ -175,7 +187,9 @@ def run_benchmark(args) -> dict:
         result.update(compare(args, prompt), load_avg_1min_after=round(os.getloadavg()[0], 2))
         return result
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=dtype, progress=not args.json)
+    model = load_model(
+        args.model, dtype=dtype, progress=not args.json, copy_blocks=not args.in_place
+    )
     result["load_s"] = time.perf_counter() - t0
     engines = {"hybridmoe": hybridmoe_engine(model)}
     if args.compare_transformers:

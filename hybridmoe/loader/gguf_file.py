@@ -75,8 +75,11 @@ def expert_types(path: str | Path) -> dict[str, int]:
     return held
 
 
-def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, tensor) one at a time, experts split out of their stacks."""
+def iter_tensors(
+    path: str | Path, cfg: HFConfig, copy_blocks: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor) one at a time, experts split out of their stacks; blocks
+    copied while they fit in a share of free memory, or (copy_blocks False) none."""
     reader, where = _reader(path), str(path)
     naming = names.NAMING.get(cfg.model_type, names.Naming())
     # llama.cpp's llama converter interleaves q/k rows per head (GPT-J rope);
@@ -85,7 +88,7 @@ def iter_tensors(path: str | Path, cfg: HFConfig) -> Iterator[tuple[str, torch.T
     if _metadata(reader).get("general.architecture") != "llama":
         heads = {}
     mla: dict[tuple[int, str], torch.Tensor] = {}
-    budget = CopyBudget(available_bytes())
+    budget = CopyBudget(available_bytes() if copy_blocks else 0)
     # values that are copied into the model (floats, dequantised blocks) are read plainly: pages
     # of the memory map would stay in our RSS after their use; blocks are copied (_blocks)
     f = open(where, "rb")

@@ -82,11 +82,14 @@ def load_model(
     runtime_factory: RuntimeFactory | None = None,
     progress: bool = True,
     quant: str | None = None,
+    copy_blocks: bool = True,
 ):
     """Build the model for `path` and stream its weights in. Routed experts go to the runtime.
 
     Weights a GGUF file stores in blocks stay in them; `quant` (a format of hybridmoe.quant.formats)
-    quantises dense weights to blocks as they stream in: the linears and the routed experts."""
+    quantises dense weights to blocks as they stream in: the linears and the routed experts.
+    `copy_blocks=False` reads every block of a GGUF file where it lies in the file's map, as the
+    loader does with the blocks beyond its share of free memory (gguf_file.py)."""
     p, kind = _resolve(path)
     cfg = model_config(p)
     cls = model_class(cfg, where=str(p))
@@ -109,7 +112,7 @@ def load_model(
     else:
         from hybridmoe.loader import gguf_file
 
-        total, tensors = gguf_file.count_tensors(p), gguf_file.iter_tensors(p, cfg)
+        total, tensors = gguf_file.count_tensors(p), gguf_file.iter_tensors(p, cfg, copy_blocks)
     bar = tqdm(
         tensors,
         total=total,
