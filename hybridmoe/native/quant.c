@@ -1634,8 +1634,7 @@ struct product {
     long M;
     float *Y;
     long ldy;
-    int grouped;    /* interleaved rows (rows in eights or sixteens): the path (isa) that reads them, else 0 */
-    int fmt;        /* the weights' format */
+    int fmt;        /* the weights' format: interleaved rows (in eights or sixteens) go to product_x8 */
     int isa;        /* the path it runs on */
 };
 
@@ -1667,7 +1666,7 @@ static long regrouped(const product *p, long n0, long n1, long m0, long m1, uint
 }
 
 static void product_tiles(const product *p, long n0, long n1) {
-    if (p->grouped) {
+    if (group_rows(p->fmt) > 1) {
         product_x8(p, n0, n1);
         return;
     }
@@ -1703,7 +1702,7 @@ static void product_tiles(const product *p, long n0, long n1) {
 /* Rows [n0, n1) (whole groups) and tokens [t0, t1) of a product of interleaved rows on the kernels that
    read them as they lie (grouped_dot). */
 static void x8_vnni(const product *p, long n0, long n1, long t0, long t1) {
-    const dot_fn dot = grouped_dot(p->fmt, p->grouped);
+    const dot_fn dot = grouped_dot(p->fmt, p->isa);
     const long g = group_rows(p->fmt);
     for (long m0 = t0; m0 < t1; m0 += CHUNK_TOKENS) {
         long m1 = min_l(m0 + CHUNK_TOKENS, t1);
@@ -1721,7 +1720,7 @@ static int amx_x8(const product *p, long n0, long n1);
 static int amx_x16(const product *p, long n0, long n1);
 
 static void product_x8(const product *p, long n0, long n1) {
-    if (p->grouped == PATH_AVX512) {
+    if (p->isa == PATH_AVX512) {
         if (!(is_x16(p->fmt) ? amx_x16(p, n0, n1) : amx_x8(p, n0, n1))) x8_vnni(p, n0, n1, 0, p->M);
         return;
     }
@@ -1953,7 +1952,7 @@ AMX8 static int amx_x8(const product *p, long n0, long n1) {
     const long rows = (n1 - n0) / AMX_ROWS * AMX_ROWS, tokens = p->M / AMX_TOKENS * AMX_TOKENS;
     const long ns = p->a->K / 256;
     const int six = p->fmt == Q6_K_X8;
-    if (!tiles_take(p->fmt, p->grouped, p->M) || p->mi || !rows) return 0;
+    if (!tiles_take(p->fmt, p->isa, p->M) || p->mi || !rows) return 0;
     uint8_t *panel = aligned_alloc(64, (size_t)(ns * AMX_SB(p->fmt)));
     if (!panel) return 0;
     tile_cfg cfg;
@@ -2080,7 +2079,7 @@ AMX8 ALWAYS_INLINE void amx16_tokens(const int fmt, const uint8_t *G, const uint
    on the VNNI path; 0 where the tiles do not apply at all. */
 AMX8 static int amx_x16(const product *p, long n0, long n1) {
     const long tokens = p->M / AMX_TOKENS * AMX_TOKENS, K = p->a->K, nb = K / 32;
-    if (!tiles_take(p->fmt, p->grouped, p->M) || p->mi || K % 64 || !p->a->dbt) return 0;
+    if (!tiles_take(p->fmt, p->isa, p->M) || p->mi || K % 64 || !p->a->dbt) return 0;
     uint8_t *panel = aligned_alloc(64, (size_t)(nb * 512));
     if (!panel) return 0;
     tile_cfg cfg;
@@ -2118,8 +2117,6 @@ static long unit_rows(int fmt, long ldw, long M) {
     return (rows + g - 1) / g * g; /* whole groups of interleaved rows */
 }
 
-/* Which path reads interleaved rows in a product (product_x8), 0 for other formats. */
-static int grouped_path(int fmt, int isa) { return group_rows(fmt) > 1 ? isa : 0; }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
 
@@ -2155,7 +2152,7 @@ int hm_qlinear(int fmt, const uint8_t *W, long ldw, long N, long K, const void *
     if (check_shape(fmt, ldw, K) || N % group_rows(fmt)) return -1;
     acts a;
     if (acts_of(&a, fmt, x, ldx, x_bf16, NULL, M, K, tiles_take(fmt, isa, M))) return -2;
-    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, grouped_path(fmt, isa), fmt, isa}, N,
+    linear_call c = {{dot_for(fmt, isa), W, ldw, &a, NULL, M, Y, ldy, fmt, isa}, N,
                      unit_rows(fmt, ldw, M)};
     atomic_init(&c.next, 0);
     long units = (N + c.rows - 1) / c.rows;
@@ -2220,8 +2217,7 @@ int hm_qlinear_many(const qproduct *p, long n, long K, const void *x, long ldx, 
             status = acts_of(&a[i], (int)p[i].fmt, x, ldx, x_bf16, NULL, M, K, tiles_take((int)p[i].fmt, isa, M));
         if (owner[i] == i && status) a[i].mem = NULL;
         int fmt = (int)p[i].fmt;
-        pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy,
-                          grouped_path(fmt, isa), fmt, isa};
+        pr[i] = (product){dot_for(fmt, isa), p[i].W, p[i].ldw, &a[owner[i]], NULL, M, p[i].Y, p[i].ldy, fmt, isa};
         rows[i] = unit_rows(fmt, p[i].ldw, M);
         first[i + 1] = first[i] + (p[i].N + rows[i] - 1) / rows[i];
     }
@@ -2269,7 +2265,7 @@ static void gate_up_unit(experts_call *c, long i, long u) {
     product p = {dot_for((int)e->fmt_gu, c->isa), up ? e->up : e->gate, e->ld_gu, &c->ax[c->owner[i]],
                  c->own[i] ? NULL : e->rows,
                  e->M, c->gu[i] + (up ? c->I : 0), 2 * c->I,
-                 grouped_path((int)e->fmt_gu, c->isa), (int)e->fmt_gu, c->isa};
+                 (int)e->fmt_gu, c->isa};
     product_tiles(&p, n0, min_l(n0 + c->rows1[i], c->I));
 }
 
@@ -2277,7 +2273,7 @@ static void down_unit(experts_call *c, long i, long u) {
     const expert_job *e = &c->e[i];
     long n0 = u * c->rows3[i];
     product p = {dot_for((int)e->fmt_d, c->isa), e->down, e->ld_d, &c->ah[i], NULL, e->M, e->y, c->H,
-                 grouped_path((int)e->fmt_d, c->isa), (int)e->fmt_d, c->isa};
+                 (int)e->fmt_d, c->isa};
     product_tiles(&p, n0, min_l(n0 + c->rows3[i], c->H));
 }
 
